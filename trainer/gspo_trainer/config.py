@@ -1,0 +1,315 @@
+"""The GSPOJob spec: one set of pydantic models read by the operator, the CRD and the learner.
+
+Nothing here imports torch, so the operator validates a manifest with exactly the models the
+learner later reads back from its ConfigMap. Field names are snake_case in Python and
+camelCase in manifests (the Kubernetes convention). Defaults are what a user training
+Qwen3-30B-A3B on a cluster would start from; `gspo train` overrides them for a laptop.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+API_GROUP = "gspo.dev"
+API_VERSION = "v1alpha1"
+KIND = "GSPOJob"
+
+LossLevel = Literal["gspo", "gspo-token", "grpo"]
+OldLogprobSource = Literal["learner", "engine"]
+Dtype = Literal["bfloat16", "float16", "float32"]
+Quantity = Annotated[str | int, Field(json_schema_extra={"x-kubernetes-int-or-string": True})]
+
+# The paper's clip ranges: GSPO's are tiny because the ratio is a per-token geometric mean.
+DEFAULT_CLIP = {
+    "gspo": (3e-4, 4e-4),
+    "gspo-token": (3e-4, 4e-4),
+    "grpo": (0.2, 0.27),
+}
+BUILTIN_MODELS = ("builtin:tiny-qwen3-moe", "builtin:tiny-qwen3")
+
+
+class Section(BaseModel):
+    """Base for every spec section: camelCase keys, unknown keys are errors."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        validate_assignment=False,
+    )
+
+
+class MoEConfig(Section):
+    router_aux_loss_coef: float = Field(
+        0.001, ge=0, description="Weight of the router load-balancing loss added to the policy loss."
+    )
+    expert_parallel_size: int = Field(
+        1, ge=1, description="Data-parallel ranks that share one copy of each expert (DeepSpeed EP)."
+    )
+    report_expert_load: bool = Field(True, description="Export per-expert token load metrics.")
+
+
+class ModelConfig(Section):
+    name: str = Field(
+        ...,
+        min_length=1,
+        description="HF model name, local path, or builtin:tiny-qwen3-moe / builtin:tiny-qwen3.",
+    )
+    revision: str | None = Field(None, description="HF revision (branch, tag or commit).")
+    tokenizer: str | None = Field(None, description="Tokenizer name or path; defaults to name.")
+    dtype: Dtype = Field("bfloat16", description="Parameter dtype for training and serving.")
+    trust_remote_code: bool = Field(False, description="Allow model code from the model repo.")
+    max_model_len: int = Field(
+        10240, ge=16, description="Longest prompt plus response, in tokens, served and trained."
+    )
+    gradient_checkpointing: bool = Field(True, description="Recompute activations in backward.")
+    moe: MoEConfig | None = Field(
+        default_factory=MoEConfig,
+        description="Mixture-of-experts settings; ignored for dense models.",
+    )
+
+
+class DataConfig(Section):
+    source: str = Field(
+        ...,
+        min_length=1,
+        description="jsonl or parquet file, a local HF dataset directory, or builtin:addition.",
+    )
+    format: Literal["auto", "jsonl", "parquet", "hf-dataset", "builtin"] = Field(
+        "auto", description="Format of source; auto guesses from the path."
+    )
+    prompt_field: str = Field("prompt", description="Row field holding the prompt.")
+    answer_field: str = Field("answer", description="Row field holding the reference answer.")
+    chat_template: bool = Field(True, description="Wrap prompts in the tokenizer's chat template.")
+    system_prompt: str | None = Field(None, description="System message for chat templates.")
+    prompt_template: str | None = Field(
+        None, description="Python format string applied to the prompt, e.g. '{prompt}\\nAnswer:'."
+    )
+    shuffle_seed: int = Field(0, description="Seed of the per-epoch shuffle.")
+    max_prompt_tokens: int = Field(2048, ge=1, description="Longer prompts are dropped.")
+
+
+class RewardConfig(Section):
+    kind: Literal["arithmetic", "math", "python"] = Field(
+        "math",
+        description=(
+            "arithmetic: the built-in toy task; math: boxed/final answers checked with "
+            "math-verify; python: the function named in `function`."
+        ),
+    )
+    function: str | None = Field(
+        None, description="module:function returning a float, for kind python."
+    )
+    timeout_seconds: float = Field(
+        10.0, gt=0, description="A reward call that takes longer scores 0 and is counted."
+    )
+
+
+class AlgorithmConfig(Section):
+    loss_level: LossLevel = Field(
+        "gspo",
+        description="gspo (sequence ratio), gspo-token (sequence value, token gradient), grpo.",
+    )
+    group_size: int = Field(16, description="Responses sampled per prompt (G).")
+    clip_low: float | None = Field(
+        None, description="Lower clip epsilon; default 3e-4 for gspo levels, 0.2 for grpo."
+    )
+    clip_high: float | None = Field(
+        None, description="Upper clip epsilon; default 4e-4 for gspo levels, 0.27 for grpo."
+    )
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the reference policy (beta).")
+    learning_rate: float = Field(1e-6, gt=0, description="Peak learning rate.")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up, in steps.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    prompts_per_step: int = Field(64, ge=1, description="Prompts in one rollout batch.")
+    mini_batches: int = Field(
+        4, ge=1, description="Optimizer updates per rollout batch (the paper uses 4)."
+    )
+    max_response_tokens: int = Field(8192, ge=1, description="Longest sampled response.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    old_logprob_source: OldLogprobSource = Field(
+        "learner",
+        description="learner: recompute pi_old before the first update; engine: use rollout logprobs.",
+    )
+    max_steps: int = Field(1000, ge=1, description="Training steps (rollout batches).")
+    seed: int = Field(0, description="Seed for sampling, shuffling and initialisation.")
+
+    @model_validator(mode="after")
+    def _fill_clip_defaults(self) -> AlgorithmConfig:
+        low, high = DEFAULT_CLIP[self.loss_level]
+        if self.clip_low is None:
+            self.clip_low = low
+        if self.clip_high is None:
+            self.clip_high = high
+        return self
+
+
+class ResourceRequirements(Section):
+    requests: dict[str, Quantity] = Field(default_factory=dict)
+    limits: dict[str, Quantity] = Field(default_factory=dict)
+
+
+class EnvVar(Section):
+    name: str = Field(..., min_length=1)
+    value: str = ""
+
+
+class LearnerConfig(Section):
+    replicas: int = Field(2, ge=1, description="Learner pods (nodes); one process per GPU each.")
+    gpus_per_replica: int = Field(8, ge=0, description="GPUs per learner pod; 0 runs on CPU.")
+    zero_stage: Literal[0, 1, 2, 3] = Field(3, description="DeepSpeed ZeRO stage.")
+    offload_optimizer: bool = Field(False, description="ZeRO optimizer state offload to CPU.")
+    micro_batch_tokens: int = Field(
+        16384, ge=1, description="Token budget of one forward/backward micro-batch per GPU."
+    )
+    image: str = Field("ghcr.io/gspo-dev/gspo-learner:0.1.0", description="Learner image.")
+    resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
+    env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables.")
+    shm_size: Quantity = Field("64Gi", description="Size of the memory-backed /dev/shm.")
+
+
+class RolloutConfig(Section):
+    replicas: int = Field(4, ge=0, description="vLLM rollout servers.")
+    gpus_per_replica: int = Field(2, ge=0, description="GPUs per server; 0 runs on CPU.")
+    tensor_parallel_size: int = Field(2, ge=1, description="vLLM tensor parallel size.")
+    image: str = Field("ghcr.io/gspo-dev/gspo-rollout:0.1.0", description="Rollout image.")
+    resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
+    env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables.")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM memory share.")
+    max_num_seqs: int = Field(256, ge=1, description="vLLM concurrent sequences per server.")
+    request_timeout_seconds: float = Field(
+        900.0, gt=0, description="A generation request slower than this is retried elsewhere."
+    )
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra vLLM engine arguments, passed through unchanged.",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+
+
+class WeightSyncConfig(Section):
+    method: Literal["broadcast", "filesystem"] = Field(
+        "broadcast",
+        description=(
+            "broadcast: torch.distributed (NCCL on GPUs, gloo on CPU) from learner rank 0; "
+            "filesystem: safetensors on the shared volume, then a reload."
+        ),
+    )
+    bucket_size_mb: int = Field(512, ge=1, description="Flattened bucket size for broadcast.")
+    every_steps: int = Field(1, ge=1, description="Sync after every N optimizer steps.")
+    timeout_seconds: float = Field(600.0, gt=0, description="A sync slower than this fails.")
+
+
+class CheckpointConfig(Section):
+    claim_name: str | None = Field(
+        None, description="Existing PersistentVolumeClaim; otherwise the operator creates one."
+    )
+    size: Quantity = Field("1Ti", description="Size of the created claim.")
+    storage_class_name: str | None = Field(None, description="Storage class of the created claim.")
+    every_steps: int = Field(50, ge=1, description="Checkpoint every N steps.")
+    keep: int = Field(3, ge=1, description="Complete checkpoints kept; older ones are deleted.")
+    export_hf: bool = Field(True, description="Export the final policy as HF safetensors.")
+
+
+class Toleration(Section):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class SchedulingConfig(Section):
+    queue: str | None = Field(None, description="Kueue LocalQueue (kueue.x-k8s.io/queue-name).")
+    priority_class_name: str | None = Field(None, description="PriorityClass of every pod.")
+    scheduler_name: str | None = Field(None, description="Scheduler of every pod.")
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    affinity: dict[str, Any] | None = Field(
+        None,
+        description="Pod affinity, as in a PodSpec.",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+
+
+class RunPolicy(Section):
+    backoff_limit: int = Field(3, ge=0, description="Learner restarts before the job fails.")
+    active_deadline_seconds: int | None = Field(
+        None, ge=1, description="Fail the job after this long running."
+    )
+    ttl_seconds_after_finished: int | None = Field(
+        None, ge=0, description="Delete the job this long after it finished."
+    )
+    suspend: bool = Field(False, description="Stop pods after a final checkpoint; resume later.")
+    scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
+
+
+class MetricsConfig(Section):
+    enabled: bool = Field(True, description="Serve Prometheus metrics from every pod.")
+    port: int = Field(9090, ge=1, le=65535, description="Metrics port.")
+    pod_monitor: bool = Field(True, description="Create a PodMonitor for the Prometheus Operator.")
+    interval: str = Field("30s", pattern=r"^[0-9]+(ms|s|m|h)$", description="Scrape interval.")
+
+
+class GSPOJobSpec(Section):
+    model: ModelConfig
+    data: DataConfig
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    run_policy: RunPolicy = Field(default_factory=RunPolicy)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+    def to_manifest_dict(self) -> dict[str, Any]:
+        """The spec as it appears in a manifest: camelCase keys, defaults filled in."""
+        return self.model_dump(mode="json", by_alias=True)
+
+
+Phase = Literal["Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
+ConditionType = Literal[
+    "Created",
+    "LearnerReady",
+    "RolloutReady",
+    "WeightsSynced",
+    "Running",
+    "Succeeded",
+    "Failed",
+    "Suspended",
+    "Restarting",
+    "InvalidSpec",
+]
+
+
+class Condition(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True)
+
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str = ""
+    message: str = ""
+    last_transition_time: str | None = None
+    observed_generation: int | None = None
+
+
+class GSPOJobStatus(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="allow")
+
+    phase: Phase | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+    step: int | None = None
+    reward: float | None = None
+    last_checkpoint: str | None = None
+    restarts: int = 0
+    rollout_ready: str | None = Field(None, description="Ready rollout servers, e.g. 3/4.")
+    policy_version: int | None = None
+    start_time: str | None = None
+    completion_time: str | None = None
+    observed_generation: int | None = None

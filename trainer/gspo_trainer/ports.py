@@ -1,0 +1,28 @@
+"""Ports and entrypoint names shared by the pods, the operator that renders them and the chart.
+
+One place, so the operator never guesses what the learner or the rollout server listens on.
+"""
+
+ROLLOUT_HTTP_PORT = 8000  # rollout server: generation, health, control, /metrics
+RENDEZVOUS_PORT = 29500  # torch.distributed rendezvous of the learner group (MASTER_PORT)
+WEIGHT_SYNC_PORT = 29600  # torch.distributed group of learner rank 0 and the rollout workers
+LEARNER_METRICS_PORT = 9090  # learner /metrics and /progress (spec.metrics.port overrides)
+OPERATOR_METRICS_PORT = 8080  # operator /metrics
+OPERATOR_HEALTH_PORT = 8081  # operator liveness (/healthz)
+
+RESERVED_PORTS = {
+    ROLLOUT_HTTP_PORT: "the rollout server's HTTP API",
+    RENDEZVOUS_PORT: "the learner rendezvous",
+    WEIGHT_SYNC_PORT: "weight sync",
+}
+
+# `gspo` subcommands the pods run; the operator and the images start exactly these.
+LEARNER_COMMAND = ("gspo", "learner")
+ROLLOUT_COMMAND = ("gspo", "rollout-server")
+OPERATOR_COMMAND = ("gspo", "operator")
+
+# Environment variables the pods read.
+ENV_CONFIG_PATH = "GSPO_CONFIG"  # path of the run config (ConfigMap mount)
+ENV_SYNC_TOKEN = "GSPO_SYNC_TOKEN"  # bearer token for control endpoints (from a Secret)
+ENV_ROLLOUT_URLS = "GSPO_ROLLOUT_URLS"  # comma-separated rollout base URLs
+ENV_CHECKPOINT_DIR = "GSPO_CHECKPOINT_DIR"

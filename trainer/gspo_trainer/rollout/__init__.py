@@ -1,0 +1,1 @@
+"""Rollout fleet: vLLM servers, the client the learner uses, and weight sync."""

@@ -1,0 +1,181 @@
+"""Turn a raw spec into a GSPOJobSpec or a list of problems that each name a field and a fix.
+
+Used by `gspo validate`, the operator (before any child object exists) and the learner at
+start-up, so every entry point refuses the same specs with the same words.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from gspo_trainer.config import BUILTIN_MODELS, GSPOJobSpec
+from gspo_trainer.ports import RESERVED_PORTS
+
+
+@dataclass(frozen=True)
+class Problem:
+    path: str  # e.g. "spec.algorithm.groupSize"
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+class SpecError(ValueError):
+    """A spec that failed validation; carries every problem, not just the first."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        super().__init__("; ".join(str(p) for p in problems))
+
+
+def parse_spec(raw: Any, *, prefix: str = "spec") -> GSPOJobSpec:
+    """Validate `raw` (a manifest's spec mapping); raise SpecError naming every bad field."""
+    if not isinstance(raw, dict):
+        raise SpecError([Problem(prefix, f"must be a mapping, got {type(raw).__name__}")])
+    try:
+        spec = GSPOJobSpec.model_validate(raw)
+    except ValidationError as exc:
+        raise SpecError(_pydantic_problems(exc, prefix)) from exc
+    problems = check_spec(spec, prefix=prefix)
+    if problems:
+        raise SpecError(problems)
+    return spec
+
+
+def _join(prefix: str, loc: tuple[Any, ...]) -> str:
+    path = prefix
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return path
+
+
+def _fields_at(loc: tuple[Any, ...]) -> list[str] | None:
+    """camelCase field names of the model found by walking `loc` down from GSPOJobSpec."""
+    model: type[BaseModel] = GSPOJobSpec
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        by_alias = {f.alias or n: f for n, f in model.model_fields.items()}
+        field = by_alias.get(str(part))
+        if field is None:
+            return None
+        inner = _model_of(field.annotation)
+        if inner is None:
+            return None
+        model = inner
+    return sorted(f.alias or n for n, f in model.model_fields.items())
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _pydantic_problems(exc: ValidationError, prefix: str) -> list[Problem]:
+    problems = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        if err["type"] == "extra_forbidden":
+            allowed = _fields_at(loc[:-1])
+            hint = f"; allowed here: {', '.join(allowed)}" if allowed else ""
+            message = f"unknown field; remove it or fix its spelling{hint}"
+        elif err["type"] == "missing":
+            message = "required field is missing; add it"
+        else:
+            message = f"{err['msg']} (got {err.get('input')!r})"
+        problems.append(Problem(_join(prefix, loc), message))
+    return problems
+
+
+def check_spec(spec: GSPOJobSpec, *, prefix: str = "spec") -> list[Problem]:
+    """Cross-field rules that no single field can express. Pure; returns every problem."""
+    out: list[Problem] = []
+
+    def bad(path: str, message: str) -> None:
+        out.append(Problem(f"{prefix}.{path}", message))
+
+    alg, learner, rollout = spec.algorithm, spec.learner, spec.rollout
+    if alg.group_size < 2:
+        bad(
+            "algorithm.groupSize",
+            f"{alg.group_size} leaves every response with zero advantage "
+            "(advantages compare responses to the same prompt); set it to 2 or more",
+        )
+    assert alg.clip_low is not None and alg.clip_high is not None  # filled by the model
+    if not 0 < alg.clip_low < 1:
+        bad("algorithm.clipLow", f"{alg.clip_low} must be in (0, 1); the paper uses 3e-4 for GSPO")
+    if alg.clip_high <= 0:
+        bad("algorithm.clipHigh", f"{alg.clip_high} must be > 0; the paper uses 4e-4 for GSPO")
+
+    responses = alg.prompts_per_step * alg.group_size
+    if responses % alg.mini_batches:
+        bad(
+            "algorithm.miniBatches",
+            f"promptsPerStep x groupSize = {responses} responses do not split into "
+            f"{alg.mini_batches} equal mini-batches; choose a divisor of {responses}",
+        )
+    world = learner.replicas * max(learner.gpus_per_replica, 1)
+    per_update = responses // alg.mini_batches
+    if per_update and per_update % world:
+        bad(
+            "algorithm.promptsPerStep",
+            f"each mini-batch holds {per_update} responses, which do not split evenly over "
+            f"{world} learner processes (replicas x gpusPerReplica); make "
+            "promptsPerStep x groupSize / miniBatches a multiple of it",
+        )
+
+    if spec.model.moe is not None and world % spec.model.moe.expert_parallel_size:
+        bad(
+            "model.moe.expertParallelSize",
+            f"{spec.model.moe.expert_parallel_size} must divide the {world} learner processes",
+        )
+    name = spec.model.name
+    if name.startswith("builtin:") and name not in BUILTIN_MODELS:
+        bad("model.name", f"unknown built-in model {name!r}; use one of {', '.join(BUILTIN_MODELS)}")
+    longest = spec.data.max_prompt_tokens + alg.max_response_tokens
+    if longest > spec.model.max_model_len:
+        bad(
+            "model.maxModelLen",
+            f"{spec.model.max_model_len} is shorter than data.maxPromptTokens + "
+            f"algorithm.maxResponseTokens = {longest}; raise it or shorten those",
+        )
+
+    if rollout.gpus_per_replica == 0 and rollout.tensor_parallel_size != 1:
+        bad("rollout.tensorParallelSize", "must be 1 when rollout.gpusPerReplica is 0 (CPU)")
+    elif rollout.gpus_per_replica and rollout.gpus_per_replica % rollout.tensor_parallel_size:
+        bad(
+            "rollout.tensorParallelSize",
+            f"{rollout.tensor_parallel_size} must divide rollout.gpusPerReplica "
+            f"({rollout.gpus_per_replica}); each server's GPUs form whole tensor-parallel groups",
+        )
+
+    reward = spec.reward
+    if reward.kind == "python":
+        fn = reward.function or ""
+        module, _, attr = fn.partition(":")
+        if not module or not attr:
+            bad("reward.function", f"{fn!r} must be 'module:function' when reward.kind is python")
+    elif reward.function is not None:
+        bad("reward.function", f"is only read when reward.kind is python (it is {reward.kind})")
+
+    ckpt = spec.checkpoint
+    if ckpt.claim_name and ckpt.storage_class_name:
+        bad(
+            "checkpoint.storageClassName",
+            "is ignored when checkpoint.claimName names an existing claim; remove one of them",
+        )
+    if spec.metrics.port in RESERVED_PORTS:
+        bad(
+            "metrics.port",
+            f"{spec.metrics.port} is used by {RESERVED_PORTS[spec.metrics.port]}; pick another",
+        )
+    return out
