@@ -44,10 +44,14 @@ class Section(BaseModel):
 
 class MoEConfig(Section):
     router_aux_loss_coef: float = Field(
-        0.001, ge=0, description="Weight of the router load-balancing loss added to the policy loss."
+        0.001,
+        ge=0,
+        description="Weight of the router load-balancing loss added to the policy loss.",
     )
     expert_parallel_size: int = Field(
-        1, ge=1, description="Data-parallel ranks that share one copy of each expert (DeepSpeed EP)."
+        1,
+        ge=1,
+        description="Data-parallel ranks that share one copy of each expert (DeepSpeed EP).",
     )
     report_expert_load: bool = Field(True, description="Export per-expert token load metrics.")
 

@@ -140,7 +140,9 @@ def check_spec(spec: GSPOJobSpec, *, prefix: str = "spec") -> list[Problem]:
         )
     name = spec.model.name
     if name.startswith("builtin:") and name not in BUILTIN_MODELS:
-        bad("model.name", f"unknown built-in model {name!r}; use one of {', '.join(BUILTIN_MODELS)}")
+        bad(
+            "model.name", f"unknown built-in model {name!r}; use one of {', '.join(BUILTIN_MODELS)}"
+        )
     longest = spec.data.max_prompt_tokens + alg.max_response_tokens
     if longest > spec.model.max_model_len:
         bad(

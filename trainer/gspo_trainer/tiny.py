@@ -1,0 +1,121 @@
+"""Tiny random models and a tokenizer the project builds itself, for tests and `gspo train`.
+
+Nothing is downloaded: the tokenizer is a character-level WordLevel vocabulary made with the
+`tokenizers` library, the models come from transformers configs with random weights. Both
+are saved as an ordinary HF directory, so the learner and vLLM load them with the same code
+that loads a real model from a path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+# The built-in arithmetic task needs only these characters; a small vocabulary keeps the
+# random policy's chance of a well-formed answer high enough for the reward to move.
+ARITHMETIC_ALPHABET = "0123456789+="
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+SPECIAL_TOKENS = (PAD, EOS, UNK)
+TINY_KINDS = {"builtin:tiny-qwen3-moe": "qwen3_moe", "builtin:tiny-qwen3": "qwen3"}
+
+
+def build_tokenizer(alphabet: str = ARITHMETIC_ALPHABET) -> Any:
+    """A character-level fast tokenizer: one token per character, plus pad/eos/unk."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list(dict.fromkeys(alphabet))
+    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *chars])}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token=PAD, eos_token=EOS, unk_token=UNK, bos_token=None
+    )
+
+
+def tiny_config(kind: str, vocab_size: int, *, pad_id: int, eos_id: int) -> Any:
+    """A transformers config for a ~0.1M-parameter Qwen3 (dense) or Qwen3-MoE model."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        pad_token_id=pad_id,
+        eos_token_id=eos_id,
+        bos_token_id=eos_id,
+        torch_dtype="float32",
+    )
+    if kind == "qwen3":
+        return Qwen3Config(intermediate_size=128, **common)
+    if kind == "qwen3_moe":
+        return Qwen3MoeConfig(
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            num_experts=4,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
+            router_aux_loss_coef=0.001,
+            **common,
+        )
+    raise ValueError(f"unknown tiny model kind {kind!r}; use one of {sorted(TINY_KINDS.values())}")
+
+
+def build_tiny_model(name: str, *, seed: int = 0, alphabet: str = ARITHMETIC_ALPHABET) -> Any:
+    """(model, tokenizer) with random weights, deterministic for a given seed."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if name not in TINY_KINDS:
+        raise ValueError(f"unknown built-in model {name!r}; use one of {sorted(TINY_KINDS)}")
+    tokenizer = build_tokenizer(alphabet)
+    config = tiny_config(
+        TINY_KINDS[name],
+        len(tokenizer),
+        pad_id=tokenizer.pad_token_id,
+        eos_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model, tokenizer
+
+
+def materialize(
+    name: str,
+    root: str | os.PathLike[str] | None = None,
+    *,
+    seed: int = 0,
+    alphabet: str = ARITHMETIC_ALPHABET,
+) -> Path:
+    """Save a built-in tiny model and tokenizer to a directory once; return its path.
+
+    The directory is keyed by name, seed and alphabet, written aside and renamed, so
+    concurrent callers (the learner and several rollout servers) never see half a model.
+    """
+    root_path = Path(root or os.environ.get("GSPO_CACHE", Path.home() / ".cache" / "gspo"))
+    key = hashlib.sha256(json.dumps([name, seed, alphabet]).encode()).hexdigest()[:12]
+    target = root_path / f"{name.removeprefix('builtin:')}-{key}"
+    if (target / "config.json").exists():
+        return target
+    tmp = root_path / f".{target.name}.{os.getpid()}.tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = build_tiny_model(name, seed=seed, alphabet=alphabet)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.rename(tmp, target)
+    except OSError:  # another process won the race; its copy is identical
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
