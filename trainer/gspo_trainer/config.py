@@ -138,7 +138,9 @@ class AlgorithmConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
     old_logprob_source: OldLogprobSource = Field(
         "learner",
-        description="learner: recompute pi_old before the first update; engine: use rollout logprobs.",
+        description=(
+            "learner: recompute pi_old before the first update; engine: use rollout logprobs."
+        ),
     )
     max_steps: int = Field(1000, ge=1, description="Training steps (rollout batches).")
     seed: int = Field(0, description="Seed for sampling, shuffling and initialisation.")

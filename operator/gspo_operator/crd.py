@@ -1,0 +1,166 @@
+"""The GSPOJob CustomResourceDefinition, generated from the pydantic models.
+
+The CRD is never edited by hand: `render_crd()` turns the models' JSON Schema into the
+structural OpenAPI v3 subset Kubernetes accepts (no $ref, a type on every node, nullable
+instead of a null branch, int-or-string for quantities). The chart's copy is this output;
+a contract test fails when it is stale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+from gspo_trainer.config import API_GROUP, API_VERSION, KIND, GSPOJobSpec, GSPOJobStatus
+
+PLURAL = "gspojobs"
+SINGULAR = "gspojob"
+SHORT_NAMES = ["gspo"]
+CRD_NAME = f"{PLURAL}.{API_GROUP}"
+CHART_CRD_PATH = Path("charts/gspo-operator/crds") / f"{API_GROUP}_{PLURAL}.yaml"
+
+PRINTER_COLUMNS = [
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "Step", "type": "integer", "jsonPath": ".status.step"},
+    {"name": "Reward", "type": "number", "jsonPath": ".status.reward"},
+    {"name": "Rollout Ready", "type": "string", "jsonPath": ".status.rolloutReady"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+# JSON Schema keywords that OpenAPI v3 (as Kubernetes reads it) does not take.
+_DROPPED = {"title", "$defs", "default", "const"}
+
+
+def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """One pydantic JSON Schema node -> a structural OpenAPI v3 node. Pure."""
+    if "$ref" in schema:
+        target = defs[schema["$ref"].rsplit("/", 1)[-1]]
+        merged = {**target, **{k: v for k, v in schema.items() if k != "$ref"}}
+        return structural(merged, defs)
+
+    out: dict[str, Any] = {}
+    description = schema.get("description")
+    if "default" in schema and schema["default"] not in (None, {}, []):
+        default = yaml.safe_dump(schema["default"], default_flow_style=True).strip()
+        default = default.removesuffix("\n...").strip()
+        description = f"{description or ''} Default: {default}.".strip()
+
+    branches = schema.get("anyOf")
+    if branches is not None:
+        non_null = [b for b in branches if b.get("type") != "null"]
+        nullable = len(non_null) < len(branches)
+        if schema.get("x-kubernetes-int-or-string") or _is_int_or_string(non_null):
+            out = {"x-kubernetes-int-or-string": True}
+        elif len(non_null) == 1:
+            out = structural(non_null[0], defs)
+        else:
+            raise ValueError(f"cannot express a union of {non_null} in a structural schema")
+        if nullable:
+            out["nullable"] = True
+    else:
+        for key, value in schema.items():
+            if key in _DROPPED or key in ("description", "anyOf"):
+                continue
+            if key == "properties":
+                out[key] = {name: structural(sub, defs) for name, sub in value.items()}
+            elif key == "items":
+                out[key] = structural(value, defs)
+            elif key == "additionalProperties":
+                if isinstance(value, dict):
+                    out[key] = structural(value, defs)
+                # `false` is the default for typed objects; `true` is expressed below.
+            elif key == "exclusiveMinimum":
+                out["minimum"], out["exclusiveMinimum"] = value, True
+            elif key == "exclusiveMaximum":
+                out["maximum"], out["exclusiveMaximum"] = value, True
+            else:
+                out[key] = value
+        if "const" in schema:
+            out["enum"] = [schema["const"]]
+        if out.get("x-kubernetes-preserve-unknown-fields"):
+            out.pop("additionalProperties", None)
+    if description:
+        out["description"] = description
+    first = {k: out[k] for k in ("type", "description") if k in out}
+    return {**first, **{k: v for k, v in out.items() if k not in first}}
+
+
+def _is_int_or_string(branches: list[dict[str, Any]]) -> bool:
+    return sorted(b.get("type", "") for b in branches) == ["integer", "string"]
+
+
+def _model_schema(model: type) -> dict[str, Any]:
+    raw = model.model_json_schema(by_alias=True)  # type: ignore[attr-defined]
+    return structural(raw, raw.get("$defs", {}))
+
+
+def render_crd() -> dict[str, Any]:
+    """The CustomResourceDefinition for GSPOJob, as a plain dict."""
+    status = _model_schema(GSPOJobStatus)
+    status["x-kubernetes-preserve-unknown-fields"] = True  # kopf keeps its progress here
+    status.pop("additionalProperties", None)
+    root = {
+        "type": "object",
+        "description": "A GSPO reinforcement-learning run: learner, rollout servers, checkpoints.",
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": _model_schema(GSPOJobSpec),
+            "status": status,
+        },
+    }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": CRD_NAME,
+            "labels": {"app.kubernetes.io/name": "gspo-operator"},
+        },
+        "spec": {
+            "group": API_GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "shortNames": SHORT_NAMES,
+                "categories": ["all"],
+            },
+            "versions": [
+                {
+                    "name": API_VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": PRINTER_COLUMNS,
+                    "schema": {"openAPIV3Schema": root},
+                }
+            ],
+        },
+    }
+
+
+def render_crd_yaml() -> str:
+    header = "# Generated by `gspo crd` from the pydantic models; do not edit by hand.\n"
+    return header + yaml.safe_dump(render_crd(), sort_keys=False, width=100)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="gspo crd", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--write", type=Path, metavar="FILE", help=f"write to FILE (e.g. {CHART_CRD_PATH})"
+    )
+    args = parser.parse_args(argv)
+    text = render_crd_yaml()
+    if args.write:
+        args.write.parent.mkdir(parents=True, exist_ok=True)
+        args.write.write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0

@@ -1,0 +1,129 @@
+"""The spec models and their cross-field rules: every rejection names the field and the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from conftest import checkout_env
+from gspo_trainer.validation import SpecError, parse_spec
+
+
+def minimal(**sections: dict[str, Any]) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "model": {"name": "Qwen/Qwen3-30B-A3B-Base"},
+        "data": {"source": "/data/train.jsonl"},
+    }
+    for name, values in sections.items():
+        spec[name] = {**spec.get(name, {}), **values}
+    return spec
+
+
+def problems(spec: dict[str, Any]) -> dict[str, str]:
+    with pytest.raises(SpecError) as info:
+        parse_spec(spec)
+    return {p.path: p.message for p in info.value.problems}
+
+
+def test_minimal_spec_takes_cluster_defaults() -> None:
+    spec = parse_spec(minimal())
+    assert (spec.algorithm.clip_low, spec.algorithm.clip_high) == (3e-4, 4e-4)
+    assert spec.algorithm.loss_level == "gspo"
+    assert spec.learner.zero_stage == 3
+    assert spec.rollout.tensor_parallel_size == 2
+
+
+def test_grpo_gets_its_own_clip_defaults_but_explicit_values_win() -> None:
+    assert parse_spec(minimal(algorithm={"lossLevel": "grpo"})).algorithm.clip_low == 0.2
+    assert parse_spec(minimal(algorithm={"lossLevel": "grpo"})).algorithm.clip_high == 0.27
+    spec = parse_spec(minimal(algorithm={"lossLevel": "grpo", "clipHigh": 0.28}))
+    assert spec.algorithm.clip_high == 0.28
+
+
+def test_manifest_round_trip_is_lossless() -> None:
+    spec = parse_spec(minimal(algorithm={"groupSize": 8, "klCoef": 0.01}))
+    again = parse_spec(spec.to_manifest_dict())
+    assert again == spec
+    assert "groupSize" in spec.to_manifest_dict()["algorithm"]
+
+
+def test_unknown_field_is_named_with_the_allowed_ones() -> None:
+    found = problems(minimal(algorithm={"groupsize": 8}))
+    assert "spec.algorithm.groupsize" in found
+    assert "groupSize" in found["spec.algorithm.groupsize"]
+
+
+def test_missing_required_fields_are_named() -> None:
+    found = problems({"model": {}})
+    assert set(found) == {"spec.model.name", "spec.data"}
+
+
+def test_field_level_type_errors_carry_the_value() -> None:
+    found = problems(minimal(learner={"replicas": 0}, algorithm={"lossLevel": "ppo"}))
+    assert "0" in found["spec.learner.replicas"]
+    assert "'ppo'" in found["spec.algorithm.lossLevel"]
+
+
+def test_list_items_are_indexed_in_paths() -> None:
+    spec = minimal(runPolicy={"scheduling": {"tolerations": [{"key": "a"}, {"effect": "Bad"}]}})
+    assert "spec.runPolicy.scheduling.tolerations[1].effect" in problems(spec)
+
+
+@pytest.mark.parametrize(
+    ("sections", "path", "words"),
+    [
+        ({"algorithm": {"groupSize": 1}}, "spec.algorithm.groupSize", "2 or more"),
+        ({"algorithm": {"clipLow": 0}}, "spec.algorithm.clipLow", "(0, 1)"),
+        ({"algorithm": {"clipHigh": -0.1}}, "spec.algorithm.clipHigh", "> 0"),
+        ({"algorithm": {"promptsPerStep": 3, "groupSize": 3}}, "spec.algorithm.miniBatches", "9"),
+        (
+            {"algorithm": {"promptsPerStep": 4, "groupSize": 2, "miniBatches": 1}},
+            "spec.algorithm.promptsPerStep",
+            "16 learner processes",
+        ),
+        ({"rollout": {"tensorParallelSize": 3}}, "spec.rollout.tensorParallelSize", "divide"),
+        (
+            {"rollout": {"gpusPerReplica": 0, "tensorParallelSize": 2}},
+            "spec.rollout.tensorParallelSize",
+            "CPU",
+        ),
+        ({"model": {"moe": {"expertParallelSize": 3}}}, "spec.model.moe.expertParallelSize", "16"),
+        ({"model": {"name": "builtin:gpt5"}}, "spec.model.name", "tiny-qwen3-moe"),
+        ({"model": {"maxModelLen": 4096}}, "spec.model.maxModelLen", "10240"),
+        ({"reward": {"kind": "python"}}, "spec.reward.function", "module:function"),
+        ({"reward": {"function": "a:b"}}, "spec.reward.function", "only read"),
+        (
+            {"checkpoint": {"claimName": "c", "storageClassName": "fast"}},
+            "spec.checkpoint.storageClassName",
+            "remove one",
+        ),
+        ({"metrics": {"port": 8000}}, "spec.metrics.port", "rollout"),
+    ],
+)
+def test_cross_field_rules(sections: dict[str, Any], path: str, words: str) -> None:
+    found = problems(minimal(**sections))
+    assert path in found, found
+    assert words in found[path]
+
+
+def test_all_problems_are_reported_at_once() -> None:
+    found = problems(minimal(algorithm={"groupSize": 1, "clipLow": 2.0}, metrics={"port": 8000}))
+    assert {"spec.algorithm.groupSize", "spec.algorithm.clipLow", "spec.metrics.port"} <= set(found)
+
+
+def test_spec_that_is_not_a_mapping() -> None:
+    assert problems([1, 2]) == {"spec": "must be a mapping, got list"}  # type: ignore[arg-type]
+
+
+def test_config_modules_import_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import gspo_trainer.config, gspo_trainer.validation, gspo_trainer.progress; "
+        "import gspo_operator.crd; print('torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=checkout_env()
+    )
+    assert out.stdout.strip() == "False"
