@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 if TYPE_CHECKING:
     import torch
 
-# Tokens per chunk. At vocab 32k a float32 chunk is 64 MiB; see BENCHMARKS.md for the trade.
-DEFAULT_CHUNK_TOKENS = 512
+# Tokens per chunk. At vocab 32k a float32 chunk is 31 MiB; see BENCHMARKS.md for the trade.
+DEFAULT_CHUNK_TOKENS = 256
 
 
 class TokenScores(NamedTuple):
