@@ -13,6 +13,9 @@ backward, so the largest temporary is [chunk_size, V] in float32:
 Padded positions (mask 0) are skipped entirely: they cost no compute, give 0 and get no gradient,
 whatever token id they hold. Scores are taken at `logits / temperature`, so the learner scores
 under the temperature the engine sampled with.
+
+The learner's loss goes one step further: `fused_loss.policy_loss_from_hidden` makes the
+gradient in the forward pass and so skips the recompute (see BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -98,7 +101,7 @@ def _span(n: int, chunk: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
 
 
-def _logits_fn() -> Any:
+def _hidden_fn() -> Any:
     import torch
 
     class _FromHidden(torch.autograd.Function):
@@ -160,7 +163,7 @@ def _logits_fn() -> Any:
     return _FromHidden
 
 
-def _select_fn() -> Any:
+def _logits_fn() -> Any:
     import torch
 
     class _FromLogits(torch.autograd.Function):
@@ -218,7 +221,7 @@ _FUNCTIONS: dict[str, Any] = {}
 
 def _function(name: str) -> Any:
     if name not in _FUNCTIONS:
-        _FUNCTIONS[name] = _logits_fn() if name == "hidden" else _select_fn()
+        _FUNCTIONS[name] = _hidden_fn() if name == "hidden" else _logits_fn()
     return _FUNCTIONS[name]
 
 
