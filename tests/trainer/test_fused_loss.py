@@ -1,0 +1,84 @@
+"""policy_loss_from_hidden equals token_logprobs_from_hidden + policy_loss, values and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gspo_trainer.fused_loss import _groups, policy_loss_from_hidden
+from gspo_trainer.logprobs import token_logprobs_from_hidden
+from gspo_trainer.loss import policy_loss
+
+
+def batch(dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    B, T, H, V = 5, 9, 8, 23
+    hidden = torch.randn(B, T, H, generator=g).to(dtype).requires_grad_(True)
+    weight = torch.randn(V, H, generator=g).to(dtype).requires_grad_(True)
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.arange(T)[None, :] < torch.tensor([9, 2, 5, 1, 7])[:, None]
+    tokens[~mask] = -1
+    with torch.no_grad():
+        logp = token_logprobs_from_hidden(hidden, weight, tokens, 4, 0.7, mask=mask).logp
+    # pi_old a little off pi so that some ratios leave the clip band at every level.
+    old = logp + 0.3 * torch.randn(B, T, generator=g, dtype=logp.dtype)
+    old = old + 0.5 * torch.randn(B, 1, generator=g, dtype=logp.dtype)  # whole responses too
+    ref = logp + 0.2 * torch.randn(B, T, generator=g, dtype=logp.dtype)
+    adv = torch.randn(B, generator=g, dtype=logp.dtype)
+    return hidden, weight, tokens, mask, old, adv, ref
+
+
+@pytest.mark.parametrize("level", ["sequence", "sequence_token", "token"])
+@pytest.mark.parametrize("chunk_size", [1, 4, 8, 100])  # 4 and 8 split the 9-token response
+def test_equals_unfused_path(level: str, chunk_size: int) -> None:
+    hidden, weight, tokens, mask, old, adv, ref = batch(torch.float64)
+    kw = dict(level=level, clip_low=0.2, clip_high=0.27, ref_logprobs=ref, kl_coef=0.1)
+    scores = token_logprobs_from_hidden(
+        hidden, weight, tokens, 4, 0.7, mask=mask, with_entropy=True
+    )
+    want, want_stats = policy_loss(scores.logp, old, adv, mask, **kw)
+    want_grads = torch.autograd.grad(want, (hidden, weight))
+    got, stats, got_scores = policy_loss_from_hidden(
+        hidden, weight, tokens, mask, old, adv, temperature=0.7, chunk_size=chunk_size, **kw
+    )
+    got_grads = torch.autograd.grad(got, (hidden, weight))
+    torch.testing.assert_close(got, want)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b)
+    for key in want_stats:
+        torch.testing.assert_close(stats[key], want_stats[key])
+    torch.testing.assert_close(got_scores.logp, scores.logp.detach())
+    torch.testing.assert_close(got_scores.entropy, scores.entropy.detach())
+    assert float(stats["clip_frac_low"] + stats["clip_frac_high"]) > 0  # the clip is exercised
+
+
+def test_bfloat16_close_to_unfused() -> None:
+    hidden, weight, tokens, mask, old, adv, _ = batch(torch.bfloat16)
+    kw = dict(level="sequence", clip_low=0.2, clip_high=0.27)
+    logp = token_logprobs_from_hidden(hidden, weight, tokens, 4, mask=mask).logp
+    want = torch.autograd.grad(policy_loss(logp, old, adv, mask, **kw)[0], (hidden, weight))
+    got_loss, _, _ = policy_loss_from_hidden(
+        hidden, weight, tokens, mask, old, adv, chunk_size=3, **kw
+    )
+    got = torch.autograd.grad(got_loss, (hidden, weight))
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_upstream_gradient_scales_and_one_backward_only() -> None:
+    hidden, weight, tokens, mask, old, adv, _ = batch(torch.float64)
+    kw = dict(level="sequence", clip_low=0.2, clip_high=0.27)
+    loss, _, _ = policy_loss_from_hidden(hidden, weight, tokens, mask, old, adv, **kw)
+    (g3,) = torch.autograd.grad(3 * loss, weight, retain_graph=True)
+    loss2, _, _ = policy_loss_from_hidden(hidden, weight, tokens, mask, old, adv, **kw)
+    (g1,) = torch.autograd.grad(loss2, weight)
+    torch.testing.assert_close(g3, 3 * g1)
+    with pytest.raises(RuntimeError, match="one backward per forward"):
+        torch.autograd.grad(loss, weight)
+
+
+def test_groups_hold_whole_responses() -> None:
+    assert _groups([3, 3, 3], 6) == [(0, 2), (2, 3)]
+    assert _groups([10, 1, 1], 4) == [(0, 1), (1, 3)]  # a long response stands alone
+    assert _groups([0, 0, 2], 1) == [(0, 2), (2, 3)]
+    assert _groups([], 4) == []

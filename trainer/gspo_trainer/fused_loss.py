@@ -1,0 +1,181 @@
+"""The policy loss straight from hidden states, with the gradient made during the forward pass.
+
+Every level's loss is a mean over responses of a per-response term, so once a group of whole
+responses has its log-probs, its share of the gradient is known. `policy_loss_from_hidden`
+walks the responses in groups of about `chunk_size` tokens: logits of the group (h @ W.T / T),
+log-probs, then the loss gradient for those responses, then straight away the gradient w.r.t.
+the group's hidden states and the lm_head weight, while the group's logits are still in hand.
+The full logits never exist and no chunk is computed twice: three matmuls per token, as a
+naive full log-softmax needs, against four for the recompute-in-backward path of
+`token_logprobs_from_hidden`. A response longer than `chunk_size` is split and falls back to
+recomputing its pieces. Backward only scales the stored gradients by the upstream gradient.
+
+Values and gradients equal `policy_loss(token_logprobs_from_hidden(...).logp, ...)`; the
+tests hold them to it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from gspo_trainer.logprobs import (
+    DEFAULT_CHUNK_TOKENS,
+    TokenScores,
+    _chunk_forward,
+    _chunk_grad,
+    _compute_dtype,
+    _rows,
+    _span,
+    _upcast,
+)
+from gspo_trainer.loss import Stats, policy_loss
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _groups(lengths: list[int], budget: int) -> list[tuple[int, int]]:
+    """Contiguous runs of responses [a, b) holding at most `budget` scored tokens (or one)."""
+    groups, start, used = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and used + n > budget:
+            groups.append((start, i))
+            start, used = i, 0
+        used += n
+    if start < len(lengths):
+        groups.append((start, len(lengths)))
+    return groups
+
+
+def _fused_fn() -> Any:
+    import torch
+
+    class _FusedLoss(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, hidden, weight, run):  # type: ignore[override]
+            # Held as attributes, not saved tensors, so backward can hand them over without a
+            # copy (autograd steals a gradient nobody else references).
+            ctx.grads = run(hidden, weight)
+            return torch.zeros((), dtype=_compute_dtype(weight.dtype), device=weight.device)
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[override]
+            if ctx.grads is None:
+                raise RuntimeError("policy_loss_from_hidden supports one backward per forward")
+            grad_h, grad_w = ctx.grads
+            ctx.grads = None
+            if bool(g != 1):
+                grad_h.mul_(g)
+                grad_w.mul_(g)
+            return (
+                grad_h if ctx.needs_input_grad[0] else None,
+                (grad_w if ctx.needs_input_grad[1] else None),
+                None,
+            )
+
+    return _FusedLoss
+
+
+_FUSED: list[Any] = []
+
+
+def policy_loss_from_hidden(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    level: str,
+    clip_low: float,
+    clip_high: float,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_TOKENS,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, Stats, TokenScores]:
+    """`policy_loss` of the tokens' log-probs under softmax(hidden @ W.T / temperature).
+
+    hidden (B, T, H) with row [b, t] predicting tokens[b, t]; lm_head_weight (V, H); the rest
+    as in `policy_loss`. Returns (loss, stats, detached TokenScores) where the scores (log-probs
+    and, by default, entropy) are what the learner logs. Gradients reach hidden and the weight.
+    """
+    import torch
+
+    if not _FUSED:
+        _FUSED.append(_fused_fn())
+    B, T, H = hidden.shape
+    V = lm_head_weight.shape[0]
+    if tuple(tokens.shape) != (B, T) or tuple(mask.shape) != (B, T):
+        raise ValueError(f"tokens and mask must be (B, T)=({B}, {T}) like hidden's first two dims")
+    if chunk_size < 1 or not temperature > 0:
+        raise ValueError(
+            f"need chunk_size >= 1 and temperature > 0; got {chunk_size}, {temperature}"
+        )
+    mask = mask.bool()
+    rows = _rows(tokens, mask, V)  # sorted flat indices of scored tokens
+    counts = mask.sum(-1).tolist()
+    flat_tokens = tokens.reshape(-1)
+    dtype = _compute_dtype(lm_head_weight.dtype)
+    logp = torch.zeros(B * T, dtype=dtype, device=hidden.device)
+    entropy = torch.zeros_like(logp) if with_entropy else None
+    kw: dict[str, Any] = dict(level=level, clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef)
+
+    def run(h_all: torch.Tensor, weight: torch.Tensor):
+        h_flat = h_all.reshape(-1, H)
+        grad_h = torch.zeros_like(h_flat)
+        grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+        starts = [0]
+        for n in counts:
+            starts.append(starts[-1] + n)
+        for a, b in _groups(counts, chunk_size):
+            g_rows = rows[starts[a] : starts[b]]
+            spans = _span(g_rows.numel(), chunk_size)
+            kept, lses, ents = [], [], []
+            for s, e in spans:
+                z = _upcast(h_flat[g_rows[s:e]] @ weight.T)
+                if temperature != 1.0:
+                    z.div_(temperature)
+                lse, lp, ent = _chunk_forward(z, flat_tokens[g_rows[s:e]], with_entropy)
+                logp[g_rows[s:e]] = lp
+                if entropy is not None:
+                    entropy[g_rows[s:e]] = ent
+                lses.append(lse)
+                ents.append(ent)
+                kept.append(z if len(spans) == 1 else None)
+            # This group's share of d loss / d logp: its own mean over responses, times b_g / B.
+            with torch.enable_grad():
+                leaf = logp.view(B, T)[a:b].detach().requires_grad_(True)
+                ref = ref_logprobs[a:b] if ref_logprobs is not None else None
+                part, _ = policy_loss(
+                    leaf, old_logprobs[a:b], advantages[a:b], mask[a:b], ref_logprobs=ref, **kw
+                )
+                (g_logp,) = torch.autograd.grad(part * ((b - a) / B), leaf)
+            g_flat = g_logp.reshape(-1)[mask[a:b].reshape(-1)]  # aligned with g_rows
+            for (s, e), z, lse, ent in zip(spans, kept, lses, ents, strict=True):
+                h = h_flat[g_rows[s:e]]
+                if z is None:
+                    z = _upcast(h @ weight.T)
+                    if temperature != 1.0:
+                        z.div_(temperature)
+                g = _chunk_grad(
+                    z, flat_tokens[g_rows[s:e]], lse, ent, g_flat[s:e], None, 1.0 / temperature
+                ).to(weight.dtype)
+                grad_h[g_rows[s:e]] = (g @ weight).to(grad_h.dtype)
+                if g.dtype == grad_w.dtype:
+                    grad_w.addmm_(g.T, h)
+                else:
+                    grad_w.add_(g.T @ h)
+        return grad_h.view_as(h_all), grad_w.to(weight.dtype)
+
+    h_in = hidden if hidden.dtype == lm_head_weight.dtype else hidden.to(lm_head_weight.dtype)
+    zero = _FUSED[0].apply(h_in, lm_head_weight, run)  # 0-dim; carries the gradient
+    logp_bt = logp.view(B, T)
+    # Value and stats from the finished log-probs (cheap: (B, T) work, no vocabulary).
+    value, stats = policy_loss(
+        logp_bt, old_logprobs, advantages, mask, ref_logprobs=ref_logprobs, **kw
+    )
+    scores = TokenScores(logp_bt, entropy.view(B, T) if entropy is not None else None)
+    return zero + value.detach(), stats, scores
