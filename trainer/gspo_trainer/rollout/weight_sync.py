@@ -1,0 +1,266 @@
+"""Bucketed weight broadcast from learner rank 0 to the rollout servers' workers.
+
+Parameters are packed as raw bytes into fixed-size flat buckets, so the number of
+collective calls grows with the model's bytes, not its tensor count (a 48-layer MoE has
+thousands of tensors). Before the buckets, rank 0 broadcasts a small JSON header that
+lists, per bucket, each tensor's name, shape, dtype and byte offset; receivers unflatten
+with that header alone. Both sides share this module: the learner through
+`WeightSender`, a vLLM worker through `receive_weights` (see `worker_ext.py`).
+
+The group is a standalone torch.distributed process group (gloo on CPU, NCCL on GPU) built
+on a TCPStore that rank 0 hosts: it never touches the default group, which belongs to
+DeepSpeed on the learner and to vLLM in the server's workers.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+HEADER_FORMAT = 1
+ALIGN_BYTES = 64  # every tensor starts at an offset that any dtype can be viewed from
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
+    offset: int  # byte offset inside its bucket
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    nbytes: int
+    tensors: tuple[TensorMeta, ...]
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    version: int
+    bytes_total: int
+    buckets: int
+    tensors: int
+    seconds: float
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+
+
+def plan_buckets(
+    metas: Iterable[tuple[str, tuple[int, ...], str, int]], bucket_bytes: int
+) -> list[Bucket]:
+    """Group (name, shape, dtype, nbytes) in order into buckets of at most `bucket_bytes`.
+
+    A tensor larger than a bucket gets a bucket of its own, sized to fit it.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
+    buckets: list[Bucket] = []
+    current: list[TensorMeta] = []
+    used = 0
+    for name, shape, dtype, nbytes in metas:
+        start = _align(used)
+        if current and start + nbytes > bucket_bytes:
+            buckets.append(Bucket(used, tuple(current)))
+            current, used, start = [], 0, 0
+        current.append(TensorMeta(name, tuple(shape), dtype, start, nbytes))
+        used = start + nbytes
+    if current:
+        buckets.append(Bucket(used, tuple(current)))
+    return buckets
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch_module().uint8)
+
+
+def torch_module() -> Any:
+    import torch
+
+    return torch
+
+
+def flatten_bucket(bucket: Bucket, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Copy the bucket's tensors into one uint8 buffer at their planned offsets."""
+    torch = torch_module()
+    device = next(iter(tensors.values())).device if tensors else "cpu"
+    buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+    for meta in bucket.tensors:
+        buffer[meta.offset : meta.offset + meta.nbytes].copy_(_as_bytes(tensors[meta.name]))
+    return buffer
+
+
+def unflatten_bucket(bucket: Bucket, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Views of `buffer` as the bucket's named tensors (no copy)."""
+    torch = torch_module()
+    out = []
+    for meta in bucket.tensors:
+        raw = buffer[meta.offset : meta.offset + meta.nbytes]
+        out.append((meta.name, raw.view(getattr(torch, meta.dtype)).view(meta.shape)))
+    return out
+
+
+def encode_header(version: int, buckets: list[Bucket]) -> bytes:
+    body = {"format": HEADER_FORMAT, "version": version, "buckets": [asdict(b) for b in buckets]}
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def decode_header(raw: bytes) -> tuple[int, list[Bucket]]:
+    body = json.loads(raw)
+    if body.get("format") != HEADER_FORMAT:
+        raise ValueError(
+            f"weight-sync header format {body.get('format')!r} is not {HEADER_FORMAT}: "
+            "learner and rollout server run different versions of gspo_trainer"
+        )
+    buckets = [
+        Bucket(
+            b["nbytes"],
+            tuple(
+                TensorMeta(t["name"], tuple(t["shape"]), t["dtype"], t["offset"], t["nbytes"])
+                for t in b["tensors"]
+            ),
+        )
+        for b in body["buckets"]
+    ]
+    return int(body["version"]), buckets
+
+
+# --- the process group ---------------------------------------------------------------
+
+
+class SyncGroup:
+    """A standalone process group of learner rank 0 (root) and the rollout workers."""
+
+    def __init__(self, pg: Any, store: Any, rank: int, world_size: int, device: str) -> None:
+        self.pg, self.store, self.rank, self.world_size, self.device = (
+            pg,
+            store,
+            rank,
+            world_size,
+            device,
+        )
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        torch = torch_module()
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([tensor], opts).wait()
+
+
+def connect_store(host: str, port: int, *, is_master: bool, timeout_s: float) -> Any:
+    """The TCPStore rendezvous; rank 0 hosts it and can keep it for many groups."""
+    torch = torch_module()
+    return torch.distributed.TCPStore(
+        host,
+        port,
+        None,
+        is_master=is_master,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def open_group(
+    store: Any,
+    group_name: str,
+    rank: int,
+    world_size: int,
+    *,
+    backend: str = "gloo",
+    timeout_s: float = 120.0,
+) -> SyncGroup:
+    """Join group `group_name` on `store`; blocks until all `world_size` ranks have joined."""
+    torch = torch_module()
+    dist = torch.distributed
+    prefixed = dist.PrefixStore(f"gspo-sync/{group_name}", store)
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        pg, device = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout), "cpu"
+    elif backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg, device = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts), "cuda"
+    else:
+        raise ValueError(f"weight-sync backend {backend!r} is not one of 'gloo', 'nccl'")
+    group = SyncGroup(pg, store, rank, world_size, device)
+    # One tiny collective so that a rank missing from the group fails here, not mid-update.
+    group.broadcast(torch.zeros(1, dtype=torch.uint8, device=device))
+    return group
+
+
+def _broadcast_header(group: SyncGroup, header: bytes) -> None:
+    torch = torch_module()
+    length = torch.tensor([len(header)], dtype=torch.int64, device=group.device)
+    group.broadcast(length)
+    payload = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(group.device)
+    group.broadcast(payload)
+
+
+def _receive_header(group: SyncGroup) -> bytes:
+    torch = torch_module()
+    length = torch.zeros(1, dtype=torch.int64, device=group.device)
+    group.broadcast(length)
+    payload = torch.empty(int(length.item()), dtype=torch.uint8, device=group.device)
+    group.broadcast(payload)
+    return payload.cpu().numpy().tobytes()
+
+
+class WeightSender:
+    """Rank 0's side: `send(named_tensors, version)` broadcasts header then buckets."""
+
+    def __init__(self, group: SyncGroup, *, bucket_mb: float = 256.0) -> None:
+        if group.rank != 0:
+            raise ValueError(f"WeightSender must be rank 0 of the sync group, not {group.rank}")
+        self.group = group
+        self.bucket_bytes = int(bucket_mb * 1024 * 1024)
+
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
+        start = time.perf_counter()
+        tensors = dict(named_tensors)
+        metas = [
+            (name, tuple(t.shape), _dtype_name(t), t.numel() * t.element_size())
+            for name, t in tensors.items()
+        ]
+        buckets = plan_buckets(metas, self.bucket_bytes)
+        _broadcast_header(self.group, encode_header(version, buckets))
+        for bucket in buckets:
+            buffer = flatten_bucket(bucket, tensors).to(self.group.device)
+            self.group.broadcast(buffer)
+        return SyncStats(
+            version=version,
+            bytes_total=sum(m[3] for m in metas),
+            buckets=len(buckets),
+            tensors=len(metas),
+            seconds=time.perf_counter() - start,
+        )
+
+
+def receive_weights(group: SyncGroup) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+    """A receiver's side: (version, iterator of named tensors, bucket by bucket).
+
+    The iterator must be consumed to the end: each step takes part in a broadcast.
+    """
+    torch = torch_module()
+    version, buckets = decode_header(_receive_header(group))
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for bucket in buckets:
+            buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=group.device)
+            group.broadcast(buffer)
+            yield from unflatten_bucket(bucket, buffer)
+
+    return version, tensors()
