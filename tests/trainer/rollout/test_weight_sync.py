@@ -107,3 +107,16 @@ def test_sender_to_receiver_over_gloo() -> None:
     assert set(got) == set(tensors)
     for name, t in tensors.items():
         assert torch.equal(got[name], t), name
+
+
+def test_checkpoint_names_match_a_saved_moe_checkpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from gspo_trainer.tiny import build_tiny_model
+    from safetensors.torch import load_file
+
+    model, _ = build_tiny_model("builtin:tiny-qwen3-moe", seed=3)
+    model.save_pretrained(tmp_path)
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    converted = dict(ws.checkpoint_named_tensors(model.named_parameters()))
+    assert set(converted) == set(saved)
+    for name, t in saved.items():
+        assert torch.equal(converted[name], t), name

@@ -229,11 +229,17 @@ class RolloutClient:
     async def sync_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
     ) -> SyncReport:
-        """Pause every live server, broadcast the weights once, load them, resume."""
+        """Pause every live server, broadcast the weights once, load them, resume.
+
+        `named_tensors` may be a transformers model's `named_parameters()`: fused MoE
+        expert tensors are renamed to the checkpoint names the engine loads.
+        """
         if self.sync_options is None:
             raise RolloutError("sync_weights needs RolloutClient(..., sync=SyncOptions(...))")
+        from gspo_trainer.rollout.weight_sync import checkpoint_named_tensors
+
         opts = self.sync_options
-        tensors = list(named_tensors)
+        tensors = list(checkpoint_named_tensors(named_tensors))
         start = time.perf_counter()
         await self.refresh()
         failed: list[str] = []

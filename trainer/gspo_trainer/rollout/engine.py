@@ -53,6 +53,7 @@ class Engine(Protocol):
 
 def to_vllm_params(params: SamplingParams) -> Any:
     from vllm import SamplingParams as VLLMSamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
     return VLLMSamplingParams(
         n=params.n,
@@ -63,6 +64,7 @@ def to_vllm_params(params: SamplingParams) -> Any:
         seed=params.seed,
         stop_token_ids=list(params.stop_token_ids),
         logprobs=0,  # the sampled token's own log-prob, from the raw logits
+        output_kind=RequestOutputKind.FINAL_ONLY,  # one output holding all n samples
     )
 
 

@@ -139,6 +139,31 @@ def decode_header(raw: bytes) -> tuple[int, list[Bucket]]:
     return int(body["version"]), buckets
 
 
+def checkpoint_named_tensors(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Rename a transformers model's parameters to checkpoint names that vLLM loads.
+
+    transformers 5 keeps a MoE layer's experts fused (`experts.gate_up_proj` (E, 2I, H),
+    `experts.down_proj` (E, H, I)); checkpoints, and vLLM's loader, name each expert's
+    `gate_proj`/`up_proj`/`down_proj` weight. Other names pass through unchanged. The
+    pieces are views, no copy.
+    """
+    for name, t in named_tensors:
+        prefix, _, leaf = name.rpartition(".experts.")
+        if prefix and t.dim() == 3 and leaf in ("gate_up_proj", "down_proj"):
+            half = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                base = f"{prefix}.experts.{e}"
+                if leaf == "gate_up_proj":
+                    yield f"{base}.gate_proj.weight", t[e, :half]
+                    yield f"{base}.up_proj.weight", t[e, half:]
+                else:
+                    yield f"{base}.down_proj.weight", t[e]
+        else:
+            yield name, t
+
+
 # --- the process group ---------------------------------------------------------------
 
 
