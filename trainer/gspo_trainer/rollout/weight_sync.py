@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -84,10 +84,6 @@ def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch_module().uint8)
-
-
 def torch_module() -> Any:
     import torch
 
@@ -95,13 +91,19 @@ def torch_module() -> Any:
 
 
 def flatten_bucket(bucket: Bucket, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Copy the bucket's tensors into one uint8 buffer at their planned offsets."""
+    """The bucket's tensors as one uint8 buffer, each at its planned offset (one `cat`)."""
     torch = torch_module()
     device = next(iter(tensors.values())).device if tensors else "cpu"
-    buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+    pad = torch.zeros(ALIGN_BYTES, dtype=torch.uint8, device=device)
+    pieces, end = [], 0
     for meta in bucket.tensors:
-        buffer[meta.offset : meta.offset + meta.nbytes].copy_(_as_bytes(tensors[meta.name]))
-    return buffer
+        if meta.offset > end:
+            pieces.append(pad[: meta.offset - end])
+        t = tensors[meta.name].detach()
+        pieces.append(t.contiguous().view(-1).view(torch.uint8) if t.dim() else
+                      t.reshape(1).view(torch.uint8))  # fmt: skip
+        end = meta.offset + meta.nbytes
+    return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
 
 
 def unflatten_bucket(bucket: Bucket, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -115,7 +117,17 @@ def unflatten_bucket(bucket: Bucket, buffer: torch.Tensor) -> list[tuple[str, to
 
 
 def encode_header(version: int, buckets: list[Bucket]) -> bytes:
-    body = {"format": HEADER_FORMAT, "version": version, "buckets": [asdict(b) for b in buckets]}
+    body = {
+        "format": HEADER_FORMAT,
+        "version": version,
+        "buckets": [
+            {
+                "nbytes": b.nbytes,
+                "tensors": [[m.name, m.shape, m.dtype, m.offset, m.nbytes] for m in b.tensors],
+            }
+            for b in buckets
+        ],
+    }
     return json.dumps(body, separators=(",", ":")).encode()
 
 
@@ -130,8 +142,8 @@ def decode_header(raw: bytes) -> tuple[int, list[Bucket]]:
         Bucket(
             b["nbytes"],
             tuple(
-                TensorMeta(t["name"], tuple(t["shape"]), t["dtype"], t["offset"], t["nbytes"])
-                for t in b["tensors"]
+                TensorMeta(name, tuple(shape), dtype, offset, nbytes)
+                for name, shape, dtype, offset, nbytes in b["tensors"]
             ),
         )
         for b in body["buckets"]
@@ -180,10 +192,14 @@ class SyncGroup:
         )
 
     def broadcast(self, tensor: torch.Tensor) -> None:
+        self.broadcast_async(tensor).wait()
+
+    def broadcast_async(self, tensor: torch.Tensor) -> Any:
+        """Start a broadcast from rank 0; returns the work handle to `wait()` on."""
         torch = torch_module()
         opts = torch.distributed.BroadcastOptions()
         opts.rootRank = 0
-        self.pg.broadcast([tensor], opts).wait()
+        return self.pg.broadcast([tensor], opts)
 
 
 def connect_store(host: str, port: int, *, is_master: bool, timeout_s: float) -> Any:
@@ -262,9 +278,15 @@ class WeightSender:
         ]
         buckets = plan_buckets(metas, self.bucket_bytes)
         _broadcast_header(self.group, encode_header(version, buckets))
+        # Flatten bucket k+1 while bucket k is on the wire.
+        in_flight: Any = None
         for bucket in buckets:
             buffer = flatten_bucket(bucket, tensors).to(self.group.device)
-            self.group.broadcast(buffer)
+            if in_flight is not None:
+                in_flight.wait()
+            in_flight = self.group.broadcast_async(buffer)
+        if in_flight is not None:
+            in_flight.wait()
         return SyncStats(
             version=version,
             bytes_total=sum(m[3] for m in metas),
@@ -282,10 +304,18 @@ def receive_weights(group: SyncGroup) -> tuple[int, Iterator[tuple[str, torch.Te
     torch = torch_module()
     version, buckets = decode_header(_receive_header(group))
 
+    def post(bucket: Bucket) -> tuple[Bucket, torch.Tensor, Any]:
+        buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=group.device)
+        return bucket, buffer, group.broadcast_async(buffer)
+
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for bucket in buckets:
-            buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=group.device)
-            group.broadcast(buffer)
+        # Receive bucket k+1 while the caller loads bucket k.
+        pending = post(buckets[0]) if buckets else None
+        for k in range(len(buckets)):
+            assert pending is not None
+            bucket, buffer, work = pending
+            work.wait()
+            pending = post(buckets[k + 1]) if k + 1 < len(buckets) else None
             yield from unflatten_bucket(bucket, buffer)
 
     return version, tensors()
