@@ -1,0 +1,412 @@
+"""The learner's client for the rollout fleet: load-balanced generation and weight sync.
+
+`generate` cuts a batch into chunks of prompts and sends each chunk to the eligible server
+with the least outstanding work; a chunk whose server fails goes to another one, and the
+failed server is reported in `RolloutBatch.servers_failed`. A server is eligible only when
+it is alive and holds the client's current policy version, so a server that restarts
+gets no traffic until `sync_weights` has brought it up to the learner's weights.
+
+`sync_weights` runs pause -> (re)form the sync group -> update (the HTTP call and the
+broadcast together) -> resume, each step bounded by a timeout. The group is re-formed
+whenever the set of live servers changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from gspo_trainer import ports
+from gspo_trainer.rollout.types import Completion, RolloutBatch, SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from gspo_trainer.rollout.weight_sync import SyncGroup
+
+log = logging.getLogger("gspo.rollout.client")
+
+
+class RolloutError(RuntimeError):
+    """No server could serve a request, or the fleet could not be synced."""
+
+
+class ServerError(Exception):
+    """A server answered, but not with a usable result; try another server."""
+
+
+@dataclass
+class Server:
+    url: str
+    alive: bool = True
+    policy_version: int | None = None
+    workers: int = 1
+    outstanding: int = 0  # prompts x samples in flight
+
+
+@dataclass(frozen=True)
+class SyncOptions:
+    """Where the servers reach learner rank 0 for the weight broadcast."""
+
+    master_addr: str  # address of this process as the servers see it
+    master_port: int = ports.WEIGHT_SYNC_PORT
+    backend: str = "gloo"  # "nccl" when learner and servers have GPUs
+    bucket_mb: float = 256.0
+    timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    version: int
+    servers: list[str]
+    servers_failed: list[str]
+    bytes_total: int
+    seconds: float
+    broadcast_seconds: float
+    regrouped: bool
+
+
+@dataclass
+class _Group:
+    members: tuple[str, ...]
+    group: SyncGroup
+    sender: Any = field(default=None)
+
+
+class RolloutClient:
+    def __init__(
+        self,
+        urls: Sequence[str],
+        token: str | None = None,
+        timeout_s: float = 600.0,
+        *,
+        chunk_prompts: int = 8,
+        sync: SyncOptions | None = None,
+        probe_timeout_s: float = 5.0,
+    ) -> None:
+        if not urls:
+            raise ValueError(
+                f"RolloutClient needs at least one server URL (${ports.ENV_ROLLOUT_URLS})"
+            )
+        self.servers = {u.rstrip("/"): Server(u.rstrip("/")) for u in urls}
+        self.token = token
+        self.timeout_s = timeout_s
+        self.chunk_prompts = max(1, chunk_prompts)
+        self.sync_options = sync
+        self.probe_timeout_s = probe_timeout_s
+        self.policy_version: int | None = None  # the learner's version, once synced
+        self._session: aiohttp.ClientSession | None = None
+        self._store: Any = None
+        self._group: _Group | None = None
+        self._generation = 0
+
+    # --- plumbing ----------------------------------------------------------------------
+
+    async def __aenter__(self) -> RolloutClient:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        self._group = None
+        self._store = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+            self._session = aiohttp.ClientSession(
+                headers=headers, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+            )
+        return self._session
+
+    async def _post(self, url: str, path: str, body: dict[str, Any], timeout_s: float) -> Any:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with self._http().post(url + path, json=body, timeout=timeout) as resp:
+            payload = await resp.json(content_type=None)
+            if resp.status in (401, 403):
+                raise RolloutError(f"{url}{path}: {resp.status} {payload.get('error')}")
+            if resp.status != 200:
+                raise ServerError(f"{url}{path}: {resp.status} {payload.get('error')}")
+            return payload
+
+    # --- health ------------------------------------------------------------------------
+
+    async def refresh(self, only_down: bool = False) -> None:
+        """Probe servers' /health; record who is alive and which version each holds."""
+        targets = [s for s in self.servers.values() if not (only_down and s.alive)]
+        await asyncio.gather(*(self._probe(s) for s in targets))
+
+    async def _probe(self, server: Server) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.probe_timeout_s)
+        try:
+            async with self._http().get(server.url + "/health", timeout=timeout) as resp:
+                body = await resp.json(content_type=None)
+            server.alive = resp.status == 200
+            server.policy_version = body.get("policy_version")
+            server.workers = int(body.get("workers", 1))
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            server.alive = False
+
+    def _eligible(self, server: Server) -> bool:
+        if not server.alive or server.policy_version is None:
+            return False
+        return self.policy_version is None or server.policy_version == self.policy_version
+
+    # --- generation --------------------------------------------------------------------
+
+    async def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> RolloutBatch:
+        """n completions for each prompt, in prompt order, from whichever servers are up."""
+        if any(s.policy_version is None or not s.alive for s in self.servers.values()):
+            await self.refresh(only_down=False)
+        failed: list[str] = []
+        groups: list[list[Completion]] = [[] for _ in prompts]
+        starts = range(0, len(prompts), self.chunk_prompts)
+        await asyncio.gather(*(self._run_chunk(prompts, s, params, groups, failed) for s in starts))
+        return RolloutBatch([list(p) for p in prompts], groups, servers_failed=failed)
+
+    async def _run_chunk(
+        self,
+        prompts: Sequence[Sequence[int]],
+        start: int,
+        params: SamplingParams,
+        groups: list[list[Completion]],
+        failed: list[str],
+    ) -> None:
+        chunk = [list(p) for p in prompts[start : start + self.chunk_prompts]]
+        work = len(chunk) * params.n
+        tried: set[str] = set()
+        while True:
+            candidates = [
+                s for s in self.servers.values() if self._eligible(s) and s.url not in tried
+            ]
+            if not candidates:
+                raise RolloutError(
+                    f"no rollout server left for prompts {start}..{start + len(chunk) - 1} "
+                    f"(tried {sorted(tried)}; servers: {self._describe()})"
+                )
+            server = min(candidates, key=lambda s: s.outstanding)
+            server.outstanding += work
+            try:
+                body = {"prompts": chunk, "sampling": _sampling_json(params)}
+                payload = await self._post(server.url, "/v1/generate", body, self.timeout_s)
+                results = _parse_results(payload, len(chunk), params.n, self.policy_version)
+            except (aiohttp.ClientError, TimeoutError, ServerError, ValueError) as exc:
+                log.warning("Rollout server %s failed a request: %s", server.url, exc)
+                tried.add(server.url)
+                if server.url not in failed:
+                    failed.append(server.url)
+                await self._probe(server)  # dead, or alive but stale: either way not eligible
+                if server.alive and self._eligible(server):
+                    server.alive = False  # answered badly while claiming health: bench it
+                continue
+            finally:
+                server.outstanding -= work
+            for offset, completions in enumerate(results):
+                groups[start + offset] = [
+                    Completion(prompt_index=start + offset, **c) for c in completions
+                ]
+            return
+
+    def _describe(self) -> str:
+        return ", ".join(
+            f"{s.url} (alive={s.alive}, version={s.policy_version})" for s in self.servers.values()
+        )
+
+    # --- weight sync -------------------------------------------------------------------
+
+    async def sync_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> SyncReport:
+        """Pause every live server, broadcast the weights once, load them, resume.
+
+        `named_tensors` may be a transformers model's `named_parameters()`: fused MoE
+        expert tensors are renamed to the checkpoint names the engine loads.
+        """
+        if self.sync_options is None:
+            raise RolloutError("sync_weights needs RolloutClient(..., sync=SyncOptions(...))")
+        from gspo_trainer.rollout.weight_sync import checkpoint_named_tensors
+
+        opts = self.sync_options
+        tensors = list(checkpoint_named_tensors(named_tensors))
+        start = time.perf_counter()
+        await self.refresh()
+        failed: list[str] = []
+        for attempt in (1, 2):  # a server lost mid-sync breaks the group: re-form it once
+            live = [s for s in self.servers.values() if s.alive]
+            body = {"timeout_s": opts.timeout_s}
+            paused = await self._control_all(live, "/control/pause", body, failed)
+            try:
+                regrouped = await self._ensure_group(paused, failed)
+                members = [self.servers[u] for u in self._group.members]  # type: ignore[union-attr]
+                bytes_total, bcast_s = await self._update(members, tensors, version, failed)
+                break
+            except RolloutError:
+                if attempt == 2:
+                    raise
+                log.warning("Weight sync to version %s failed; re-forming the group", version)
+            finally:
+                await self._control_all(
+                    [s for s in paused if s.alive], "/control/resume", {}, failed
+                )
+        self.policy_version = version
+        return SyncReport(
+            version=version,
+            servers=[s.url for s in members if s.url not in failed],
+            servers_failed=failed,
+            bytes_total=bytes_total,
+            seconds=time.perf_counter() - start,
+            broadcast_seconds=bcast_s,
+            regrouped=regrouped,
+        )
+
+    async def _control_all(
+        self, servers: list[Server], path: str, body: dict[str, Any], failed: list[str]
+    ) -> list[Server]:
+        timeout = float(body.get("timeout_s", self.probe_timeout_s)) + 5
+        outcomes = await asyncio.gather(
+            *(self._post(s.url, path, body, timeout) for s in servers), return_exceptions=True
+        )
+        ok = []
+        for server, outcome in zip(servers, outcomes, strict=True):
+            if isinstance(outcome, RolloutError):
+                raise outcome
+            if isinstance(outcome, BaseException):
+                log.warning("%s%s failed: %s", server.url, path, outcome)
+                server.alive = False
+                failed.append(server.url)
+            else:
+                ok.append(server)
+        return ok
+
+    async def _ensure_group(self, servers: list[Server], failed: list[str]) -> bool:
+        from gspo_trainer.rollout import weight_sync
+
+        members = tuple(s.url for s in servers)
+        if self._group is not None and self._group.members == members:
+            return False
+        if not servers:
+            raise RolloutError(f"no live rollout server to sync: {self._describe()}")
+        opts = self.sync_options
+        assert opts is not None
+        if self._store is None:
+            self._store = await asyncio.to_thread(
+                weight_sync.connect_store, "0.0.0.0", opts.master_port, is_master=True,
+                timeout_s=opts.timeout_s,
+            )  # fmt: skip
+        self._generation += 1
+        name = f"g{self._generation}-{int(time.time())}"
+        world_size = 1 + sum(s.workers for s in servers)
+        offsets = [1 + sum(s.workers for s in servers[:i]) for i in range(len(servers))]
+        joins = [
+            self._post(
+                s.url,
+                "/control/sync/init",
+                {
+                    "master_addr": opts.master_addr,
+                    "master_port": opts.master_port,
+                    "rank_offset": offset,
+                    "world_size": world_size,
+                    "group_name": name,
+                    "backend": opts.backend,
+                    "timeout_s": opts.timeout_s,
+                },
+                opts.timeout_s + 10,
+            )
+            for s, offset in zip(servers, offsets, strict=True)
+        ]
+        root = asyncio.to_thread(
+            weight_sync.open_group, self._store, name, 0, world_size,
+            backend=opts.backend, timeout_s=opts.timeout_s,
+        )  # fmt: skip
+        outcomes = await asyncio.gather(root, *joins, return_exceptions=True)
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        if errors:
+            for s, o in zip(servers, outcomes[1:], strict=True):
+                if isinstance(o, BaseException):
+                    s.alive = False
+                    failed.append(s.url)
+            self._group = None
+            raise RolloutError(f"forming the weight-sync group failed: {errors[0]}")
+        group = outcomes[0]
+        self._group = _Group(
+            members, group, weight_sync.WeightSender(group, bucket_mb=opts.bucket_mb)
+        )
+        log.info("Formed weight-sync group %s with %s", name, ", ".join(members))
+        return True
+
+    async def _update(
+        self,
+        servers: list[Server],
+        tensors: list[tuple[str, torch.Tensor]],
+        version: int,
+        failed: list[str],
+    ) -> tuple[int, float]:
+        assert self._group is not None and self.sync_options is not None
+        timeout_s = self.sync_options.timeout_s
+        sender = self._group.sender
+        t0 = time.perf_counter()
+        send = asyncio.to_thread(sender.send, tensors, version)
+        calls = [
+            self._post(s.url, "/control/sync/update", {"timeout_s": timeout_s}, timeout_s + 10)
+            for s in servers
+        ]
+        outcomes = await asyncio.gather(send, *calls, return_exceptions=True)
+        bcast_s = time.perf_counter() - t0
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        for s, o in zip(servers, outcomes[1:], strict=True):
+            if isinstance(o, BaseException):
+                s.alive, s.policy_version = False, None
+                failed.append(s.url)
+            else:
+                s.policy_version = int(o["policy_version"])
+        if errors:
+            self._group = None  # a broken collective leaves the group unusable: re-form it
+            raise RolloutError(f"weight update to version {version} failed: {errors[0]}")
+        return outcomes[0].bytes_total, bcast_s
+
+
+def _sampling_json(params: SamplingParams) -> dict[str, Any]:
+    body = asdict(params)
+    body["stop_token_ids"] = list(params.stop_token_ids)
+    return body
+
+
+def _parse_results(
+    payload: dict[str, Any], n_prompts: int, n: int, expected_version: int | None
+) -> list[list[dict[str, Any]]]:
+    """Check a /v1/generate reply is whole and from the expected version; ServerError if not."""
+    results = payload.get("results")
+    if not isinstance(results, list) or len(results) != n_prompts:
+        raise ServerError(f"expected {n_prompts} results, got {payload!r:.200}")
+    version = payload.get("policy_version")
+    if expected_version is not None and version != expected_version:
+        raise ServerError(f"server answered with version {version}, expected {expected_version}")
+    out = []
+    for i, result in enumerate(sorted(results, key=lambda r: r["prompt_index"])):
+        completions = result["completions"]
+        if result["prompt_index"] != i or len(completions) != n:
+            raise ServerError(f"result {i} has {len(completions)} completions, expected {n}")
+        out.append(
+            [
+                {
+                    "token_ids": c["token_ids"],
+                    "logprobs": c["logprobs"],
+                    "finish_reason": c["finish_reason"],
+                    "policy_version": c["policy_version"],
+                }
+                for c in completions
+            ]
+        )
+    return out

@@ -1,0 +1,402 @@
+"""`gspo rollout-server`: a vLLM engine behind a small authenticated HTTP API.
+
+Routes (JSON bodies; `Authorization: Bearer <token>` on every /control route, and on
+/v1/generate with --require-token-for-generate; the token comes from $GSPO_SYNC_TOKEN):
+
+    POST /v1/generate          {"prompts": [[ids]|"text"], "sampling": {...}} -> completions
+    GET  /health               liveness and state (200 while the process serves)
+    GET  /ready                200 only once the server holds the learner's weights
+    GET  /metrics              Prometheus text: ours (gspo_rollout_*) and vLLM's own
+    POST /control/pause        stop admitting generations and drain those in flight
+    POST /control/resume
+    POST /control/sync/init    join the learner's weight-sync group
+    POST /control/sync/update  receive one bucketed broadcast, load it, bump the version
+
+A generation request is admitted whole under one policy version and the version cannot
+change while any admitted request runs, so no response mixes two versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import logging
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import asdict
+from typing import Any
+
+from aiohttp import web
+
+from gspo_trainer import ports
+from gspo_trainer.rollout.engine import Engine, EngineOptions
+from gspo_trainer.rollout.types import SamplingParams
+
+log = logging.getLogger("gspo.rollout")
+
+ENGINE_KEY: web.AppKey[Engine] = web.AppKey("engine")
+STATE_KEY: web.AppKey[ServerState] = web.AppKey("state")
+
+
+class DrainGate:
+    """Admits generations unless paused; `pause` waits until the admitted ones finish."""
+
+    def __init__(self) -> None:
+        self.active = 0
+        self._open = asyncio.Event()
+        self._open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def paused(self) -> bool:
+        return not self._open.is_set()
+
+    @asynccontextmanager
+    async def admit(self, timeout_s: float) -> AsyncIterator[None]:
+        await asyncio.wait_for(self._open.wait(), timeout_s)
+        self.active += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.active -= 1
+            if self.active == 0:
+                self._idle.set()
+
+    async def pause(self, timeout_s: float) -> None:
+        self._open.clear()
+        await asyncio.wait_for(self._idle.wait(), timeout_s)
+
+    def resume(self) -> None:
+        self._open.set()
+
+
+class ServerState:
+    def __init__(self, token: str | None, require_token_for_generate: bool, version: int | None):
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        self.token = token
+        self.require_token_for_generate = require_token_for_generate
+        self.policy_version = version  # None: not synced, not ready
+        self.gate = DrainGate()
+        self.sync_lock = asyncio.Lock()
+        self.registry = CollectorRegistry()
+        self.version_gauge = Gauge(
+            "gspo_rollout_policy_version",
+            "Policy version of the weights this server generates with (-1: not synced)",
+            registry=self.registry,
+        )
+        self.sync_seconds = Gauge(
+            "gspo_rollout_last_sync_seconds",
+            "Wall time of the last weight update, receive and load",
+            registry=self.registry,
+        )
+        self.sync_bytes = Gauge(
+            "gspo_rollout_last_sync_bytes",
+            "Bytes received by the last weight update",
+            registry=self.registry,
+        )
+        self.requests = Counter(
+            "gspo_rollout_requests",
+            "Generation requests served, by outcome",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.set_version(version)
+
+    def set_version(self, version: int | None) -> None:
+        self.policy_version = version
+        self.version_gauge.set(-1 if version is None else version)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+def _authorized(state: ServerState, request: web.Request) -> bool:
+    header = request.headers.get("Authorization", "")
+    if state.token is None or not header.startswith("Bearer "):
+        return False
+    return hmac.compare_digest(header.removeprefix("Bearer ").encode(), state.token.encode())
+
+
+def _guarded(
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        state = request.app[STATE_KEY]
+        if state.token is None:
+            return _error(403, f"control routes are disabled: set ${ports.ENV_SYNC_TOKEN}")
+        if not _authorized(state, request):
+            return _error(401, "missing or wrong bearer token")
+        return await handler(request)
+
+    return wrapped
+
+
+async def _json(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        raise web.HTTPBadRequest(text=f"body is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise web.HTTPBadRequest(text="body must be a JSON object")
+    return body
+
+
+def parse_sampling(raw: dict[str, Any]) -> SamplingParams:
+    allowed = set(SamplingParams.__dataclass_fields__)
+    unknown = set(raw) - allowed
+    if unknown:
+        raise web.HTTPBadRequest(
+            text=f"sampling: unknown fields {sorted(unknown)}; allowed: {sorted(allowed)}"
+        )
+    try:
+        params = SamplingParams(**{**raw, "stop_token_ids": tuple(raw.get("stop_token_ids", ()))})
+    except TypeError as exc:
+        raise web.HTTPBadRequest(text=f"sampling: {exc}") from exc
+    if params.n < 1 or params.max_tokens < 1:
+        raise web.HTTPBadRequest(text="sampling.n and sampling.max_tokens must be >= 1")
+    return params
+
+
+async def generate(request: web.Request) -> web.Response:
+    state, engine = request.app[STATE_KEY], request.app[ENGINE_KEY]
+    if state.require_token_for_generate and not _authorized(state, request):
+        return _error(401, "missing or wrong bearer token")
+    body = await _json(request)
+    params = parse_sampling(body.get("sampling", {}))
+    prompts = body.get("prompts")
+    if not isinstance(prompts, list) or not prompts:
+        return _error(400, "prompts: give a non-empty list of token-id lists or strings")
+    token_prompts = [engine.tokenize(p) if isinstance(p, str) else p for p in prompts]
+    if state.policy_version is None:
+        return _error(503, "not synced: waiting for the learner's weights")
+    timeout_s = float(body.get("timeout_s", 600))
+    try:
+        async with state.gate.admit(timeout_s):
+            version = state.policy_version
+            groups = await asyncio.gather(*(engine.generate(p, params) for p in token_prompts))
+    except Exception as exc:
+        state.requests.labels("error").inc()
+        log.exception("generation failed")
+        return _error(503, f"generation failed: {exc}")
+    state.requests.labels("ok").inc()
+    results = [
+        {
+            "prompt_index": i,
+            "prompt_token_ids": token_prompts[i],
+            "completions": [{**asdict(s), "policy_version": version} for s in samples],
+        }
+        for i, samples in enumerate(groups)
+    ]
+    return web.json_response({"policy_version": version, "results": results})
+
+
+async def health(request: web.Request) -> web.Response:
+    state, engine = request.app[STATE_KEY], request.app[ENGINE_KEY]
+    return web.json_response(
+        {
+            "status": "ok",
+            "policy_version": state.policy_version,
+            "synced": state.policy_version is not None,
+            "paused": state.gate.paused,
+            "active_requests": state.gate.active,
+            "workers": engine.workers,
+        }
+    )
+
+
+async def ready(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    if state.policy_version is None:
+        return _error(503, "not synced: waiting for the learner's weights")
+    return web.json_response({"ready": True, "policy_version": state.policy_version})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    from prometheus_client import REGISTRY, generate_latest
+
+    text = generate_latest(request.app[STATE_KEY].registry) + generate_latest(REGISTRY)
+    return web.Response(body=text, content_type="text/plain", charset="utf-8")
+
+
+@_guarded
+async def pause(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    body = await _json(request) if request.can_read_body else {}
+    try:
+        await state.gate.pause(float(body.get("timeout_s", 300)))
+    except TimeoutError:
+        return _error(504, f"still {state.gate.active} requests in flight; still paused")
+    return web.json_response({"paused": True, "policy_version": state.policy_version})
+
+
+@_guarded
+async def resume(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    state.gate.resume()
+    return web.json_response({"paused": False, "policy_version": state.policy_version})
+
+
+SYNC_INIT_FIELDS = ("master_addr", "master_port", "rank_offset", "world_size", "group_name")
+
+
+@_guarded
+async def sync_init(request: web.Request) -> web.Response:
+    state, engine = request.app[STATE_KEY], request.app[ENGINE_KEY]
+    body = await _json(request)
+    missing = [f for f in SYNC_INIT_FIELDS if f not in body]
+    if missing:
+        return _error(400, f"sync/init: missing fields {missing}")
+    coords = {f: body[f] for f in SYNC_INIT_FIELDS}
+    coords["backend"] = body.get("backend", "gloo")
+    coords["timeout_s"] = float(body.get("timeout_s", 120))
+    async with state.sync_lock:
+        try:
+            await engine.init_sync_group(**coords)
+        except Exception as exc:
+            log.exception("joining the sync group failed")
+            return _error(500, f"sync/init failed: {exc}")
+    return web.json_response({"joined": True, "workers": engine.workers})
+
+
+@_guarded
+async def sync_update(request: web.Request) -> web.Response:
+    state, engine = request.app[STATE_KEY], request.app[ENGINE_KEY]
+    body = await _json(request)
+    timeout_s = float(body.get("timeout_s", 600))
+    async with state.sync_lock:
+        was_paused = state.gate.paused
+        try:
+            await state.gate.pause(timeout_s)
+            start = time.perf_counter()
+            received = await engine.receive_weights(timeout_s)
+        except Exception as exc:
+            log.exception("weight update failed")
+            # Weights may be half loaded: this server must not serve until a full update.
+            state.set_version(None)
+            return _error(500, f"sync/update failed, server marked not synced: {exc}")
+        finally:
+            if not was_paused:
+                state.gate.resume()
+        seconds = time.perf_counter() - start
+        state.set_version(int(received["version"]))
+        state.sync_seconds.set(seconds)
+        state.sync_bytes.set(received["bytes"])
+    log.info("Loaded policy version %s (%s bytes, %.2fs)", state.policy_version,
+             received["bytes"], seconds)  # fmt: skip
+    return web.json_response({**received, "policy_version": state.policy_version,
+                              "seconds": seconds})  # fmt: skip
+
+
+def build_app(
+    engine: Engine,
+    *,
+    token: str | None,
+    require_token_for_generate: bool = False,
+    initial_version: int | None = None,
+) -> web.Application:
+    app = web.Application(client_max_size=256 * 1024 * 1024)
+    app[ENGINE_KEY] = engine
+    app[STATE_KEY] = ServerState(token, require_token_for_generate, initial_version)
+    app.router.add_post("/v1/generate", generate)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/control/pause", pause)
+    app.router.add_post("/control/resume", resume)
+    app.router.add_post("/control/sync/init", sync_init)
+    app.router.add_post("/control/sync/update", sync_update)
+    return app
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="gspo rollout-server", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="HF name, local path, or builtin:tiny-*")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=ports.ROLLOUT_HTTP_PORT)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra vLLM engine argument (repeatable); VALUE is parsed as JSON "
+                        "when it can be")  # fmt: skip
+    p.add_argument("--require-token-for-generate", action="store_true")
+    p.add_argument("--initial-policy-version", type=int, default=None,
+                   help="serve the loaded weights as this version at once; without it the "
+                        "server is not ready until the learner's first update")  # fmt: skip
+    p.add_argument("--cache-dir", default=None, help="where builtin:* models are written")
+    return p.parse_args(argv)
+
+
+def parse_engine_args(pairs: list[str]) -> dict[str, Any]:
+    import json
+
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--engine-arg {pair!r}: write KEY=VALUE, e.g. seed=0")
+        try:
+            out[key.replace("-", "_")] = json.loads(value)
+        except ValueError:
+            out[key.replace("-", "_")] = value
+    return out
+
+
+def resolve_model(model: str, cache_dir: str | None) -> str:
+    if model.startswith("builtin:"):
+        from gspo_trainer.tiny import materialize
+
+        return str(materialize(model, cache_dir))
+    return model
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from gspo_trainer.rollout.engine import VLLMEngine
+
+    token = os.environ.get(ports.ENV_SYNC_TOKEN) or None
+    if token is None:
+        log.warning("$%s is not set: control routes are disabled", ports.ENV_SYNC_TOKEN)
+    options = EngineOptions(
+        model=resolve_model(args.model, args.cache_dir),
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=args.tensor_parallel_size,
+        extra=parse_engine_args(args.engine_arg),
+    )
+    engine = await VLLMEngine.start(options)
+    app = build_app(
+        engine,
+        token=token,
+        require_token_for_generate=args.require_token_for_generate,
+        initial_version=args.initial_policy_version,
+    )
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    log.info("Serving %s on %s:%s", options.model, args.host, args.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+    await engine.shutdown()
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    asyncio.run(serve(parse_args(argv)))
+    return 0

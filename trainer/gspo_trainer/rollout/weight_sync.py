@@ -1,0 +1,321 @@
+"""Bucketed weight broadcast from learner rank 0 to the rollout servers' workers.
+
+Parameters are packed as raw bytes into fixed-size flat buckets, so the number of
+collective calls grows with the model's bytes, not its tensor count (a 48-layer MoE has
+thousands of tensors). Before the buckets, rank 0 broadcasts a small JSON header that
+lists, per bucket, each tensor's name, shape, dtype and byte offset; receivers unflatten
+with that header alone. Both sides share this module: the learner through
+`WeightSender`, a vLLM worker through `receive_weights` (see `worker_ext.py`).
+
+The group is a standalone torch.distributed process group (gloo on CPU, NCCL on GPU) built
+on a TCPStore that rank 0 hosts: it never touches the default group, which belongs to
+DeepSpeed on the learner and to vLLM in the server's workers.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+HEADER_FORMAT = 1
+ALIGN_BYTES = 64  # every tensor starts at an offset that any dtype can be viewed from
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
+    offset: int  # byte offset inside its bucket
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    nbytes: int
+    tensors: tuple[TensorMeta, ...]
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    version: int
+    bytes_total: int
+    buckets: int
+    tensors: int
+    seconds: float
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+
+
+def plan_buckets(
+    metas: Iterable[tuple[str, tuple[int, ...], str, int]], bucket_bytes: int
+) -> list[Bucket]:
+    """Group (name, shape, dtype, nbytes) in order into buckets of at most `bucket_bytes`.
+
+    A tensor larger than a bucket gets a bucket of its own, sized to fit it.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
+    buckets: list[Bucket] = []
+    current: list[TensorMeta] = []
+    used = 0
+    for name, shape, dtype, nbytes in metas:
+        start = _align(used)
+        if current and start + nbytes > bucket_bytes:
+            buckets.append(Bucket(used, tuple(current)))
+            current, used, start = [], 0, 0
+        current.append(TensorMeta(name, tuple(shape), dtype, start, nbytes))
+        used = start + nbytes
+    if current:
+        buckets.append(Bucket(used, tuple(current)))
+    return buckets
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def torch_module() -> Any:
+    import torch
+
+    return torch
+
+
+def flatten_bucket(bucket: Bucket, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The bucket's tensors as one uint8 buffer, each at its planned offset (one `cat`)."""
+    torch = torch_module()
+    device = next(iter(tensors.values())).device if tensors else "cpu"
+    pad = torch.zeros(ALIGN_BYTES, dtype=torch.uint8, device=device)
+    pieces, end = [], 0
+    for meta in bucket.tensors:
+        if meta.offset > end:
+            pieces.append(pad[: meta.offset - end])
+        t = tensors[meta.name].detach()
+        pieces.append(t.contiguous().view(-1).view(torch.uint8) if t.dim() else
+                      t.reshape(1).view(torch.uint8))  # fmt: skip
+        end = meta.offset + meta.nbytes
+    return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
+
+
+def unflatten_bucket(bucket: Bucket, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Views of `buffer` as the bucket's named tensors (no copy)."""
+    torch = torch_module()
+    out = []
+    for meta in bucket.tensors:
+        raw = buffer[meta.offset : meta.offset + meta.nbytes]
+        out.append((meta.name, raw.view(getattr(torch, meta.dtype)).view(meta.shape)))
+    return out
+
+
+def encode_header(version: int, buckets: list[Bucket]) -> bytes:
+    body = {
+        "format": HEADER_FORMAT,
+        "version": version,
+        "buckets": [
+            {
+                "nbytes": b.nbytes,
+                "tensors": [[m.name, m.shape, m.dtype, m.offset, m.nbytes] for m in b.tensors],
+            }
+            for b in buckets
+        ],
+    }
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def decode_header(raw: bytes) -> tuple[int, list[Bucket]]:
+    body = json.loads(raw)
+    if body.get("format") != HEADER_FORMAT:
+        raise ValueError(
+            f"weight-sync header format {body.get('format')!r} is not {HEADER_FORMAT}: "
+            "learner and rollout server run different versions of gspo_trainer"
+        )
+    buckets = [
+        Bucket(
+            b["nbytes"],
+            tuple(
+                TensorMeta(name, tuple(shape), dtype, offset, nbytes)
+                for name, shape, dtype, offset, nbytes in b["tensors"]
+            ),
+        )
+        for b in body["buckets"]
+    ]
+    return int(body["version"]), buckets
+
+
+def checkpoint_named_tensors(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Rename a transformers model's parameters to checkpoint names that vLLM loads.
+
+    transformers 5 keeps a MoE layer's experts fused (`experts.gate_up_proj` (E, 2I, H),
+    `experts.down_proj` (E, H, I)); checkpoints, and vLLM's loader, name each expert's
+    `gate_proj`/`up_proj`/`down_proj` weight. Other names pass through unchanged. The
+    pieces are views, no copy.
+    """
+    for name, t in named_tensors:
+        prefix, _, leaf = name.rpartition(".experts.")
+        if prefix and t.dim() == 3 and leaf in ("gate_up_proj", "down_proj"):
+            half = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                base = f"{prefix}.experts.{e}"
+                if leaf == "gate_up_proj":
+                    yield f"{base}.gate_proj.weight", t[e, :half]
+                    yield f"{base}.up_proj.weight", t[e, half:]
+                else:
+                    yield f"{base}.down_proj.weight", t[e]
+        else:
+            yield name, t
+
+
+# --- the process group ---------------------------------------------------------------
+
+
+class SyncGroup:
+    """A standalone process group of learner rank 0 (root) and the rollout workers."""
+
+    def __init__(self, pg: Any, store: Any, rank: int, world_size: int, device: str) -> None:
+        self.pg, self.store, self.rank, self.world_size, self.device = (
+            pg,
+            store,
+            rank,
+            world_size,
+            device,
+        )
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        self.broadcast_async(tensor).wait()
+
+    def broadcast_async(self, tensor: torch.Tensor) -> Any:
+        """Start a broadcast from rank 0; returns the work handle to `wait()` on."""
+        torch = torch_module()
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank = 0
+        return self.pg.broadcast([tensor], opts)
+
+
+def connect_store(host: str, port: int, *, is_master: bool, timeout_s: float) -> Any:
+    """The TCPStore rendezvous; rank 0 hosts it and can keep it for many groups."""
+    torch = torch_module()
+    return torch.distributed.TCPStore(
+        host,
+        port,
+        None,
+        is_master=is_master,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def open_group(
+    store: Any,
+    group_name: str,
+    rank: int,
+    world_size: int,
+    *,
+    backend: str = "gloo",
+    timeout_s: float = 120.0,
+) -> SyncGroup:
+    """Join group `group_name` on `store`; blocks until all `world_size` ranks have joined."""
+    torch = torch_module()
+    dist = torch.distributed
+    prefixed = dist.PrefixStore(f"gspo-sync/{group_name}", store)
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        pg, device = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout), "cpu"
+    elif backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg, device = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts), "cuda"
+    else:
+        raise ValueError(f"weight-sync backend {backend!r} is not one of 'gloo', 'nccl'")
+    group = SyncGroup(pg, store, rank, world_size, device)
+    # One tiny collective so that a rank missing from the group fails here, not mid-update.
+    group.broadcast(torch.zeros(1, dtype=torch.uint8, device=device))
+    return group
+
+
+def _broadcast_header(group: SyncGroup, header: bytes) -> None:
+    torch = torch_module()
+    length = torch.tensor([len(header)], dtype=torch.int64, device=group.device)
+    group.broadcast(length)
+    payload = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(group.device)
+    group.broadcast(payload)
+
+
+def _receive_header(group: SyncGroup) -> bytes:
+    torch = torch_module()
+    length = torch.zeros(1, dtype=torch.int64, device=group.device)
+    group.broadcast(length)
+    payload = torch.empty(int(length.item()), dtype=torch.uint8, device=group.device)
+    group.broadcast(payload)
+    return payload.cpu().numpy().tobytes()
+
+
+class WeightSender:
+    """Rank 0's side: `send(named_tensors, version)` broadcasts header then buckets."""
+
+    def __init__(self, group: SyncGroup, *, bucket_mb: float = 256.0) -> None:
+        if group.rank != 0:
+            raise ValueError(f"WeightSender must be rank 0 of the sync group, not {group.rank}")
+        self.group = group
+        self.bucket_bytes = int(bucket_mb * 1024 * 1024)
+
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
+        start = time.perf_counter()
+        tensors = dict(named_tensors)
+        metas = [
+            (name, tuple(t.shape), _dtype_name(t), t.numel() * t.element_size())
+            for name, t in tensors.items()
+        ]
+        buckets = plan_buckets(metas, self.bucket_bytes)
+        _broadcast_header(self.group, encode_header(version, buckets))
+        # Flatten bucket k+1 while bucket k is on the wire.
+        in_flight: Any = None
+        for bucket in buckets:
+            buffer = flatten_bucket(bucket, tensors).to(self.group.device)
+            if in_flight is not None:
+                in_flight.wait()
+            in_flight = self.group.broadcast_async(buffer)
+        if in_flight is not None:
+            in_flight.wait()
+        return SyncStats(
+            version=version,
+            bytes_total=sum(m[3] for m in metas),
+            buckets=len(buckets),
+            tensors=len(metas),
+            seconds=time.perf_counter() - start,
+        )
+
+
+def receive_weights(group: SyncGroup) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+    """A receiver's side: (version, iterator of named tensors, bucket by bucket).
+
+    The iterator must be consumed to the end: each step takes part in a broadcast.
+    """
+    torch = torch_module()
+    version, buckets = decode_header(_receive_header(group))
+
+    def post(bucket: Bucket) -> tuple[Bucket, torch.Tensor, Any]:
+        buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=group.device)
+        return bucket, buffer, group.broadcast_async(buffer)
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        # Receive bucket k+1 while the caller loads bucket k.
+        pending = post(buckets[0]) if buckets else None
+        for k in range(len(buckets)):
+            assert pending is not None
+            bucket, buffer, work = pending
+            work.wait()
+            pending = post(buckets[k + 1]) if k + 1 < len(buckets) else None
+            yield from unflatten_bucket(bucket, buffer)
+
+    return version, tensors()
