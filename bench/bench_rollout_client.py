@@ -27,6 +27,7 @@ REPEATS = 5
 
 async def bench(args: argparse.Namespace) -> None:
     from aiohttp import web
+
     from gspo_trainer.rollout.client import RolloutClient
     from gspo_trainer.rollout.engine import EngineOptions, VLLMEngine
     from gspo_trainer.rollout.server import build_app

@@ -19,6 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))
 
 import torch
+
 from gspo_trainer.rollout import weight_sync as ws
 
 REPEATS = 5

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from gspo_trainer.config import API_GROUP, API_VERSION, KIND, GSPOJobSpec, GSPOJobStatus
 
 PLURAL = "gspojobs"

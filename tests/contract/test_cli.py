@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import yaml
+
 from gspo_operator.cli import SUBCOMMANDS
 from gspo_operator.crd import render_crd
 

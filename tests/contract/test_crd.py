@@ -9,6 +9,7 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
+
 from gspo_operator.crd import CHART_CRD_PATH, render_crd, render_crd_yaml, structural
 from gspo_trainer.config import GSPOJobSpec
 

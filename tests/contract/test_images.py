@@ -11,6 +11,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+
 from gspo_operator.cli import SUBCOMMANDS
 from gspo_trainer import ports
 

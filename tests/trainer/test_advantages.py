@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from gspo_trainer.advantages import group_advantages
 
 

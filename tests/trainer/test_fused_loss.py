@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from gspo_trainer.fused_loss import _groups, policy_loss_from_hidden
 from gspo_trainer.logprobs import token_logprobs_from_hidden
 from gspo_trainer.loss import policy_loss

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from gspo_trainer.logprobs import token_logprobs, token_logprobs_from_hidden
 
 

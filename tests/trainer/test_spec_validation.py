@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from conftest import checkout_env
+from checkout import checkout_env
+
 from gspo_trainer.validation import SpecError, parse_spec
 
 

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
 from gspo_trainer.loss import policy_loss
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")

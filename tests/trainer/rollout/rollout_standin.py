@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+
 from gspo_trainer.rollout.engine import Sample
 from gspo_trainer.rollout.types import SamplingParams
 
@@ -82,6 +83,7 @@ async def spawn_standin(delay_s: float) -> tuple[subprocess.Popen[bytes], str]:
 
 if __name__ == "__main__":
     from aiohttp import web
+
     from gspo_trainer.rollout.server import build_app
 
     port, delay = int(sys.argv[1]), float(sys.argv[2])

@@ -12,10 +12,11 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from rollout_standin import StandInEngine, spawn_standin
+
 from gspo_trainer.rollout.client import RolloutClient, RolloutError
 from gspo_trainer.rollout.server import build_app
 from gspo_trainer.rollout.types import SamplingParams
-from rollout_standin import StandInEngine, spawn_standin
 
 TOKEN = "s3cret"
 

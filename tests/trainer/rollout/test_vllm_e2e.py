@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 import torch
+from rollout_standin import TOKEN, free_port
+
 from gspo_trainer.rollout.client import RolloutClient, SyncOptions
 from gspo_trainer.rollout.types import RolloutBatch, SamplingParams
 from gspo_trainer.tiny import build_tiny_model, materialize
-from rollout_standin import TOKEN, free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -7,6 +7,7 @@ import socket
 
 import pytest
 import torch
+
 from gspo_trainer.rollout import weight_sync as ws
 
 
@@ -110,8 +111,9 @@ def test_sender_to_receiver_over_gloo() -> None:
 
 
 def test_checkpoint_names_match_a_saved_moe_checkpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from gspo_trainer.tiny import build_tiny_model
     from safetensors.torch import load_file
+
+    from gspo_trainer.tiny import build_tiny_model
 
     model, _ = build_tiny_model("builtin:tiny-qwen3-moe", seed=3)
     model.save_pretrained(tmp_path)

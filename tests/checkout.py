@@ -1,0 +1,32 @@
+"""Running `gspo` as a user would, from this checkout (importable from any test directory)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def checkout_env(**extra: str) -> dict[str, str]:
+    """Environment whose Python imports this checkout's packages first."""
+    env = dict(os.environ)
+    paths = [str(REPO / "operator"), str(REPO / "trainer")]
+    env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update(extra)
+    return env
+
+
+def run_gspo(*args: str, timeout_s: float = 120, **kwargs) -> subprocess.CompletedProcess[str]:
+    """Run `gspo ARGS...` in a subprocess, as the console script would."""
+    return subprocess.run(
+        [sys.executable, "-m", "gspo_operator.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=checkout_env(),
+        cwd=kwargs.pop("cwd", REPO),
+        **kwargs,
+    )
