@@ -26,3 +26,18 @@ ENV_CONFIG_PATH = "GSPO_CONFIG"  # path of the run config (ConfigMap mount)
 ENV_SYNC_TOKEN = "GSPO_SYNC_TOKEN"  # bearer token for control endpoints (from a Secret)
 ENV_ROLLOUT_URLS = "GSPO_ROLLOUT_URLS"  # comma-separated rollout base URLs
 ENV_CHECKPOINT_DIR = "GSPO_CHECKPOINT_DIR"
+ENV_JOB_NAME = "GSPO_JOB_NAME"  # the GSPOJob's name (metrics labels, log lines)
+ENV_POD_IP = "GSPO_POD_IP"  # this pod's IP (downward API): learner rank 0 hosts weight sync on it
+# The learner group: torch.distributed's MASTER_ADDR/MASTER_PORT plus these three; a learner
+# pod starts GSPO_NPROC_PER_NODE processes (one per GPU, 1 on CPU) as node GSPO_NODE_RANK.
+ENV_NODE_RANK = "GSPO_NODE_RANK"
+ENV_NNODES = "GSPO_NNODES"
+ENV_NPROC_PER_NODE = "GSPO_NPROC_PER_NODE"
+
+# Where pods find things.
+CONFIG_DIR = "/etc/gspo"  # ConfigMap mount; holds CONFIG_FILE, the whole GSPOJob manifest
+CONFIG_FILE = "gspojob.yaml"
+CHECKPOINT_DIR = "/checkpoints"  # checkpoint volume mount
+# GSPO_ROLLOUT_URLS may name a headless Service instead of fixed servers:
+# "dns+http://HOST:PORT" means "every address HOST resolves to, re-resolved each step".
+ROLLOUT_DNS_SCHEME = "dns+http"
