@@ -58,7 +58,9 @@ class LearnerMetrics:
         r = self.registry
         self.step = Gauge("gspo_step", "Completed training steps.", registry=r)
         self.last_step_time = Gauge(
-            "gspo_last_step_timestamp_seconds", "Unix time the last step ended.", registry=r
+            "gspo_last_step_timestamp_seconds",
+            "Unix time the last step ended (the start time until the first step ends).",
+            registry=r,
         )
         self.policy_version = Gauge(
             "gspo_policy_version", "Weights version the rollout servers last received.", registry=r
@@ -99,6 +101,9 @@ class LearnerMetrics:
             "Unix time of the newest complete checkpoint (0 before the first).",
             registry=r,
         )
+        self.checkpoint_every_steps = Gauge(
+            "gspo_checkpoint_every_steps", "Configured steps between checkpoints.", registry=r
+        )
         self.checkpoint_failures = Counter(
             "gspo_checkpoint_failures", "Checkpoint writes that failed.", registry=r
         )
@@ -106,6 +111,7 @@ class LearnerMetrics:
             "gspo_run_start_timestamp_seconds", "Unix time this learner started.", registry=r
         )
         self.run_start.set(time.time())
+        self.last_step_time.set(time.time())
 
     def observe_step(self, step: int, stats: Mapping[str, float]) -> None:
         """Record one finished step; keys not in STEP_GAUGES are ignored."""
