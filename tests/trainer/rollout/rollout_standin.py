@@ -27,6 +27,8 @@ class StandInEngine:
     """Completion k of prompt p is [sum(p) % 15, k, ...]; remembers which prompts it saw."""
 
     workers = 1
+    max_model_len = 64
+    vocab_size = 15
 
     def __init__(self, delay_s: float = 0.0) -> None:
         self.delay_s = delay_s

@@ -39,6 +39,8 @@ class EngineOptions:
 
 class Engine(Protocol):
     workers: int
+    max_model_len: int  # prompt + response tokens the engine can hold
+    vocab_size: int
 
     async def generate(self, prompt: list[int], params: SamplingParams) -> list[Sample]: ...
 
@@ -72,6 +74,8 @@ class VLLMEngine:
     def __init__(self, llm: Any, workers: int) -> None:
         self.llm = llm
         self.workers = workers
+        self.max_model_len = int(llm.model_config.max_model_len)
+        self.vocab_size = int(llm.model_config.get_vocab_size())
         self._ids = itertools.count()
 
     @classmethod
@@ -99,8 +103,7 @@ class VLLMEngine:
         return engine
 
     async def warm_up(self) -> None:
-        vocab = self.llm.model_config.get_vocab_size()
-        prompt = [i % vocab for i in range(3, 3 + WARMUP_PROMPT_TOKENS)]
+        prompt = [i % self.vocab_size for i in range(3, 3 + WARMUP_PROMPT_TOKENS)]
         await self.generate(prompt, SamplingParams(n=1, max_tokens=2, temperature=0.0))
 
     async def generate(self, prompt: list[int], params: SamplingParams) -> list[Sample]:

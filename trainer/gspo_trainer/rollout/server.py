@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
+import json
 import logging
 import os
 import signal
@@ -118,6 +119,11 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
+def _bad_request(message: str) -> web.HTTPBadRequest:
+    """A 400 to raise from parsing helpers, with the same JSON body as `_error`."""
+    return web.HTTPBadRequest(text=json.dumps({"error": message}), content_type="application/json")
+
+
 def _authorized(state: ServerState, request: web.Request) -> bool:
     header = request.headers.get("Authorization", "")
     if state.token is None or not header.startswith("Bearer "):
@@ -143,26 +149,79 @@ async def _json(request: web.Request) -> dict[str, Any]:
     try:
         body = await request.json()
     except ValueError as exc:
-        raise web.HTTPBadRequest(text=f"body is not JSON: {exc}") from exc
+        raise _bad_request(f"body is not JSON: {exc}") from exc
     if not isinstance(body, dict):
-        raise web.HTTPBadRequest(text="body must be a JSON object")
+        raise _bad_request("body must be a JSON object")
     return body
 
 
-def parse_sampling(raw: dict[str, Any]) -> SamplingParams:
+MAX_SAMPLES_PER_REQUEST = 65536  # prompts x n in one request
+MAX_N = 1024
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+def parse_sampling(raw: dict[str, Any], max_model_len: int) -> SamplingParams:
+    if not isinstance(raw, dict):
+        raise _bad_request("sampling: give a JSON object of sampling parameters")
     allowed = set(SamplingParams.__dataclass_fields__)
     unknown = set(raw) - allowed
     if unknown:
-        raise web.HTTPBadRequest(
-            text=f"sampling: unknown fields {sorted(unknown)}; allowed: {sorted(allowed)}"
+        raise _bad_request(
+            f"sampling: unknown fields {sorted(unknown)}; allowed: {sorted(allowed)}"
         )
     try:
         params = SamplingParams(**{**raw, "stop_token_ids": tuple(raw.get("stop_token_ids", ()))})
     except TypeError as exc:
-        raise web.HTTPBadRequest(text=f"sampling: {exc}") from exc
-    if params.n < 1 or params.max_tokens < 1:
-        raise web.HTTPBadRequest(text="sampling.n and sampling.max_tokens must be >= 1")
+        raise _bad_request(f"sampling: {exc}") from exc
+    problems = []
+    if not isinstance(params.n, int) or not 1 <= params.n <= MAX_N:
+        problems.append(f"sampling.n must be an integer in 1..{MAX_N}, got {params.n!r}")
+    if not isinstance(params.max_tokens, int) or not 1 <= params.max_tokens < max_model_len:
+        problems.append(
+            f"sampling.max_tokens must be an integer in 1..{max_model_len - 1} "
+            f"(the server's --max-model-len is {max_model_len}), got {params.max_tokens!r}"
+        )
+    if not isinstance(params.temperature, int | float) or params.temperature < 0:
+        problems.append(f"sampling.temperature must be >= 0, got {params.temperature!r}")
+    if not isinstance(params.top_p, int | float) or not 0 < params.top_p <= 1:
+        problems.append(f"sampling.top_p must be in (0, 1], got {params.top_p!r}")
+    if problems:
+        raise _bad_request("; ".join(problems))
     return params
+
+
+def parse_prompts(raw: Any, engine: Engine, params: SamplingParams) -> list[list[int]]:
+    """Token-id prompts that fit the model with room for max_tokens, or 400 naming the first
+    that does not."""
+    if not isinstance(raw, list) or not raw:
+        raise _bad_request("prompts: give a non-empty list of token-id lists or strings")
+    if len(raw) * params.n > MAX_SAMPLES_PER_REQUEST:
+        raise _bad_request(
+            f"prompts x sampling.n is {len(raw) * params.n}, above "
+            f"{MAX_SAMPLES_PER_REQUEST} per request: split the batch"
+        )
+    prompts = []
+    room = engine.max_model_len - params.max_tokens
+    for i, prompt in enumerate(raw):
+        if isinstance(prompt, str):
+            prompt = engine.tokenize(prompt)
+        elif not isinstance(prompt, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < engine.vocab_size
+            for t in prompt
+        ):
+            raise _bad_request(
+                f"prompts[{i}]: give a string or a list of token ids in 0..{engine.vocab_size - 1}"
+            )
+        if not prompt:
+            raise _bad_request(f"prompts[{i}] is empty")
+        if len(prompt) > room:
+            raise _bad_request(
+                f"prompts[{i}] has {len(prompt)} tokens; with sampling.max_tokens "
+                f"{params.max_tokens} the model holds at most {room} (--max-model-len "
+                f"{engine.max_model_len}): shorten the prompt or max_tokens"
+            )
+        prompts.append(prompt)
+    return prompts
 
 
 async def generate(request: web.Request) -> web.Response:
@@ -170,11 +229,13 @@ async def generate(request: web.Request) -> web.Response:
     if state.require_token_for_generate and not _authorized(state, request):
         return _error(401, "missing or wrong bearer token")
     body = await _json(request)
-    params = parse_sampling(body.get("sampling", {}))
-    prompts = body.get("prompts")
-    if not isinstance(prompts, list) or not prompts:
-        return _error(400, "prompts: give a non-empty list of token-id lists or strings")
-    token_prompts = [engine.tokenize(p) if isinstance(p, str) else p for p in prompts]
+    unknown = set(body) - {"prompts", "sampling", "timeout_s"}
+    if unknown:
+        return _error(
+            400, f"unknown fields {sorted(unknown)}; allowed: prompts, sampling, timeout_s"
+        )
+    params = parse_sampling(body.get("sampling", {}), engine.max_model_len)
+    token_prompts = parse_prompts(body.get("prompts"), engine, params)
     if state.policy_version is None:
         return _error(503, "not synced: waiting for the learner's weights")
     timeout_s = float(body.get("timeout_s", 600))
@@ -302,7 +363,7 @@ def build_app(
     require_token_for_generate: bool = False,
     initial_version: int | None = None,
 ) -> web.Application:
-    app = web.Application(client_max_size=256 * 1024 * 1024)
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[ENGINE_KEY] = engine
     app[STATE_KEY] = ServerState(token, require_token_for_generate, initial_version)
     app.router.add_post("/v1/generate", generate)
@@ -338,8 +399,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def parse_engine_args(pairs: list[str]) -> dict[str, Any]:
-    import json
-
     out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
