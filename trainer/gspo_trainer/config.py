@@ -8,9 +8,10 @@ Qwen3-30B-A3B on a cluster would start from; `gspo train` overrides them for a l
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 API_GROUP = "gspo.dev"
@@ -20,7 +21,28 @@ KIND = "GSPOJob"
 LossLevel = Literal["gspo", "gspo-token", "grpo"]
 OldLogprobSource = Literal["learner", "engine"]
 Dtype = Literal["bfloat16", "float16", "float32"]
-Quantity = Annotated[str | int, Field(json_schema_extra={"x-kubernetes-int-or-string": True})]
+# Kubernetes' resource.Quantity, non-negative: 8, "500m", "64Gi", "1e3".
+_QUANTITY = re.compile(
+    r"(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?"
+)
+
+
+def _quantity(value: Any) -> Any:
+    """One clear error for anything that is not a quantity (not one per union member)."""
+    example = 'write it like 8, "500m" or "64Gi"'
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise ValueError(f"must be a Kubernetes quantity; {example}")
+    valid = value >= 0 if isinstance(value, int) else _QUANTITY.fullmatch(value) is not None
+    if not valid:
+        raise ValueError(f"{value!r} is not a non-negative Kubernetes quantity; {example}")
+    return value
+
+
+Quantity = Annotated[
+    str | int,
+    BeforeValidator(_quantity),
+    Field(json_schema_extra={"x-kubernetes-int-or-string": True}),
+]
 
 # The paper's clip ranges: GSPO's are tiny because the ratio is a per-token geometric mean.
 DEFAULT_CLIP = {

@@ -6,6 +6,7 @@ start-up, so every entry point refuses the same specs with the same words.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,9 +48,11 @@ def parse_spec(raw: Any, *, prefix: str = "spec") -> GSPOJobSpec:
 
 
 def _join(prefix: str, loc: tuple[Any, ...]) -> str:
+    """spec.a.b[0], with map keys that are not plain names in brackets: requests[nvidia.com/gpu]."""
     path = prefix
     for part in loc:
-        path += f"[{part}]" if isinstance(part, int) else f".{part}"
+        plain = isinstance(part, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_-]*", part)
+        path += f".{part}" if plain else f"[{part}]"
     return path
 
 
@@ -91,7 +94,7 @@ def _pydantic_problems(exc: ValidationError, prefix: str) -> list[Problem]:
         elif err["type"] == "missing":
             message = "required field is missing; add it"
         else:
-            message = f"{err['msg']} (got {err.get('input')!r})"
+            message = f"{err['msg'].removeprefix('Value error, ')} (got {err.get('input')!r})"
         problems.append(Problem(_join(prefix, loc), message))
     return problems
 
