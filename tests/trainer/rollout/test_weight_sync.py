@@ -23,8 +23,8 @@ def _round_trip(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> list[ws.
     metas = [(n, tuple(t.shape), str(t.dtype)[6:], t.numel() * t.element_size())
              for n, t in tensors.items()]  # fmt: skip
     buckets = ws.plan_buckets(metas, bucket_bytes)
-    version, decoded = ws.decode_header(ws.encode_header(7, buckets))
-    assert version == 7 and decoded == buckets
+    decoded = list(ws.decode_layout(ws.encode_layout(buckets)))
+    assert decoded == buckets
     seen = {}
     for bucket in decoded:
         seen.update(ws.unflatten_bucket(bucket, ws.flatten_bucket(bucket, tensors)))
@@ -63,9 +63,9 @@ def test_tensor_larger_than_a_bucket_gets_its_own() -> None:
 
 
 def test_header_rejects_other_format() -> None:
-    raw = ws.encode_header(1, []).replace(b'"format":1', b'"format":99')
+    raw = ws.encode_layout([]).replace(b'"format":1', b'"format":99')
     with pytest.raises(ValueError, match="different versions"):
-        ws.decode_header(raw)
+        ws.decode_layout(raw)
 
 
 def test_bad_bucket_size_is_named() -> None:
@@ -82,8 +82,9 @@ def _free_port() -> int:
 def _receiver(port: int, queue: mp.Queue) -> None:  # type: ignore[type-arg]
     store = ws.connect_store("127.0.0.1", port, is_master=False, timeout_s=30)
     group = ws.open_group(store, "t", 1, 2, timeout_s=30)
-    version, stream = ws.receive_weights(group)
-    queue.put((version, {n: t.clone() for n, t in stream}))
+    for _ in range(2):  # the second update reuses the cached layout on both sides
+        version, stream = ws.receive_weights(group)
+        queue.put((version, {n: t.clone() for n, t in stream}))
 
 
 def test_sender_to_receiver_over_gloo() -> None:
@@ -97,8 +98,12 @@ def test_sender_to_receiver_over_gloo() -> None:
     try:
         store = ws.connect_store("127.0.0.1", port, is_master=True, timeout_s=30)
         group = ws.open_group(store, "t", 0, 2, timeout_s=30)
-        stats = ws.WeightSender(group, bucket_mb=0.01).send(tensors.items(), version=3)
+        sender = ws.WeightSender(group, bucket_mb=0.01)
+        stats = sender.send(tensors.items(), version=3)
         version, got = queue.get(timeout=60)
+        updated = {n: t * 2 for n, t in tensors.items()}
+        sender.send(updated.items(), version=4)
+        version2, got2 = queue.get(timeout=60)
     finally:
         proc.join(timeout=30)
         if proc.is_alive():
@@ -108,6 +113,9 @@ def test_sender_to_receiver_over_gloo() -> None:
     assert set(got) == set(tensors)
     for name, t in tensors.items():
         assert torch.equal(got[name], t), name
+    assert version2 == 4
+    for name, t in updated.items():
+        assert torch.equal(got2[name], t), name
 
 
 def test_checkpoint_names_match_a_saved_moe_checkpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]

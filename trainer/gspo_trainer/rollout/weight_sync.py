@@ -14,9 +14,10 @@ DeepSpeed on the learner and to vLLM in the server's workers.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -116,10 +117,10 @@ def unflatten_bucket(bucket: Bucket, buffer: torch.Tensor) -> list[tuple[str, to
     return out
 
 
-def encode_header(version: int, buckets: list[Bucket]) -> bytes:
+def encode_layout(buckets: Sequence[Bucket]) -> bytes:
+    """The bucket plan as JSON; sent before every update, but the same bytes every time."""
     body = {
         "format": HEADER_FORMAT,
-        "version": version,
         "buckets": [
             {
                 "nbytes": b.nbytes,
@@ -131,14 +132,16 @@ def encode_header(version: int, buckets: list[Bucket]) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
-def decode_header(raw: bytes) -> tuple[int, list[Bucket]]:
+@functools.lru_cache(maxsize=4)
+def decode_layout(raw: bytes) -> tuple[Bucket, ...]:
+    """Parse a layout; cached, since a model's layout does not change between updates."""
     body = json.loads(raw)
     if body.get("format") != HEADER_FORMAT:
         raise ValueError(
             f"weight-sync header format {body.get('format')!r} is not {HEADER_FORMAT}: "
             "learner and rollout server run different versions of gspo_trainer"
         )
-    buckets = [
+    return tuple(
         Bucket(
             b["nbytes"],
             tuple(
@@ -147,8 +150,7 @@ def decode_header(raw: bytes) -> tuple[int, list[Bucket]]:
             ),
         )
         for b in body["buckets"]
-    ]
-    return int(body["version"]), buckets
+    )
 
 
 def checkpoint_named_tensors(
@@ -243,21 +245,21 @@ def open_group(
     return group
 
 
-def _broadcast_header(group: SyncGroup, header: bytes) -> None:
+def _broadcast_header(group: SyncGroup, version: int, layout: bytes) -> None:
     torch = torch_module()
-    length = torch.tensor([len(header)], dtype=torch.int64, device=group.device)
-    group.broadcast(length)
-    payload = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(group.device)
+    group.broadcast(torch.tensor([version, len(layout)], dtype=torch.int64, device=group.device))
+    payload = torch.frombuffer(bytearray(layout), dtype=torch.uint8).to(group.device)
     group.broadcast(payload)
 
 
-def _receive_header(group: SyncGroup) -> bytes:
+def _receive_header(group: SyncGroup) -> tuple[int, bytes]:
     torch = torch_module()
-    length = torch.zeros(1, dtype=torch.int64, device=group.device)
-    group.broadcast(length)
-    payload = torch.empty(int(length.item()), dtype=torch.uint8, device=group.device)
+    head = torch.zeros(2, dtype=torch.int64, device=group.device)
+    group.broadcast(head)
+    version, length = (int(x) for x in head.tolist())
+    payload = torch.empty(length, dtype=torch.uint8, device=group.device)
     group.broadcast(payload)
-    return payload.cpu().numpy().tobytes()
+    return version, payload.cpu().numpy().tobytes()
 
 
 class WeightSender:
@@ -268,6 +270,7 @@ class WeightSender:
             raise ValueError(f"WeightSender must be rank 0 of the sync group, not {group.rank}")
         self.group = group
         self.bucket_bytes = int(bucket_mb * 1024 * 1024)
+        self._layout: tuple[Any, list[Bucket], bytes] | None = None  # (metas, plan, encoded)
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
         start = time.perf_counter()
@@ -276,8 +279,12 @@ class WeightSender:
             (name, tuple(t.shape), _dtype_name(t), t.numel() * t.element_size())
             for name, t in tensors.items()
         ]
-        buckets = plan_buckets(metas, self.bucket_bytes)
-        _broadcast_header(self.group, encode_header(version, buckets))
+        key = tuple(metas)
+        if self._layout is None or self._layout[0] != key:
+            buckets = plan_buckets(metas, self.bucket_bytes)
+            self._layout = (key, buckets, encode_layout(buckets))
+        _, buckets, layout = self._layout
+        _broadcast_header(self.group, version, layout)
         # Flatten bucket k+1 while bucket k is on the wire.
         in_flight: Any = None
         for bucket in buckets:
@@ -302,7 +309,8 @@ def receive_weights(group: SyncGroup) -> tuple[int, Iterator[tuple[str, torch.Te
     The iterator must be consumed to the end: each step takes part in a broadcast.
     """
     torch = torch_module()
-    version, buckets = decode_header(_receive_header(group))
+    version, layout = _receive_header(group)
+    buckets = decode_layout(layout)
 
     def post(bucket: Bucket) -> tuple[Bucket, torch.Tensor, Any]:
         buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=group.device)
