@@ -58,17 +58,69 @@ class StandInEngine:
         pass
 
 
+class _ModelRunner:
+    """Where vLLM's model runner would load weights: a dict, loaded slowly on purpose."""
+
+    def __init__(self, seconds_per_tensor: float) -> None:
+        self.seconds_per_tensor = seconds_per_tensor
+        self.weights: dict[str, Any] = {}
+
+    def reload_weights(self, weights_iterator: Any) -> None:
+        for name, tensor in weights_iterator:
+            time.sleep(self.seconds_per_tensor)
+            self.weights[name] = tensor.clone()
+
+
+class GlooEngine(StandInEngine):
+    """Joins the learner's sync group and receives weights through the project's own worker
+    extension over real gloo; only vLLM's model runner is replaced. Its samples start with
+    a digest of the weights it holds, so two servers can be compared."""
+
+    def __init__(self, seconds_per_tensor: float = 0.0) -> None:
+        super().__init__()
+        from gspo_trainer.rollout.worker_ext import WeightSyncExtension
+
+        class Worker(WeightSyncExtension):
+            rank = 0
+            model_runner = _ModelRunner(seconds_per_tensor)
+
+        self.worker = Worker()
+
+    def digest(self) -> int:
+        weights = self.worker.model_runner.weights
+        return int(sum(float(t.double().sum()) for t in weights.values())) % 15
+
+    async def generate(self, prompt: list[int], params: SamplingParams) -> list[Sample]:
+        samples = await super().generate(prompt, params)
+        return [Sample([self.digest(), *s.token_ids[1:]], s.logprobs, s.finish_reason)
+                for s in samples]  # fmt: skip
+
+    async def init_sync_group(self, **coords: Any) -> None:
+        await asyncio.to_thread(self.worker.gspo_init_sync_group, **coords)
+
+    async def receive_weights(self, timeout_s: float) -> dict[str, int]:
+        return await asyncio.to_thread(self.worker.gspo_receive_weights)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-async def spawn_standin(delay_s: float) -> tuple[subprocess.Popen[bytes], str]:
-    """Start this file as a server process; return it and its URL once /health answers."""
-    port = free_port()
+async def spawn_standin(
+    delay_s: float, engine: str = "plain", initial_version: int | None = 0, port: int = 0
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Start this file as a server process; return it and its URL once /health answers.
+
+    engine "plain": StandInEngine(delay_s); "gloo": GlooEngine(delay_s per loaded tensor).
+    A given port restarts a server where one was, as a container restarted in its pod would.
+    """
+    port = port or free_port()
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'trainer'}:{REPO / 'operator'}"}
-    proc = subprocess.Popen([sys.executable, __file__, str(port), str(delay_s)], env=env)
+    version = "none" if initial_version is None else str(initial_version)
+    args = [sys.executable, __file__, str(port), str(delay_s), engine, version]
+    proc = subprocess.Popen(args, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     async with aiohttp.ClientSession() as http:
@@ -88,8 +140,10 @@ if __name__ == "__main__":
 
     from gspo_trainer.rollout.server import build_app
 
-    port, delay = int(sys.argv[1]), float(sys.argv[2])
+    port, delay, kind, version = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.argv[4]
+    engine = GlooEngine(delay) if kind == "gloo" else StandInEngine(delay)
+    initial = None if version == "none" else int(version)
     web.run_app(
-        build_app(StandInEngine(delay), token=TOKEN, initial_version=0),
+        build_app(engine, token=TOKEN, initial_version=initial),
         host="127.0.0.1", port=port, print=None,
     )  # fmt: skip

@@ -64,8 +64,8 @@ class SyncOptions:
 @dataclass(frozen=True)
 class SyncReport:
     version: int
-    servers: list[str]
-    servers_failed: list[str]
+    servers: list[str]  # servers that now hold `version`
+    servers_failed: list[str]  # every other known server (dead, or lost during this sync)
     bytes_total: int
     seconds: float
     broadcast_seconds: float
@@ -241,9 +241,11 @@ class RolloutClient:
         opts = self.sync_options
         tensors = list(checkpoint_named_tensors(named_tensors))
         start = time.perf_counter()
-        await self.refresh()
         failed: list[str] = []
         for attempt in (1, 2):  # a server lost mid-sync breaks the group: re-form it once
+            # Probe everyone: a server that failed the first attempt only because a peer
+            # vanished is alive (and unsynced), and must be in the second group.
+            await self.refresh()
             live = [s for s in self.servers.values() if s.alive]
             body = {"timeout_s": opts.timeout_s}
             paused = await self._control_all(live, "/control/pause", body, failed)
@@ -261,14 +263,15 @@ class RolloutClient:
                     [s for s in paused if s.alive], "/control/resume", {}, failed
                 )
         self.policy_version = version
+        synced = [s.url for s in members if s.policy_version == version]
         return SyncReport(
             version=version,
-            servers=[s.url for s in members if s.url not in failed],
-            servers_failed=failed,
+            servers=synced,
+            servers_failed=[u for u in self.servers if u not in synced],
             bytes_total=bytes_total,
             seconds=time.perf_counter() - start,
             broadcast_seconds=bcast_s,
-            regrouped=regrouped,
+            regrouped=regrouped or attempt > 1,
         )
 
     async def _control_all(
