@@ -21,6 +21,7 @@ gradient in the forward pass and so skips the recompute (see BENCHMARKS.md).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
@@ -101,6 +102,32 @@ def _span(n: int, chunk: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
 
 
+def _forward_chunks(
+    n: int,
+    chunk: int,
+    logits_of: Callable[[int, int], torch.Tensor],
+    tokens: torch.Tensor,
+    temperature: float,
+    want_entropy: bool,
+    like: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """lse, logp and entropy of n rows whose logits `logits_of(start, end)` makes a chunk at
+    a time, so that no (n, V) float32 tensor ever exists."""
+    import torch
+
+    lse = like.new_empty(n, dtype=_compute_dtype(like.dtype))
+    logp = torch.empty_like(lse)
+    entropy = torch.empty_like(lse) if want_entropy else None
+    for s, e in _span(n, chunk):
+        z = _upcast(logits_of(s, e))
+        if temperature != 1.0:
+            z.div_(temperature)
+        lse[s:e], logp[s:e], ent = _chunk_forward(z, tokens[s:e], want_entropy)
+        if entropy is not None:
+            entropy[s:e] = ent
+    return lse, logp, entropy
+
+
 def _hidden_fn() -> Any:
     import torch
 
@@ -109,17 +136,11 @@ def _hidden_fn() -> Any:
 
         @staticmethod
         def forward(ctx, hidden, weight, tokens, chunk, temperature, want_entropy):  # type: ignore[override]
-            n = hidden.shape[0]  # hidden (n, H), weight (V, H), tokens (n,)
-            lse = hidden.new_empty(n, dtype=_compute_dtype(hidden.dtype))
-            logp = torch.empty_like(lse)
-            entropy = torch.empty_like(lse) if want_entropy else None
-            for s, e in _span(n, chunk):
-                z = _upcast(hidden[s:e] @ weight.T)  # (c, V)
-                if temperature != 1.0:
-                    z.div_(temperature)
-                lse[s:e], logp[s:e], ent = _chunk_forward(z, tokens[s:e], want_entropy)
-                if entropy is not None:
-                    entropy[s:e] = ent
+            # hidden (n, H), weight (V, H), tokens (n,)
+            lse, logp, entropy = _forward_chunks(
+                hidden.shape[0], chunk, lambda s, e: hidden[s:e] @ weight.T,
+                tokens, temperature, want_entropy, hidden,
+            )  # fmt: skip
             ctx.set_materialize_grads(False)
             ctx.save_for_backward(hidden, weight, tokens, lse, entropy)
             ctx.chunk, ctx.temperature = chunk, temperature
@@ -171,17 +192,10 @@ def _logits_fn() -> Any:
 
         @staticmethod
         def forward(ctx, logits, rows, tokens, chunk, temperature, want_entropy):  # type: ignore[override]
-            n = rows.shape[0]
-            lse = logits.new_empty(n, dtype=_compute_dtype(logits.dtype))
-            logp = torch.empty_like(lse)
-            entropy = torch.empty_like(lse) if want_entropy else None
-            for s, e in _span(n, chunk):
-                z = _upcast(logits.index_select(0, rows[s:e]))
-                if temperature != 1.0:
-                    z.div_(temperature)
-                lse[s:e], logp[s:e], ent = _chunk_forward(z, tokens[s:e], want_entropy)
-                if entropy is not None:
-                    entropy[s:e] = ent
+            lse, logp, entropy = _forward_chunks(
+                rows.shape[0], chunk, lambda s, e: logits.index_select(0, rows[s:e]),
+                tokens, temperature, want_entropy, logits,
+            )  # fmt: skip
             ctx.set_materialize_grads(False)
             ctx.save_for_backward(logits, rows, tokens, lse, entropy)
             ctx.chunk, ctx.temperature = chunk, temperature
