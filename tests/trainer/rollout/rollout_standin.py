@@ -78,6 +78,8 @@ class GlooEngine(StandInEngine):
 
     def __init__(self, seconds_per_tensor: float = 0.0) -> None:
         super().__init__()
+        import torch.distributed  # noqa: F401 - loaded at start-up, as in a vLLM server
+
         from gspo_trainer.rollout.worker_ext import WeightSyncExtension
 
         class Worker(WeightSyncExtension):

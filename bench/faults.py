@@ -1,0 +1,236 @@
+"""Fault injection across the rollout fleet, the learner and the operator, many trials each.
+
+Each scenario injects one kind of fault at random moments (seeded), checks the promise that
+goes with it, and counts trials survived. Prints the table that RELIABILITY.md records:
+
+    python bench/faults.py [--trials 10] [--seed 0] [--only NAME ...]
+
+Every scenario is bounded: a trial that hangs past its deadline counts as not survived.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "trainer"), str(REPO / "operator"), str(REPO / "tests"),
+                str(REPO / "tests" / "trainer" / "rollout")]  # fmt: skip
+
+
+@dataclass
+class Row:
+    fault: str
+    promise: str
+    trials: int = 0
+    survived: int = 0
+    steps_lost: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def record(self, ok: bool, note: str = "") -> None:
+        self.trials += 1
+        self.survived += ok
+        if note and (not ok or len(self.notes) < 3):
+            self.notes.append(note)
+
+
+Scenario = Callable[[int, random.Random], Awaitable[Row]]
+SCENARIOS: dict[str, Scenario] = {}
+
+
+def scenario(name: str) -> Callable[[Scenario], Scenario]:
+    def register(fn: Scenario) -> Scenario:
+        SCENARIOS[name] = fn
+        return fn
+
+    return register
+
+
+# --- the rollout fleet -----------------------------------------------------------------------
+
+
+async def _fleet(count: int, seconds: float, engine: str, version: int | None) -> list:  # type: ignore[type-arg]
+    from rollout_standin import spawn_standin
+
+    return list(
+        await asyncio.gather(*(spawn_standin(seconds, engine, version) for _ in range(count)))
+    )
+
+
+async def _health(url: str) -> dict | None:  # type: ignore[type-arg]
+    import aiohttp
+
+    try:
+        async with aiohttp.ClientSession() as http, http.get(url + "/health") as resp:
+            return await resp.json()
+    except aiohttp.ClientError:
+        return None
+
+
+@scenario("sync-interrupted")
+async def sync_interrupted(trials: int, rng: random.Random) -> Row:
+    """A rollout server SIGKILLed at a random moment of a weight sync, then restarted."""
+    from rollout_standin import TOKEN, free_port, spawn_standin
+    from test_sync_faults import digest, heads, weights
+
+    from gspo_trainer.rollout.client import RolloutClient, SyncOptions
+
+    row = Row(
+        "rollout server killed during a weight sync, then restarted",
+        "sync completes on the others; next sync brings all to one version; no stale sample",
+    )
+    servers = await _fleet(3, 0.02, "gloo", None)
+    urls = [u for _, u in servers]
+    opts = SyncOptions("127.0.0.1", free_port(), bucket_mb=0.01, timeout_s=8.0)
+    try:
+        async with RolloutClient(urls, token=TOKEN, sync=opts, timeout_s=30) as client:
+            await client.sync_weights(weights(0).items(), version=0)
+            for trial in range(1, trials + 1):
+                killed_v, next_v = 2 * trial - 1, 2 * trial
+                victim = rng.randrange(len(servers))
+                delay = rng.uniform(0.0, 1.2)  # the sync takes ~1 s: before, during, after
+                task = asyncio.create_task(client.sync_weights(weights(killed_v).items(), killed_v))
+                await asyncio.sleep(delay)
+                proc, url = servers[victim]
+                proc.kill()
+                proc.wait(timeout=10)
+                ok, note = True, f"killed {delay:.2f} s into the sync"
+                try:
+                    report = await asyncio.wait_for(task, timeout=60)
+                    others = [u for u in urls if u != url]
+                    if not set(others) <= set(report.servers):
+                        ok, note = False, f"trial {trial}: survivors not synced: {report}"
+                except Exception as exc:
+                    ok, note = False, f"trial {trial}: sync raised {exc!r}"
+                port = int(url.rsplit(":", 1)[1])
+                servers[victim] = await spawn_standin(0.02, "gloo", None, port)
+                try:
+                    after = await asyncio.wait_for(
+                        client.sync_weights(weights(next_v).items(), next_v), timeout=60
+                    )
+                    versions = {(await _health(u) or {}).get("policy_version") for u in urls}
+                    same = await heads(client) == {(digest(weights(next_v)), next_v)}
+                    if sorted(after.servers) != sorted(urls) or versions != {next_v} or not same:
+                        ok, note = False, f"trial {trial}: after restart {versions}, same={same}"
+                except Exception as exc:
+                    ok, note = False, f"trial {trial}: next sync raised {exc!r}"
+                row.record(ok, note)
+    finally:
+        for proc, _ in servers:
+            proc.kill()
+            proc.wait(timeout=10)
+    return row
+
+
+@scenario("server-killed-mid-step")
+async def server_killed_mid_step(trials: int, rng: random.Random) -> Row:
+    """A rollout server SIGKILLed at a random moment of a batch's generation."""
+    from rollout_standin import spawn_standin
+
+    from gspo_trainer.rollout.client import RolloutClient
+    from gspo_trainer.rollout.types import SamplingParams
+
+    row = Row(
+        "rollout server killed while generating a batch",
+        "every prompt gets its whole group from the current version; batch completes",
+    )
+    params = SamplingParams(n=4, max_tokens=3)
+    prompts = [[i % 10 + 2, 5, 6] for i in range(48)]
+    servers = await _fleet(3, 0.05, "plain", 0)
+    try:
+        for trial in range(trials):
+            urls = [u for _, u in servers]
+            victim = rng.randrange(len(servers))
+            async with RolloutClient(urls, chunk_prompts=4, timeout_s=30) as client:
+                task = asyncio.create_task(client.generate(prompts, params))
+                await asyncio.sleep(rng.uniform(0.0, 0.25))
+                servers[victim][0].kill()
+                servers[victim][0].wait(timeout=10)
+                try:
+                    batch = await asyncio.wait_for(task, timeout=60)
+                    whole = all(
+                        [c.prompt_index for c in g] == [i] * params.n
+                        and all(c.policy_version == 0 for c in g)
+                        for i, g in enumerate(batch.groups)
+                    )
+                    row.record(whole, "" if whole else f"trial {trial}: incomplete groups")
+                except Exception as exc:
+                    row.record(False, f"trial {trial}: generate raised {exc!r}")
+            port = int(servers[victim][1].rsplit(":", 1)[1])
+            servers[victim] = await spawn_standin(0.05, "plain", 0, port)
+    finally:
+        for proc, _ in servers:
+            proc.kill()
+            proc.wait(timeout=10)
+    return row
+
+
+@scenario("bad-rollout-requests")
+async def bad_rollout_requests(trials: int, rng: random.Random) -> Row:
+    """Every malformed request of the rollout bad-input test, against a live server."""
+    import aiohttp
+    from test_rollout_bad_input import BAD_BODIES, GOOD
+
+    row = Row("malformed rollout requests", "4xx naming the field; the server keeps serving")
+    ((proc, url),) = await _fleet(1, 0.0, "plain", 0)
+    try:
+        async with aiohttp.ClientSession() as http:
+            for body, status, words in BAD_BODIES:
+                async with http.post(url + "/v1/generate", json=body) as resp:
+                    error = (await resp.json()).get("error", "")
+                    refused = resp.status == status and words in error
+                async with http.post(url + "/v1/generate", json=GOOD) as resp:
+                    serving = resp.status == 200
+                row.record(refused and serving, "" if refused else f"{body!r:.60}: {error}")
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    return row
+
+
+# --- the table -------------------------------------------------------------------------------
+
+
+def table(rows: list[Row]) -> str:
+    lines = [
+        "| fault | promise checked | trials | survived | steps lost | notes |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        notes = "; ".join(r.notes[:3])
+        lines.append(
+            f"| {r.fault} | {r.promise} | {r.trials} | {r.survived} | {r.steps_lost} | {notes} |"
+        )
+    return "\n".join(lines)
+
+
+async def main_async(args: argparse.Namespace) -> list[Row]:
+    rows = []
+    for name in args.only or list(SCENARIOS):
+        start = time.perf_counter()
+        print(f"[{name}] {args.trials} trials ...", file=sys.stderr, flush=True)
+        row = await SCENARIOS[name](args.trials, random.Random(f"{args.seed}-{name}"))
+        print(f"[{name}] {row.survived}/{row.trials} survived in "
+              f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--trials", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", nargs="*", choices=sorted(SCENARIOS))
+    rows = asyncio.run(main_async(p.parse_args()))
+    print(table(rows))
+    sys.exit(0 if all(r.survived == r.trials for r in rows) else 1)
+
+
+if __name__ == "__main__":
+    main()
