@@ -47,6 +47,8 @@ $(PROMTOOL):
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	# Layering: the operator and the spec never import the training stack.
+	PYTHONPATH=operator:trainer $(BIN)/lint-imports
 
 test: lint
 	$(BIN)/python -m pytest
