@@ -80,11 +80,22 @@ def _free_port() -> int:
 
 
 def _receiver(port: int, queue: mp.Queue) -> None:  # type: ignore[type-arg]
+    from safetensors.torch import save
+
     store = ws.connect_store("127.0.0.1", port, is_master=False, timeout_s=30)
     group = ws.open_group(store, "t", 1, 2, timeout_s=30)
     for _ in range(2):  # the second update reuses the cached layout on both sides
         version, stream = ws.receive_weights(group)
-        queue.put((version, {n: t.clone() for n, t in stream}))
+        # plain bytes: a tensor sent through the queue would be shared by file descriptor,
+        # which dies with this process before the parent reads the second update
+        queue.put((version, save({n: t.clone() for n, t in stream})))
+
+
+def _received(queue: mp.Queue) -> tuple[int, dict[str, torch.Tensor]]:  # type: ignore[type-arg]
+    from safetensors.torch import load
+
+    version, raw = queue.get(timeout=60)
+    return version, load(raw)
 
 
 def test_sender_to_receiver_over_gloo() -> None:
@@ -100,10 +111,10 @@ def test_sender_to_receiver_over_gloo() -> None:
         group = ws.open_group(store, "t", 0, 2, timeout_s=30)
         sender = ws.WeightSender(group, bucket_mb=0.01)
         stats = sender.send(tensors.items(), version=3)
-        version, got = queue.get(timeout=60)
+        version, got = _received(queue)
         updated = {n: t * 2 for n, t in tensors.items()}
         sender.send(updated.items(), version=4)
-        version2, got2 = queue.get(timeout=60)
+        version2, got2 = _received(queue)
     finally:
         proc.join(timeout=30)
         if proc.is_alive():
