@@ -131,7 +131,8 @@ class Kube:
         """Create every object concurrently; the 'Kind name' of those that were new."""
         objs = list(objs)
         created = await asyncio.gather(*(self.create(o) for o in objs))
-        return [f"{o['kind']} {o['metadata']['name']}" for o, new in zip(objs, created) if new]
+        pairs = zip(objs, created, strict=True)
+        return [f"{o['kind']} {o['metadata']['name']}" for o, new in pairs if new]
 
     async def get(self, api_version: str, kind: str, namespace: str, name: str) -> Obj | None:
         try:

@@ -75,6 +75,32 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return out
 
 
+def json_patch(target: Obj, ops: list[Obj]) -> Obj:
+    """RFC 6902 JSON patch (add, remove, replace, test); 422 when a test fails."""
+    doc = copy.deepcopy(target)
+    for op in ops:
+        parts = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
+        parent: Any = doc
+        for part in parts[:-1]:
+            parent = parent[int(part)] if isinstance(parent, list) else parent.setdefault(part, {})
+        leaf = parts[-1]
+        index = (len(parent) if leaf == "-" else int(leaf)) if isinstance(parent, list) else leaf
+        kind = op["op"]
+        if kind == "test":
+            have = parent[index] if isinstance(parent, list) else parent.get(leaf)
+            if have != op.get("value"):
+                raise kmock.KubernetesError(status=422, reason="Invalid", message="test failed")
+        elif kind == "remove":
+            del parent[index]
+        elif kind == "add" and isinstance(parent, list):
+            parent.insert(index, op["value"])
+        elif kind in ("add", "replace"):
+            parent[index] = op["value"]
+        else:
+            raise kmock.KubernetesError(status=422, reason="Invalid", message=f"op {kind}")
+    return doc
+
+
 def _dig(obj: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         obj = obj.get(part) if isinstance(obj, dict) else None
@@ -107,6 +133,7 @@ class ApiServer(kmock.KubernetesScaffold):
     objects: dict[tuple[Key, str, str], Obj] = attrs.field(factory=dict, init=False)
     history: list[tuple[int, Key, str, Obj]] = attrs.field(factory=list, init=False)
     served: int = attrs.field(default=0, init=False)  # resource requests answered
+    base_url: str = attrs.field(default="", init=False)  # set once an HTTP server serves it
     _rv: itertools.count = attrs.field(factory=lambda: itertools.count(1), init=False)
     _changed: asyncio.Condition | None = attrs.field(default=None, init=False)
     _kinds: dict[Key, tuple[str, bool, bool]] = attrs.field(factory=dict, init=False)
@@ -193,6 +220,8 @@ class ApiServer(kmock.KubernetesScaffold):
         kind, namespaced, _ = self._kinds[key]
         obj = copy.deepcopy(body)
         meta = obj.setdefault("metadata", {})
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
         if namespaced:
             meta["namespace"] = namespace or meta.get("namespace") or "default"
         else:
@@ -218,7 +247,9 @@ class ApiServer(kmock.KubernetesScaffold):
         if old is None:
             raise kmock.KubernetesObjectNotFoundError()
         has_status = self._kinds[key][2]
-        if replace:
+        if isinstance(patch, list):
+            new = json_patch(old, patch)
+        elif replace:
             new = copy.deepcopy(patch)
             new["metadata"] = {
                 **new.get("metadata", {}),
@@ -296,7 +327,7 @@ class ApiServer(kmock.KubernetesScaffold):
             if method == "POST":
                 body = request.data or {}
                 name = body.get("metadata", {}).get("name")
-                if (key, ns if self._kinds[key][1] else "", name) in self.objects:
+                if name and (key, ns if self._kinds[key][1] else "", name) in self.objects:
                     raise kmock.KubernetesError(
                         status=409,
                         reason="AlreadyExists",
@@ -324,8 +355,6 @@ class ApiServer(kmock.KubernetesScaffold):
                         message=f'{key[2]} "{request.name}" not found',
                     )
                 data = request.data
-                if isinstance(data, list):  # application/json-patch+json: not served here
-                    raise kmock.KubernetesError(status=415, reason="UnsupportedMediaType")
                 obj = await self._update(
                     *scope, data or {}, request.subresource, replace=method == "PUT"
                 )
