@@ -130,11 +130,11 @@ def register(registry: kopf.OperatorRegistry, ctx: Context) -> None:
         with ctx.metrics.reconcile():
             spec, _problems = check_job(body)
             previous = dict(body.get("status") or {})
-            if spec is None:
-                return  # the create handler failed it with InvalidSpec; nothing was created
+            if spec is None or "Created" not in _true(previous):
+                return  # invalid (nothing was created), or the create handler is not done
             accepted = await _accepted_spec(ctx, memo, namespace, name)
             if accepted is None:
-                return  # the create handler has not run yet
+                return
             spec, refused = _effective(accepted, spec)
             await _apply_spec_change(ctx, body, memo, accepted, spec, refused, previous, patch)
             observed = await _observe(ctx, spec, namespace, name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import aiohttp
 from conftest import NS, eventually, kubelet, tiny_job
 
 from gspo_trainer.progress import LearnerProgress
@@ -48,18 +49,24 @@ async def has_event(api, type_: str, reason: str) -> None:
     await eventually(lambda: (type_, reason) in events(api), what=f"a {type_} {reason} Event")
 
 
+async def call(api, method: str, path: str, **kw) -> int:
+    """One request on a fresh connection (kopf cancels the server tasks it outlives)."""
+    async with (
+        aiohttp.ClientSession(api.base_url) as session,
+        session.request(method, path, **kw) as resp,
+    ):
+        assert resp.status < 300, await resp.text()
+        return resp.status
+
+
 async def create(api, doc: dict) -> None:
-    async with api.clients[0].post(
-        f"/apis/gspo.dev/v1alpha1/namespaces/{NS}/gspojobs", json=doc
-    ) as resp:
-        assert resp.status == 201, await resp.text()
+    await call(api, "POST", f"/apis/gspo.dev/v1alpha1/namespaces/{NS}/gspojobs", json=doc)
 
 
 async def patch_spec(api, patch: dict) -> None:
     url = f"/apis/gspo.dev/v1alpha1/namespaces/{NS}/gspojobs/{JOB}"
     headers = {"Content-Type": "application/merge-patch+json"}
-    async with api.clients[0].patch(url, json={"spec": patch}, headers=headers) as resp:
-        assert resp.status == 200, await resp.text()
+    await call(api, "PATCH", url, json={"spec": patch}, headers=headers)
 
 
 async def start_running(api, progress) -> None:
@@ -231,10 +238,7 @@ async def test_restarting_the_operator_duplicates_nothing(api, run_operator, pro
         assert after == before
         assert api.get("Secret", NS, f"{JOB}-sync-token") == secret  # never rotated
         # Deleting the job leaves no orphans (ownerReferences; the stand-in runs the GC).
-        async with api.clients[0].delete(
-            f"/apis/gspo.dev/v1alpha1/namespaces/{NS}/gspojobs/{JOB}"
-        ) as resp:
-            assert resp.status == 200
+        await call(api, "DELETE", f"/apis/gspo.dev/v1alpha1/namespaces/{NS}/gspojobs/{JOB}")
         await eventually(lambda: all(not v for v in children(api).values()), what="no orphans")
 
 
@@ -248,5 +252,7 @@ async def test_deadline_fails_and_ttl_deletes(api, run_operator, progress) -> No
         await eventually(lambda: len(api.list_kind("Pod", NS)) == 2)
         await eventually(lambda: job_status(api).get("phase") == "Failed", what="deadline")
         assert cond(api, "Failed")["reason"] == "DeadlineExceeded"
-        await eventually(lambda: api.get("GSPOJob", NS, JOB) is None, what="ttl deletion")
+        await eventually(
+            lambda: api.get("GSPOJob", NS, JOB) is None, timeout_s=30, what="ttl deletion"
+        )
         await eventually(lambda: all(not v for v in children(api).values()), what="no orphans")
