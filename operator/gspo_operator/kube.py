@@ -35,6 +35,7 @@ PLURALS = {
 }
 JOB_API = f"{API_GROUP}/{API_VERSION}"
 MERGE_PATCH = "application/merge-patch+json"
+USER_AGENT = "gspo-operator"
 
 
 class ApiError(Exception):
@@ -67,6 +68,7 @@ def load_api_client() -> client.ApiClient:
 class Kube:
     def __init__(self, api_client: client.ApiClient) -> None:
         self.api = api_client
+        self.api.user_agent = USER_AGENT
         self.requests_total = 0  # every API request made (the benchmark reads it)
 
     @classmethod

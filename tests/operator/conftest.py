@@ -61,6 +61,37 @@ async def api() -> AsyncIterator[ApiServer]:
     async with ApiServer() as server, kmock.Server(server) as http:
         server.base_url = str(http.url).rstrip("/")
         yield server
+        assert_rbac_covers(server)
+
+
+VERBS = {"POST": "create", "DELETE": "delete", "PATCH": "patch", "PUT": "update"}
+
+
+def assert_rbac_covers(server: ApiServer) -> None:
+    """Every API request the operator (kopf or kube.py) made is allowed by rbac.RULES."""
+    from gspo_operator.kube import USER_AGENT
+    from gspo_operator.rbac import RULES, allows
+
+    checked = 0
+    for request in server._requests:
+        agent = request.headers.get("User-Agent", "")
+        if request.resource is None or request.resource.plural is None:
+            continue  # discovery: allowed to every authenticated client
+        if not agent.startswith((USER_AGENT, "kopf")):
+            continue
+        method = request.method.value
+        if method == "GET":
+            watch = request.params.get("watch") in ("true", "1")
+            verb = "watch" if watch else "get" if request.name else "list"
+        else:
+            verb = VERBS[method]
+        resource = request.resource.plural
+        if request.subresource:
+            resource += "/" + request.subresource
+        group = request.resource.group or ""
+        assert allows(RULES, group, resource, verb), f"rbac.RULES lack {verb} {group}/{resource}"
+        checked += 1
+    assert checked or not server._requests, "no operator request was recognised"
 
 
 class Progress:
