@@ -56,6 +56,7 @@ def configure(settings: kopf.OperatorSettings, *, scanning: bool = True) -> None
     # Progress lives in annotations, so `kubectl get -o yaml` stays readable.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="gspo.dev")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="gspo.dev")
+    settings.persistence.finalizer = "gspo.dev/finalizer"
 
 
 async def serve(
