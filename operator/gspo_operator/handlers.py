@@ -99,7 +99,7 @@ def register(registry: kopf.OperatorRegistry, ctx: Context) -> None:
 
     @kopf.on.resume(**resource, registry=registry)
     @kopf.on.create(**resource, registry=registry)
-    async def ensure(body, namespace, name, patch, memo, logger, **_: Any) -> None:
+    async def ensure(body, namespace, name, patch, memo, logger, reason, **_: Any) -> None:
         """Validate, then create every missing child (existing ones are left as they are)."""
         with ctx.metrics.reconcile():
             spec, problems = check_job(body)
@@ -109,7 +109,9 @@ def register(registry: kopf.OperatorRegistry, ctx: Context) -> None:
                 _post(body, event)
                 logger.warning("Invalid spec: %s", event.message)
                 return
-            accepted = await _accepted_spec(ctx, memo, namespace, name) or spec
+            # A new job has no spec in effect yet; a resumed one has it in its ConfigMap.
+            fresh = reason == kopf.Reason.CREATE
+            accepted = spec if fresh else await _accepted_spec(ctx, memo, namespace, name) or spec
             spec, refused = _effective(accepted, spec)
             st = dict(body.get("status") or {})
             made = await ctx.kube.create_all(_desired(body, spec, st))
