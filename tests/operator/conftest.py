@@ -118,7 +118,9 @@ async def progress() -> AsyncIterator[Progress]:
 
 
 @contextlib.asynccontextmanager
-async def operator(api: ApiServer, interval_s: float = 0.2) -> AsyncIterator[Context]:
+async def operator(
+    api: ApiServer, interval_s: float = 0.2, liveness_port: int | None = None
+) -> AsyncIterator[Context]:
     """Run the real operator (kopf tasks) against `api` until the block ends."""
     import kopf
 
@@ -130,7 +132,15 @@ async def operator(api: ApiServer, interval_s: float = 0.2) -> AsyncIterator[Con
 
     stop, ready = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(
-        serve(ctx, namespaces=[NS], login=login, scanning=False, stop_flag=stop, ready_flag=ready)
+        serve(
+            ctx,
+            namespaces=[NS],
+            login=login,
+            scanning=False,
+            stop_flag=stop,
+            ready_flag=ready,
+            liveness_endpoint=liveness_port and f"http://127.0.0.1:{liveness_port}/healthz",
+        )
     )
     await asyncio.wait_for(ready.wait(), 20)
     try:
@@ -149,7 +159,7 @@ def run_operator() -> Callable[..., Any]:
     return operator
 
 
-async def eventually(check: Callable[[], Any], timeout_s: float = 10.0, what: str = "") -> Any:
+async def eventually(check: Callable[[], Any], timeout_s: float = 20.0, what: str = "") -> Any:
     """Poll `check` until it returns a truthy value; fail with `what` after the timeout."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 
 import aiohttp
-from conftest import NS, eventually, kubelet, tiny_job
+from conftest import NS, eventually, free_port, kubelet, tiny_job
 
 from gspo_trainer.progress import LearnerProgress
 
@@ -45,6 +46,17 @@ def events(api) -> list[tuple[str, str]]:
     return [(e.get("type"), e.get("reason")) for e in api.list_kind("Event", NS)]
 
 
+async def liveness(port: int) -> int:
+    async with aiohttp.ClientSession() as session:
+        for _ in range(100):
+            try:
+                async with session.get(f"http://127.0.0.1:{port}/healthz") as resp:
+                    return resp.status
+            except aiohttp.ClientConnectorError:
+                await asyncio.sleep(0.1)
+    raise AssertionError(f"nothing listens on :{port}/healthz")
+
+
 async def has_event(api, type_: str, reason: str) -> None:
     await eventually(lambda: (type_, reason) in events(api), what=f"a {type_} {reason} Event")
 
@@ -78,7 +90,9 @@ async def start_running(api, progress) -> None:
 
 
 async def test_create_runs_and_reports_progress(api, run_operator, progress) -> None:
-    async with run_operator(api) as ctx:
+    health = free_port()
+    async with run_operator(api, liveness_port=health) as ctx:
+        assert await liveness(health) == 200  # the probe the chart points at
         await create(api, tiny_job(progress_port=progress.port))
         await eventually(lambda: len(api.list_kind("Pod", NS)) == 2, what="learner pods")
         await eventually(lambda: job_status(api).get("phase") == "Pending", what="Pending")
