@@ -113,18 +113,7 @@ def register(registry: kopf.OperatorRegistry, ctx: Context) -> None:
             fresh = reason == kopf.Reason.CREATE
             accepted = spec if fresh else await _accepted_spec(ctx, memo, namespace, name) or spec
             spec, refused = _effective(accepted, spec)
-            st = dict(body.get("status") or {})
-            made = await ctx.kube.create_all(_desired(body, spec, st))
-            for what in made:
-                logger.info("Created %s", what)
-            memo.accepted = spec
-            new_status = status.created(st, _now(), len(made))
-            if refused:
-                new_status, event = status.refused_change(new_status, _now(), refused)
-                _post(body, event)
-            patch.status.update(new_status)
-            if made:
-                _post(body, status.Event("Normal", "Created", f"Created {len(made)} objects"))
+            await _create_children(ctx, body, spec, refused, memo, patch, logger)
 
     @kopf.timer(**resource, interval=ctx.interval_s, registry=registry)
     async def reconcile(body, meta, namespace, name, patch, memo, logger, **_: Any) -> None:
@@ -132,6 +121,10 @@ def register(registry: kopf.OperatorRegistry, ctx: Context) -> None:
         with ctx.metrics.reconcile():
             spec, _problems = check_job(body)
             previous = dict(body.get("status") or {})
+            if spec is not None and _rejected_at_creation(previous):
+                # The manifest was fixed after an InvalidSpec failure: start it now.
+                await _create_children(ctx, body, spec, [], memo, patch, logger)
+                return
             if spec is None or "Created" not in _true(previous):
                 return  # invalid (nothing was created), or the create handler is not done
             accepted = await _accepted_spec(ctx, memo, namespace, name)
@@ -156,6 +149,41 @@ def register(registry: kopf.OperatorRegistry, ctx: Context) -> None:
         ctx.phases.pop((namespace, name), None)
         ctx.metrics.forget_job(namespace, name)
         ctx.metrics.count_phases(list(ctx.phases.values()))  # type: ignore[arg-type]
+
+
+async def _create_children(
+    ctx: Context,
+    body: Any,
+    spec: GSPOJobSpec,
+    refused: list[str],
+    memo: Any,
+    patch: Any,
+    logger: Any,
+) -> None:
+    original = dict(body.get("status") or {})
+    st = original
+    if _rejected_at_creation(original):
+        st = status.accepted_change({"conditions": original.get("conditions")}, _now())
+        st["conditions"] = [c for c in st["conditions"] if c["type"] == "InvalidSpec"]
+    made = await ctx.kube.create_all(_desired(body, spec, st))
+    for what in made:
+        logger.info("Created %s", what)
+    memo.accepted = spec
+    new_status = status.created(st, _now(), len(made))
+    if refused:
+        new_status, event = status.refused_change(new_status, _now(), refused)
+        _post(body, event)
+    patch.status.update(_diff(original, new_status))
+    if made:
+        _post(body, status.Event("Normal", "Created", f"Created {len(made)} objects"))
+
+
+def _rejected_at_creation(st: dict[str, Any]) -> bool:
+    """Failed for an invalid spec before any child existed."""
+    return st.get("phase") == "Failed" and any(
+        c["type"] == "InvalidSpec" and c.get("reason") == "InvalidSpec" and c["status"] == "True"
+        for c in st.get("conditions") or []
+    )
 
 
 def _true(st: dict[str, Any]) -> set[str]:

@@ -6,6 +6,8 @@ created before and creating again is a harmless "already exists".
 
 from __future__ import annotations
 
+import re
+
 from gspo_trainer.config import API_GROUP
 
 # The longest child name is "<job>-checkpoints" / "<job>-rollout-api" / "<job>-learner-NNN";
@@ -99,8 +101,16 @@ def labels(job: str, component: str) -> dict[str, str]:
     }
 
 
+DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
 def check_job_name(job: str) -> str | None:
     """Why `job` cannot name a GSPOJob's children, or None when it can."""
+    if not DNS_LABEL.match(job):
+        return (
+            f"name {job!r} must be lower-case letters, digits and '-', start with a letter and "
+            "end with a letter or digit (it names Services, which are DNS labels)"
+        )
     if len(job) > MAX_JOB_NAME:
         return (
             f"name {job!r} has {len(job)} characters; GSPOJob names are limited to "

@@ -140,9 +140,15 @@ async def test_invalid_spec_fails_without_children(api, run_operator) -> None:
         await create(api, doc)
         await eventually(lambda: job_status(api).get("phase") == "Failed", what="Failed")
         await has_event(api, "Warning", "InvalidSpec")
-    message = cond(api, "InvalidSpec")["message"]
-    assert "spec.algorithm.groupSize" in message
-    assert all(not v for v in children(api).values())
+        message = cond(api, "InvalidSpec")["message"]
+        assert "spec.algorithm.groupSize" in message
+        assert all(not v for v in children(api).values())
+        # Fixing the manifest starts the job.
+        await patch_spec(api, {"algorithm": {"groupSize": 4}})
+        await eventually(lambda: job_status(api).get("phase") == "Pending", what="started")
+        await eventually(lambda: len(api.list_kind("Pod", NS)) == 2, what="learner pods")
+        assert cond(api, "InvalidSpec")["status"] == "False"
+        assert cond(api, "Failed") is None and "completionTime" not in job_status(api)
 
 
 async def test_learner_failure_restarts_group_then_backoff_fails(

@@ -51,3 +51,11 @@ def test_unreadable_file(gspo, tmp_path: Path) -> None:
     out = gspo("validate", str(tmp_path / "missing.yaml"))
     assert out.returncode == 1
     assert "missing.yaml: cannot read" in out.stdout
+
+
+def test_names_that_cannot_name_services_are_refused() -> None:
+    from gspo_operator.names import check_job_name
+
+    assert check_job_name("qwen3-run-1") is None
+    for bad in ("1run", "Run", "run-", "run.a", "x" * 51):
+        assert check_job_name(bad), bad
