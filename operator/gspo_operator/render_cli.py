@@ -13,6 +13,18 @@ from gspo_operator.manifest import check_job, load_documents
 from gspo_operator.render import render_job
 
 
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the ConfigMap's manifest) as readable literal blocks."""
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="gspo render", description=__doc__.split("\n")[0])
     parser.add_argument("file", type=Path, metavar="FILE")
@@ -30,5 +42,5 @@ def main(argv: list[str]) -> int:
         job = {**doc, "metadata": meta}
         # The operator generates the token once per job; a rendered file gets a fresh one.
         objects.extend(render_job(job, spec, token=secrets.token_urlsafe(32)))
-    sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False, explicit_start=True))
+    sys.stdout.write(yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False, explicit_start=True))
     return 0
