@@ -51,8 +51,8 @@ def running(api, jobs: int) -> int:
 async def bench(args: argparse.Namespace) -> None:
     import aiohttp
     import kmock
-    from conftest import operator, tiny_job
     from kmock_apiserver import ApiServer
+    from operator_harness import operator, tiny_job
 
     from gspo_operator.kube import Kube
 

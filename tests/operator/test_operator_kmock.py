@@ -6,7 +6,7 @@ import asyncio
 import copy
 
 import aiohttp
-from conftest import NS, eventually, free_port, kubelet, tiny_job
+from operator_harness import NS, eventually, free_port, kubelet, tiny_job
 
 from gspo_trainer.progress import LearnerProgress
 
@@ -269,7 +269,6 @@ async def test_deadline_fails_and_ttl_deletes(api, run_operator, progress) -> No
             runPolicy={"activeDeadlineSeconds": 1, "ttlSecondsAfterFinished": 1},
         )
         await create(api, doc)
-        await eventually(lambda: len(api.list_kind("Pod", NS)) == 2)
         await eventually(lambda: job_status(api).get("phase") == "Failed", what="deadline")
         assert cond(api, "Failed")["reason"] == "DeadlineExceeded"
         await eventually(

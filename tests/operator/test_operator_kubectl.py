@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import NS, eventually, kubelet
+from operator_harness import NS, eventually, kubelet
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = "qwen3-30b-a3b-math"
