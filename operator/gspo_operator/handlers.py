@@ -115,7 +115,8 @@ def register(registry: kopf.OperatorRegistry, ctx: Context) -> None:
             spec, refused = _effective(accepted, spec)
             await _create_children(ctx, body, spec, refused, memo, patch, logger)
 
-    @kopf.timer(**resource, interval=ctx.interval_s, registry=registry)
+    # A failed reconcile is retried at the next tick, not after kopf's default 60 s backoff.
+    @kopf.timer(**resource, interval=ctx.interval_s, backoff=ctx.interval_s, registry=registry)
     async def reconcile(body, meta, namespace, name, patch, memo, logger, **_: Any) -> None:
         """Observe the children and the learner, then apply what `status.compute` decides."""
         with ctx.metrics.reconcile():

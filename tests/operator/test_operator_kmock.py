@@ -272,6 +272,8 @@ async def test_deadline_fails_and_ttl_deletes(api, run_operator, progress) -> No
         await eventually(lambda: job_status(api).get("phase") == "Failed", what="deadline")
         assert cond(api, "Failed")["reason"] == "DeadlineExceeded"
         await eventually(
-            lambda: api.get("GSPOJob", NS, JOB) is None, timeout_s=30, what="ttl deletion"
+            lambda: api.get("GSPOJob", NS, JOB) is None,
+            timeout_s=30,
+            what="ttl deletion",
         )
         await eventually(lambda: all(not v for v in children(api).values()), what="no orphans")

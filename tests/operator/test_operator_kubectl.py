@@ -75,7 +75,7 @@ async def test_kubectl_apply_get_wait_describe_delete(api, run_operator, tmp_pat
 
         # The kubelet starts the learner pods; the rollout servers become ready.
         pods = await kubectl("get", "pods", "-l", f"gspo.dev/job-name={JOB}", "-o", "name")
-        assert pods.split() == [f"pod/{JOB}-learner-0", f"pod/{JOB}-learner-1"]
+        assert sorted(pods.split()) == [f"pod/{JOB}-learner-0", f"pod/{JOB}-learner-1"]
         for name in pods.split():
             await kubelet(api, name.removeprefix("pod/"), "Running")
         await api.patch_status("Deployment", NS, f"{JOB}-rollout", {"readyReplicas": 4})
