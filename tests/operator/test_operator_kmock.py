@@ -211,7 +211,7 @@ async def test_suspend_and_resume(api, run_operator, progress) -> None:
         await patch_spec(api, {"runPolicy": {"suspend": False}})
         await eventually(lambda: len(api.list_kind("Pod", NS)) == 2, what="pods recreated")
         await eventually(lambda: dep() == 2)
-        assert cond(api, "Suspended")["status"] == "False"
+        await eventually(lambda: cond(api, "Suspended")["status"] == "False", what="resumed")
         await start_running(api, progress)
 
 
