@@ -1,0 +1,40 @@
+"""Every permission the operator needs, as ClusterRole rules: the chart's ClusterRole must grant
+exactly these (a contract test compares them).
+
+Grouped by who makes the call: kopf itself (watching GSPOJobs, storing its progress in
+annotations, posting Events, observing CRDs and namespaces) and `kube` (the children).
+"""
+
+from __future__ import annotations
+
+from gspo_trainer.config import API_GROUP
+
+Rule = dict[str, list[str]]
+
+RULES: list[Rule] = [
+    # kopf: discover the CRD and the namespaces to watch.
+    {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
+     "verbs": ["get", "list", "watch"]},
+    {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
+    # kopf: Events on every transition.
+    {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create"]},
+    # kopf watches and annotates jobs; `ttlSecondsAfterFinished` deletes them.
+    {"apiGroups": [API_GROUP], "resources": ["gspojobs"],
+     "verbs": ["get", "list", "watch", "patch", "delete"]},
+    {"apiGroups": [API_GROUP], "resources": ["gspojobs/status"],
+     "verbs": ["get", "patch", "update"]},
+    # The children (kube.py): created once, observed, scaled, learner pods restarted.
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "delete", "get", "list"]},
+    {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create", "get", "patch"]},
+    {"apiGroups": [""], "resources": ["secrets", "services", "persistentvolumeclaims"],
+     "verbs": ["create"]},
+    {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["create", "get", "patch"]},
+    {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": ["create"]},
+    {"apiGroups": ["monitoring.coreos.com"], "resources": ["podmonitors"], "verbs": ["create"]},
+]  # fmt: skip
+
+
+def allows(rules: list[Rule], group: str, resource: str, verb: str) -> bool:
+    return any(
+        group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"] for r in rules
+    )

@@ -1,0 +1,499 @@
+"""A Kubernetes API server stand-in for the operator tests: kmock with its gaps closed.
+
+kmock 0.8 serves discovery and errors well, but its object store sets no uid,
+resourceVersion, generation or creationTimestamp, lists with resourceVersion '...', replays
+every object as ADDED on each watch whatever ?resourceVersion says, names the core group
+"/v1" in discovery and has no PUT, status subresource semantics, field/label selectors,
+garbage collection or server-side Table printing. `ApiServer` keeps kmock's HTTP server,
+request parsing and discovery, and replaces the store with one that does those things the
+way kube-apiserver does (merge patches, no strategic-merge list semantics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime as dt
+import itertools
+import json
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+import aiohttp.web
+import attrs
+import kmock
+from kmock._internal import rendering
+
+from gspo_operator.crd import PLURAL, PRINTER_COLUMNS, SHORT_NAMES, render_crd
+from gspo_trainer.config import API_GROUP, API_VERSION, KIND
+
+Obj = dict[str, Any]
+Key = tuple[str, str, str]  # group, version, plural
+
+# (group, version, plural, kind, namespaced, status subresource, short names)
+RESOURCES = [
+    ("", "v1", "namespaces", "Namespace", False, True, ["ns"]),
+    ("", "v1", "pods", "Pod", True, True, ["po"]),
+    ("", "v1", "services", "Service", True, True, ["svc"]),
+    ("", "v1", "configmaps", "ConfigMap", True, False, ["cm"]),
+    ("", "v1", "secrets", "Secret", True, False, []),
+    ("", "v1", "persistentvolumeclaims", "PersistentVolumeClaim", True, True, ["pvc"]),
+    ("", "v1", "events", "Event", True, False, ["ev"]),
+    ("apps", "v1", "deployments", "Deployment", True, True, ["deploy"]),
+    ("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", True, False, ["netpol"]),
+    ("monitoring.coreos.com", "v1", "podmonitors", "PodMonitor", True, False, []),
+    ("events.k8s.io", "v1", "events", "Event", True, False, []),
+    (
+        "apiextensions.k8s.io",
+        "v1",
+        "customresourcedefinitions",
+        "CustomResourceDefinition",
+        False,
+        True,
+        ["crd"],
+    ),
+    (API_GROUP, API_VERSION, PLURAL, KIND, True, True, SHORT_NAMES),
+]
+VERBS = ["create", "delete", "get", "list", "patch", "update", "watch"]
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out
+
+
+def json_patch(target: Obj, ops: list[Obj]) -> Obj:
+    """RFC 6902 JSON patch (add, remove, replace, test); 422 when a test fails."""
+    doc = copy.deepcopy(target)
+    for op in ops:
+        parts = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
+        parent: Any = doc
+        for part in parts[:-1]:
+            parent = parent[int(part)] if isinstance(parent, list) else parent.setdefault(part, {})
+        leaf = parts[-1]
+        index = (len(parent) if leaf == "-" else int(leaf)) if isinstance(parent, list) else leaf
+        kind = op["op"]
+        if kind == "test":
+            have = parent[index] if isinstance(parent, list) else parent.get(leaf)
+            if have != op.get("value"):
+                raise kmock.KubernetesError(status=422, reason="Invalid", message="test failed")
+        elif kind == "remove":
+            del parent[index]
+        elif kind == "add" and isinstance(parent, list):
+            parent.insert(index, op["value"])
+        elif kind in ("add", "replace"):
+            parent[index] = op["value"]
+        else:
+            raise kmock.KubernetesError(status=422, reason="Invalid", message=f"op {kind}")
+    return doc
+
+
+def _dig(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = obj.get(part) if isinstance(obj, dict) else None
+    return obj
+
+
+def _selected(obj: Obj, labels: str | None, fields: str | None) -> bool:
+    for term in filter(None, (labels or "").split(",")):
+        key, _, value = term.partition("=")
+        have = (obj.get("metadata", {}).get("labels") or {}).get(key.rstrip("!"))
+        if key.endswith("!") and have == value.lstrip("="):
+            return False
+        if not key.endswith("!") and have != value.lstrip("="):
+            return False
+    for term in filter(None, (fields or "").split(",")):
+        key, _, value = term.partition("=")
+        if str(_dig(obj, key.rstrip("!")) or "") != value.lstrip("="):
+            return False
+    return True
+
+
+def _age(stamp: str) -> str:
+    then = dt.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    s = int((dt.datetime.now(dt.UTC) - then).total_seconds())
+    return f"{s}s" if s < 120 else f"{s // 60}m" if s < 7200 else f"{s // 3600}h"
+
+
+@attrs.define(kw_only=True)
+class ApiServer(kmock.KubernetesScaffold):
+    objects: dict[tuple[Key, str, str], Obj] = attrs.field(factory=dict, init=False)
+    history: list[tuple[int, Key, str, Obj]] = attrs.field(factory=list, init=False)
+    served: int = attrs.field(default=0, init=False)  # resource requests answered
+    base_url: str = attrs.field(default="", init=False)  # set once an HTTP server serves it
+    _rv: itertools.count = attrs.field(factory=lambda: itertools.count(1), init=False)
+    _changed: asyncio.Condition | None = attrs.field(default=None, init=False)
+    _kinds: dict[Key, tuple[str, bool, bool]] = attrs.field(factory=dict, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        for group, version, plural, kind, namespaced, status, short in RESOURCES:
+            self._kinds[(group, version, plural)] = (kind, namespaced, status)
+            self.resources[f"{group}/{version}/{plural}" if group else f"v1/{plural}"] = (
+                kmock.ResourceInfo(
+                    kind=kind,
+                    namespaced=namespaced,
+                    singular=kind.lower(),
+                    verbs=VERBS,
+                    shortnames=short,
+                    subresources=["status"] if status else [],
+                )
+            )
+        self.add(render_crd())
+        self.add({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "default"}})
+
+    # --- discovery fix: the core group's version is "v1", not "/v1" ---------------------------
+
+    async def _serve_version(self, request: rendering.Request) -> rendering.Payload:
+        payload = await super()._serve_version(request)
+        if isinstance(payload, dict) and payload.get("groupVersion") == "/v1":
+            payload["groupVersion"] = "v1"
+        for entry in payload.get("resources", []) if isinstance(payload, dict) else []:
+            if "/" in entry["name"]:  # subresources carry no short names (kubectl warns)
+                entry.update(shortNames=[], categories=[], singularName="")
+        return payload
+
+    # --- direct access for tests ----------------------------------------------------------------
+
+    def add(self, obj: Obj) -> Obj:
+        """Store `obj` as if created through the API (no event loop needed)."""
+        key = self._key_of(obj)
+        return self._store_new(key, obj.get("metadata", {}).get("namespace", ""), obj)
+
+    def get(self, kind: str, namespace: str, name: str) -> Obj | None:
+        for (key, ns, n), obj in self.objects.items():
+            if self._kinds[key][0] == kind and ns == (namespace or "") and n == name:
+                return obj
+        return None
+
+    def list_kind(self, kind: str, namespace: str | None = None) -> list[Obj]:
+        return [
+            o
+            for (key, ns, _), o in self.objects.items()
+            if self._kinds[key][0] == kind and (namespace is None or ns == namespace)
+        ]
+
+    async def patch_status(self, kind: str, namespace: str, name: str, status: Obj) -> Obj:
+        """What a kubelet or a controller does: merge into an object's status."""
+        obj = self.get(kind, namespace, name)
+        assert obj is not None, f"{kind} {namespace}/{name} does not exist"
+        key = self._key_of(obj)
+        return await self._update(key, namespace, name, {"status": status}, "status")
+
+    def _key_of(self, obj: Obj) -> Key:
+        group, _, version = obj["apiVersion"].rpartition("/")
+        for key, (kind, _, _) in self._kinds.items():
+            if key[0] == group and key[1] == version and kind == obj["kind"]:
+                return key
+        raise KeyError(f"unknown kind {obj['apiVersion']} {obj['kind']}")
+
+    # --- the store ----------------------------------------------------------------------------
+
+    def _next_rv(self) -> str:
+        return str(next(self._rv))
+
+    def _emit(self, key: Key, type_: str, obj: Obj) -> None:
+        self.history.append((int(obj["metadata"]["resourceVersion"]), key, type_, obj))
+        if self._changed is not None:
+            cond = self._changed
+
+            async def notify() -> None:
+                async with cond:
+                    cond.notify_all()
+
+            asyncio.get_running_loop().create_task(notify())
+
+    def _store_new(self, key: Key, namespace: str, body: Obj) -> Obj:
+        kind, namespaced, _ = self._kinds[key]
+        obj = copy.deepcopy(body)
+        meta = obj.setdefault("metadata", {})
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+        if namespaced:
+            meta["namespace"] = namespace or meta.get("namespace") or "default"
+        else:
+            meta.pop("namespace", None)
+        meta.update(
+            uid=str(uuid.uuid4()),
+            resourceVersion=self._next_rv(),
+            creationTimestamp=_now(),
+            generation=1,
+        )
+        obj.setdefault("apiVersion", f"{key[0]}/{key[1]}" if key[0] else key[1])
+        obj.setdefault("kind", kind)
+        if kind == "Pod":
+            obj.setdefault("status", {"phase": "Pending"})
+        self.objects[(key, meta.get("namespace", ""), meta["name"])] = obj
+        self._emit(key, "ADDED", obj)
+        return obj
+
+    async def _update(
+        self, key: Key, namespace: str, name: str, patch: Any, sub: str | None, replace=False
+    ) -> Obj:
+        old = self.objects.get((key, namespace, name))
+        if old is None:
+            raise kmock.KubernetesObjectNotFoundError()
+        has_status = self._kinds[key][2]
+        if isinstance(patch, list):
+            new = json_patch(old, patch)
+        elif replace:
+            new = copy.deepcopy(patch)
+            new["metadata"] = {
+                **new.get("metadata", {}),
+                **{k: old["metadata"][k] for k in ("uid", "creationTimestamp", "generation")},
+            }
+        else:
+            new = merge_patch(old, patch)
+        if has_status and sub == "status":
+            new = {**old, "status": new.get("status")}
+        elif has_status:
+            new["status"] = old.get("status")
+        if new.get("status") is None:
+            new.pop("status", None)
+        new["metadata"]["uid"] = old["metadata"]["uid"]
+        strip = ("metadata", "status")
+        if {k: v for k, v in new.items() if k not in strip} != {
+            k: v for k, v in old.items() if k not in strip
+        }:
+            new["metadata"]["generation"] = old["metadata"].get("generation", 1) + 1
+        if new == old:
+            return old
+        new["metadata"]["resourceVersion"] = self._next_rv()
+        meta = new["metadata"]
+        if meta.get("deletionTimestamp") and not meta.get("finalizers"):
+            self._remove(key, namespace, name, new)
+            return new
+        self.objects[(key, namespace, name)] = new
+        self._emit(key, "MODIFIED", new)
+        return new
+
+    def _delete(self, key: Key, namespace: str, name: str) -> Obj:
+        obj = self.objects.get((key, namespace, name))
+        if obj is None:
+            raise kmock.KubernetesObjectNotFoundError()
+        if obj["metadata"].get("finalizers"):
+            if not obj["metadata"].get("deletionTimestamp"):
+                obj = copy.deepcopy(obj)
+                obj["metadata"].update(deletionTimestamp=_now(), resourceVersion=self._next_rv())
+                self.objects[(key, namespace, name)] = obj
+                self._emit(key, "MODIFIED", obj)
+            return obj
+        gone = copy.deepcopy(obj)
+        gone["metadata"]["resourceVersion"] = self._next_rv()
+        self._remove(key, namespace, name, gone)
+        return gone
+
+    def _remove(self, key: Key, namespace: str, name: str, last: Obj) -> None:
+        del self.objects[(key, namespace, name)]
+        self._emit(key, "DELETED", last)
+        # The garbage collector: children owned by the deleted object go too (background).
+        uid = last["metadata"]["uid"]
+        for (ckey, cns, cname), child in list(self.objects.items()):
+            owners = child["metadata"].get("ownerReferences") or []
+            if any(o.get("uid") == uid for o in owners) and (ckey, cns, cname) in self.objects:
+                self._delete(ckey, cns, cname)
+
+    # --- HTTP -----------------------------------------------------------------------------------
+
+    async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        res = request.resource
+        key = None if res is None else (res.group or "", res.version or "", res.plural or "")
+        if key not in self._kinds:
+            return await super()._handle(request)
+        self.served += 1
+        method = request.method.value if request.method else "GET"
+        ns = request.namespace or ""
+        params = request.params
+        if params.get("watch") in ("true", "1"):
+            return await self._watch(request, key, ns)
+        if request.name is None:
+            if method == "GET":
+                return self._list(request, key, ns)
+            if method == "POST":
+                body = request.data or {}
+                name = body.get("metadata", {}).get("name")
+                if name and (key, ns if self._kinds[key][1] else "", name) in self.objects:
+                    raise kmock.KubernetesError(
+                        status=409,
+                        reason="AlreadyExists",
+                        message=f'{key[2]} "{name}" already exists',
+                    )
+                if params.get("dryRun"):
+                    return aiohttp.web.json_response(body, status=201)
+                return aiohttp.web.json_response(self._store_new(key, ns, body), status=201)
+        else:
+            scope = (key, ns if self._kinds[key][1] else "", request.name)
+            if method == "GET":
+                obj = self.objects.get(scope)
+                if obj is None:
+                    raise kmock.KubernetesError(
+                        status=404,
+                        reason="NotFound",
+                        message=f'{key[2]} "{request.name}" not found',
+                    )
+                return aiohttp.web.json_response(obj)
+            if method in ("PATCH", "PUT"):
+                if scope not in self.objects:
+                    raise kmock.KubernetesError(
+                        status=404,
+                        reason="NotFound",
+                        message=f'{key[2]} "{request.name}" not found',
+                    )
+                data = request.data
+                obj = await self._update(
+                    *scope, data or {}, request.subresource, replace=method == "PUT"
+                )
+                return aiohttp.web.json_response(obj)
+            if method == "DELETE":
+                if scope not in self.objects:
+                    raise kmock.KubernetesError(
+                        status=404,
+                        reason="NotFound",
+                        message=f'{key[2]} "{request.name}" not found',
+                    )
+                return aiohttp.web.json_response(self._delete(*scope))
+        raise kmock.KubernetesError(status=405, reason="MethodNotAllowed")
+
+    def _matching(self, key: Key, ns: str, params: Any) -> list[Obj]:
+        return [
+            o
+            for (k, ons, _), o in self.objects.items()
+            if k == key
+            and (not ns or ons == ns)
+            and _selected(o, params.get("labelSelector"), params.get("fieldSelector"))
+        ]
+
+    def _list(self, request: rendering.Request, key: Key, ns: str) -> aiohttp.web.Response:
+        items = self._matching(key, ns, request.params)
+        rv = str(self.history[-1][0] if self.history else 0)
+        kind = self._kinds[key][0]
+        if "as=Table" in request.headers.get("Accept", ""):
+            return aiohttp.web.json_response(self._table(key, items, rv))
+        api_version = f"{key[0]}/{key[1]}" if key[0] else key[1]
+        return aiohttp.web.json_response(
+            {
+                "apiVersion": api_version,
+                "kind": f"{kind}List",
+                "metadata": {"resourceVersion": rv},
+                "items": items,
+            }
+        )
+
+    def _table(self, key: Key, items: Iterable[Obj], rv: str) -> Obj:
+        """Server-side printing, as kubectl get asks for it (the CRD's printer columns)."""
+        columns = [{"name": "Name", "type": "string", "jsonPath": ".metadata.name"}]
+        if key[2] == PLURAL:
+            columns += PRINTER_COLUMNS
+        elif key[2] == "pods":
+            columns += [
+                {"name": "Status", "type": "string", "jsonPath": ".status.phase"},
+                {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+            ]
+        else:
+            columns += [{"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}]
+
+        def cell(obj: Obj, col: Obj) -> Any:
+            value = _dig(obj, col["jsonPath"].lstrip("."))
+            if col["type"] == "date" and value:
+                return _age(value)
+            return value
+
+        return {
+            "apiVersion": "meta.k8s.io/v1",
+            "kind": "Table",
+            "metadata": {"resourceVersion": rv},
+            "columnDefinitions": [
+                {
+                    "name": c["name"],
+                    "type": "string" if c["type"] == "date" else c["type"],
+                    "format": "name" if c["name"] == "Name" else "",
+                    "description": "",
+                    "priority": 0,
+                }
+                for c in columns
+            ],
+            "rows": [
+                {
+                    "cells": [cell(o, c) for c in columns],
+                    "object": {
+                        "kind": "PartialObjectMetadata",
+                        "apiVersion": "meta.k8s.io/v1",
+                        "metadata": o["metadata"],
+                    },
+                }
+                for o in items
+            ],
+        }
+
+    async def _watch(
+        self, request: rendering.Request, key: Key, ns: str
+    ) -> aiohttp.web.StreamResponse:
+        raw = request._raw_request
+        assert raw is not None
+        response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(raw)
+        params = request.params
+        since = params.get("resourceVersion") or "0"
+        timeout_s = float(params.get("timeoutSeconds") or 3600)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        name = request.name
+
+        def wanted(obj: Obj) -> bool:
+            meta = obj["metadata"]
+            return (
+                (not ns or meta.get("namespace") == ns)
+                and (name is None or meta["name"] == name)
+                and _selected(obj, params.get("labelSelector"), params.get("fieldSelector"))
+            )
+
+        async def send(type_: str, obj: Obj) -> None:
+            await response.write(json.dumps({"type": type_, "object": obj}).encode() + b"\n")
+
+        if since == "0":  # "any": synthetic ADDED for what exists now, then changes
+            cursor = self.history[-1][0] if self.history else 0
+            for obj in self._matching(key, ns, params):
+                if wanted(obj):
+                    await send("ADDED", obj)
+        else:
+            cursor = int(since)
+        assert self._changed is not None
+        try:
+            while loop.time() < deadline:
+                for rv, k, type_, obj in self.history[self._index_after(cursor) :]:
+                    cursor = rv
+                    if k == key and wanted(obj):
+                        await send(type_, obj)
+                async with self._changed:
+                    try:
+                        await asyncio.wait_for(self._changed.wait(), deadline - loop.time())
+                    except TimeoutError:
+                        break
+        except (ConnectionResetError, asyncio.CancelledError):
+            pass
+        return response
+
+    def _index_after(self, rv: int) -> int:
+        lo, hi = 0, len(self.history)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.history[mid][0] <= rv:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo

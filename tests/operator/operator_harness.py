@@ -1,0 +1,200 @@
+"""Harness of the operator tests: the API stand-in, a running operator, a fake kubelet."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp.web
+import kmock
+import pytest
+from kmock_apiserver import ApiServer
+
+from gspo_operator.handlers import Context
+from gspo_operator.kube import Kube
+from gspo_operator.run import serve
+from gspo_trainer.progress import LearnerProgress
+
+NS = "default"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_job(name: str = "tiny", progress_port: int = 9090, **sections: dict) -> dict:
+    """A small CPU GSPOJob; `sections` update spec sections."""
+    spec: dict[str, Any] = {
+        "model": {"name": "builtin:tiny-qwen3", "maxModelLen": 64, "dtype": "float32"},
+        "data": {"source": "builtin:addition", "maxPromptTokens": 16},
+        "reward": {"kind": "arithmetic"},
+        "algorithm": {
+            "groupSize": 4,
+            "promptsPerStep": 4,
+            "miniBatches": 1,
+            "maxResponseTokens": 8,
+            "maxSteps": 20,
+        },
+        "learner": {"replicas": 2, "gpusPerReplica": 0, "zeroStage": 0},
+        "rollout": {"replicas": 2, "gpusPerReplica": 0, "tensorParallelSize": 1},
+        "checkpoint": {"size": "1Gi", "everySteps": 5},
+        "runPolicy": {"backoffLimit": 1},
+        "metrics": {"port": progress_port},
+    }
+    for section, fields in sections.items():
+        spec[section] = {**spec.get(section, {}), **fields}
+    return {
+        "apiVersion": "gspo.dev/v1alpha1",
+        "kind": "GSPOJob",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": spec,
+    }
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[ApiServer]:
+    async with ApiServer() as server, kmock.Server(server) as http:
+        server.base_url = str(http.url).rstrip("/")
+        yield server
+        assert_rbac_covers(server)
+
+
+VERBS = {"POST": "create", "DELETE": "delete", "PATCH": "patch", "PUT": "update"}
+
+
+def assert_rbac_covers(server: ApiServer) -> None:
+    """Every API request the operator (kopf or kube.py) made is allowed by rbac.RULES."""
+    from gspo_operator.kube import USER_AGENT
+    from gspo_operator.rbac import RULES, allows
+
+    checked = 0
+    for request in server._requests:
+        agent = request.headers.get("User-Agent", "")
+        if request.resource is None or request.resource.plural is None:
+            continue  # discovery: allowed to every authenticated client
+        if not agent.startswith((USER_AGENT, "kopf")):
+            continue
+        method = request.method.value
+        if method == "GET":
+            watch = request.params.get("watch") in ("true", "1")
+            verb = "watch" if watch else "get" if request.name else "list"
+        else:
+            verb = VERBS[method]
+        resource = request.resource.plural
+        if request.subresource:
+            resource += "/" + request.subresource
+        group = request.resource.group or ""
+        assert allows(RULES, group, resource, verb), f"rbac.RULES lack {verb} {group}/{resource}"
+        checked += 1
+    assert checked or not server._requests, "no operator request was recognised"
+
+
+class Progress:
+    """Stands in for learner rank 0's GET /progress."""
+
+    def __init__(self) -> None:
+        self.value = LearnerProgress()
+        self.port = free_port()
+
+    async def handle(self, _: aiohttp.web.Request) -> aiohttp.web.Response:
+        return aiohttp.web.Response(text=self.value.to_json(), content_type="application/json")
+
+
+@pytest.fixture
+async def progress() -> AsyncIterator[Progress]:
+    prog = Progress()
+    app = aiohttp.web.Application()
+    app.router.add_get("/progress", prog.handle)
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    await aiohttp.web.TCPSite(runner, "127.0.0.1", prog.port).start()
+    yield prog
+    await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def operator(
+    api: ApiServer, interval_s: float = 0.2, liveness_port: int | None = None
+) -> AsyncIterator[Context]:
+    """Run the real operator (kopf tasks) against `api` until the block ends."""
+    import kopf
+
+    url = api.base_url
+    ctx = Context(kube=Kube.for_host(url), interval_s=interval_s)
+
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        return kopf.ConnectionInfo(server=url, default_namespace=NS)
+
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(
+        serve(
+            ctx,
+            namespaces=[NS],
+            login=login,
+            scanning=False,
+            stop_flag=stop,
+            ready_flag=ready,
+            liveness_endpoint=liveness_port and f"http://127.0.0.1:{liveness_port}/healthz",
+        )
+    )
+    await asyncio.wait_for(ready.wait(), 20)
+    try:
+        yield ctx
+    finally:
+        stop.set()
+        await asyncio.wait([task], timeout=20)
+        ctx.kube.close()
+        assert task.done(), "the operator did not stop within 20 s"
+        if not task.cancelled() and task.exception() is not None:
+            raise task.exception()
+
+
+@pytest.fixture
+def run_operator() -> Callable[..., Any]:
+    return operator
+
+
+async def eventually(check: Callable[[], Any], timeout_s: float = 20.0, what: str = "") -> Any:
+    """Poll `check` until it returns a truthy value; fail with `what` after the timeout."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    last: Any = None
+    while loop.time() < deadline:
+        try:
+            last = check()
+            if last:
+                return last
+        except (KeyError, TypeError, AssertionError) as exc:
+            last = exc
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what or check}: last {last!r}")
+
+
+async def kubelet(
+    api: ApiServer, pod: str, phase: str, *, ready: bool | None = None, exit_code: int | None = None
+) -> None:
+    """Patch a pod's status the way the kubelet would."""
+    ready = phase == "Running" if ready is None else ready
+    status: dict[str, Any] = {
+        "phase": phase,
+        "podIP": "127.0.0.1",
+        "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+    }
+    if exit_code is not None:
+        status["containerStatuses"] = [
+            {
+                "name": "learner",
+                "state": {
+                    "terminated": {
+                        "exitCode": exit_code,
+                        "reason": "Completed" if exit_code == 0 else "Error",
+                    }
+                },
+            }
+        ]
+    await api.patch_status("Pod", NS, pod, status)

@@ -1,0 +1,119 @@
+"""A user's session: the real kubectl applies examples/gspojob.yaml to the API stand-in while the
+operator runs, then gets, waits on conditions, describes and deletes.
+
+Set GSPO_KUBECTL_TRANSCRIPT=FILE to keep the session's transcript (docs/operator.md shows one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from operator_harness import NS, eventually, kubelet
+
+REPO = Path(__file__).resolve().parents[2]
+JOB = "qwen3-30b-a3b-math"
+KUBECTL = shutil.which("kubectl")
+
+pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed")
+
+
+class Kubectl:
+    def __init__(self, url: str, home: Path) -> None:
+        self.config = home / "kubeconfig"
+        self.config.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "stand-in",
+                    "clusters": [{"name": "stand-in", "cluster": {"server": url}}],
+                    "users": [{"name": "user", "user": {}}],
+                    "contexts": [
+                        {
+                            "name": "stand-in",
+                            "context": {"cluster": "stand-in", "user": "user", "namespace": NS},
+                        }
+                    ],
+                }
+            )
+        )
+        self.transcript: list[str] = []
+
+    async def __call__(self, *args: str, ok: bool = True) -> str:
+        env = {**os.environ, "KUBECONFIG": str(self.config), "HOME": str(self.config.parent)}
+        proc = await asyncio.create_subprocess_exec(
+            KUBECTL,
+            *args,
+            env=env,
+            cwd=REPO,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        out, _ = await asyncio.wait_for(proc.communicate(), 60)
+        text = out.decode()
+        self.transcript.append(f"$ kubectl {' '.join(args)}\n{text}")
+        if ok:
+            assert proc.returncode == 0, text
+        return text
+
+
+async def test_kubectl_apply_get_wait_describe_delete(api, run_operator, tmp_path) -> None:
+    kubectl = Kubectl(api.base_url, tmp_path)
+    async with run_operator(api, interval_s=0.3):
+        out = await kubectl("apply", "--validate=false", "-f", "examples/gspojob.yaml")
+        assert f"gspojob.gspo.dev/{JOB} created" in out
+        await kubectl("wait", "--for=condition=Created", f"gspojob/{JOB}", "--timeout=30s")
+        out = await kubectl("get", "gspo")
+        header, row = out.strip().splitlines()[-2:]
+        assert header.split() == ["NAME", "PHASE", "STEP", "REWARD", "ROLLOUT", "READY", "AGE"]
+        assert row.split()[:2] == [JOB, "Pending"]
+
+        # The kubelet starts the learner pods; the rollout servers become ready.
+        pods = await kubectl("get", "pods", "-l", f"gspo.dev/job-name={JOB}", "-o", "name")
+        assert sorted(pods.split()) == [f"pod/{JOB}-learner-0", f"pod/{JOB}-learner-1"]
+        for name in pods.split():
+            await kubelet(api, name.removeprefix("pod/"), "Running")
+        await api.patch_status("Deployment", NS, f"{JOB}-rollout", {"readyReplicas": 4})
+        await kubectl("wait", "--for=condition=Running", f"gspojob/{JOB}", "--timeout=30s")
+        await kubectl(
+            "wait", "--for=jsonpath={.status.rolloutReady}=4/4", f"gspojob/{JOB}", "--timeout=30s"
+        )
+        out = await kubectl("get", "gspo")
+        assert out.strip().splitlines()[-1].split()[:3] == [JOB, "Running", "4/4"]
+        await eventually(lambda: len(api.list_kind("Event", NS)) >= 2)
+        out = await kubectl("describe", "gspo", JOB)
+        assert "Rollout Ready:" in out and "LearnerReady" in out
+        assert "Created" in out.split("Events:")[-1]
+        out = await kubectl(
+            "get", "deploy,svc,cm,pvc,networkpolicy", "-l", f"gspo.dev/job-name={JOB}"
+        )
+        for name in (
+            f"{JOB}-rollout",
+            f"{JOB}-learner",
+            f"{JOB}-rollout-api",
+            f"{JOB}-config",
+            f"{JOB}-checkpoints",
+            f"{JOB}-pods",
+        ):
+            assert name in out
+
+        # A learner pod fails: the whole group restarts from the latest checkpoint.
+        await kubelet(api, f"{JOB}-learner-1", "Failed", exit_code=1)
+        await kubectl(
+            "wait", "--for=jsonpath={.status.restarts}=1", f"gspojob/{JOB}", "--timeout=30s"
+        )
+        out = await kubectl("get", "gspojob", JOB, "-o", "jsonpath={.status.phase}")
+        assert out == "Restarting"
+
+        out = await kubectl("delete", "-f", "examples/gspojob.yaml", "--timeout=30s")
+        assert f'gspojob.gspo.dev "{JOB}" deleted' in out
+        await eventually(lambda: not api.list_kind("Pod", NS), what="no orphan pods")
+        out = await kubectl("get", "gspo")
+        assert "No resources found" in out
+    if path := os.environ.get("GSPO_KUBECTL_TRANSCRIPT"):
+        Path(path).write_text("\n".join(kubectl.transcript))
