@@ -108,6 +108,8 @@ class Learner:
         self.metrics = metrics or LearnerMetrics()
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.history_path = Path(history_path) if history_path else None
+        if self.history_path is not None:
+            self.history_path.parent.mkdir(parents=True, exist_ok=True)
         self.state = LearnerState()
         eng.init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -399,7 +401,8 @@ class Learner:
                 )
             record = {"step": step, "seconds": step_s, "time": time.time(), **stats,
                       **{f"{k}_seconds": v for k, v in timings.items()},
-                      "update_seconds": t2 - t1, "sync_seconds": t3 - t2}  # fmt: skip
+                      "logprob_seconds": t1 - t0, "update_seconds": t2 - t1,
+                      "sync_seconds": t3 - t2}  # fmt: skip
             self.state.history.append(record)
             if self.history_path is not None:
                 with open(self.history_path, "a", encoding="utf-8") as f:

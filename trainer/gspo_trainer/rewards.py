@@ -82,11 +82,17 @@ class RewardScorer:
     timeout_s: float = 10.0
     require_finished: bool = False
     parallel: int = 16
+    inline: bool = False  # call in this thread: for built-in functions that cannot hang
     on_failure: Callable[[str], None] | None = None
     failures: dict[str, int] = field(default_factory=lambda: {"error": 0, "timeout": 0})
 
     def score(self, items: Sequence[Scored]) -> list[float]:
         scores = [0.0] * len(items)
+        if self.inline:
+            results: dict[int, float | BaseException] = {}
+            for i, item in enumerate(items):
+                self._call(item, i, results)
+            return [self._check(i, results.get(i), scores) for i in range(len(items))]
         for start in range(0, len(items), self.parallel):
             chunk = range(start, min(start + self.parallel, len(items)))
             results: dict[int, float | BaseException] = {}
@@ -98,16 +104,19 @@ class RewardScorer:
             deadline = _now() + self.timeout_s
             for i, t in threads:
                 t.join(max(0.0, deadline - _now()))
-                outcome = results.get(i)
-                if outcome is None:
-                    self._fail("timeout", f"reward call for item {i} ran past {self.timeout_s}s")
-                elif isinstance(outcome, BaseException):
-                    self._fail("error", f"reward call for item {i} raised {outcome!r}")
-                elif not math.isfinite(outcome):
-                    self._fail("error", f"reward call for item {i} returned {outcome}")
-                else:
-                    scores[i] = outcome
+                self._check(i, results.get(i), scores)
         return scores
+
+    def _check(self, i: int, outcome: float | BaseException | None, scores: list[float]) -> float:
+        if outcome is None:
+            self._fail("timeout", f"reward call for item {i} ran past {self.timeout_s}s")
+        elif isinstance(outcome, BaseException):
+            self._fail("error", f"reward call for item {i} raised {outcome!r}")
+        elif not math.isfinite(outcome):
+            self._fail("error", f"reward call for item {i} returned {outcome}")
+        else:
+            scores[i] = outcome
+        return scores[i]
 
     def _call(self, item: Scored, i: int, results: dict[int, float | BaseException]) -> None:
         if self.require_finished and not item.finished:
@@ -136,5 +145,6 @@ def build_scorer(cfg: RewardConfig, on_failure: Callable[[str], None] | None = N
         reward_function(cfg),
         timeout_s=cfg.timeout_seconds,
         require_finished=cfg.kind == "arithmetic",
+        inline=cfg.kind == "arithmetic",
         on_failure=on_failure,
     )
