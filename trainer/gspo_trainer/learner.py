@@ -202,10 +202,15 @@ class Learner:
     # --- one step ------------------------------------------------------------------------
 
     def sampling(self, step: int) -> SamplingParams:
+        """Sampling of step `step`. A seed only for sources that draw a fresh stream per
+        prompt from it (LocalRollout): vLLM seeds each request with it, so every prompt of
+        a batch would share one random stream and the batch would lose its diversity."""
         alg = self.spec.algorithm
+        seeded = getattr(self.rollout, "seeds_per_batch", False)
         return SamplingParams(
             n=alg.group_size, max_tokens=alg.max_response_tokens, temperature=alg.temperature,
-            top_p=alg.top_p, top_k=-1, seed=(alg.seed * 1_000_003 + step) % (2**31),
+            top_p=alg.top_p, top_k=-1,
+            seed=(alg.seed * 1_000_003 + step) % (2**31) if seeded else None,
             stop_token_ids=(self.eos_id,),
         )  # fmt: skip
 

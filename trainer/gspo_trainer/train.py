@@ -42,10 +42,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--output-dir", default="gspo-run", help="checkpoints, export, logs, plot")
     p.add_argument("--max-steps", type=int, help="override spec.algorithm.maxSteps")
     p.add_argument("--loss-level", choices=["gspo", "gspo-token", "grpo"],
-                   help="override spec.algorithm.lossLevel (and its default clip range)")  # fmt: skip
+                   help="override spec.algorithm.lossLevel (and its clip range)")  # fmt: skip
     p.add_argument("--seed", type=int, help="override spec.algorithm.seed")
     p.add_argument("--rollout-servers", type=int,
-                   help="local rollout servers (default spec.rollout.replicas, at least 1)")  # fmt: skip
+                   help="local rollout servers (default: spec.rollout.replicas)")  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="log lines instead of a bar")
     return p.parse_args(argv)
 
@@ -97,8 +97,9 @@ def spawn(name: str, args: list[str], env: dict[str, str], log: Path) -> Proc:
     paths = [str(repo / "operator"), str(repo / "trainer"), env.get("PYTHONPATH", "")]
     env = {**env, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     with open(log, "wb") as f:
-        popen = subprocess.Popen([sys.executable, "-m", "gspo_operator.cli", *args], env=env,
-                                 stdout=f, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        cmd = [sys.executable, "-m", "gspo_operator.cli", *args]
+        popen = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                 start_new_session=True)  # fmt: skip
     return Proc(name, popen, log)
 
 

@@ -22,6 +22,8 @@ class LocalSyncReport:
 
 
 class LocalRollout:
+    seeds_per_batch = True  # one seed draws every prompt's samples from one stream
+
     def __init__(self, model: Any, pad_id: int, eos_id: int) -> None:
         self.model = model.eval()
         self.pad_id, self.eos_id = pad_id, eos_id
