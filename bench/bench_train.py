@@ -11,6 +11,7 @@ ratio GSPO / GRPO. Both curves go into one PNG.
 from __future__ import annotations
 
 import argparse
+import signal
 import subprocess
 import sys
 import time
@@ -30,7 +31,15 @@ def run(config: str | None, level: str, steps: int, out: Path) -> tuple[list[dic
     import os
 
     start = time.monotonic()
-    subprocess.run(cmd, check=True, env={**os.environ, **env}, cwd=REPO)
+    proc = subprocess.Popen(cmd, env={**os.environ, **env}, cwd=REPO)
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:  # let `gspo train` stop its learner and servers itself
+        proc.send_signal(signal.SIGINT)
+        proc.wait()
+        raise
+    if code != 0:
+        raise SystemExit(f"gspo train --loss-level {level} exited {code}")
     return read_history(out / "checkpoints" / "history.jsonl"), time.monotonic() - start
 
 

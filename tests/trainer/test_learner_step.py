@@ -69,3 +69,30 @@ def test_a_raising_reward_scores_zero_and_the_run_goes_on(cache: Path) -> None:
     sample = learner.metrics.registry.get_sample_value
     assert sample("gspo_reward_failures_total", {"reason": "error"}) == 2 * 16 * 8
     assert sample("gspo_reward_mean") == 0.0
+
+
+def test_kl_to_the_starting_policy_is_measured_and_grows(cache: Path) -> None:
+    learner = make_learner(cache, None, tiny_spec(klCoef=0.05, learningRate=1e-3))
+    assert learner.ref_model is not None
+    asyncio.run(learner.sync(0))
+    first = asyncio.run(learner.train_step(1))
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6)  # πθ still equals the reference
+    asyncio.run(learner.sync(1))
+    second = asyncio.run(learner.train_step(2))
+    assert second["kl"] > 1e-6
+
+
+def test_zero3_with_moe_leaf_blocks_takes_the_zero1_step(cache: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    runs = {}
+    for stage in (1, 3):
+        manifest = tiny_spec(maxSteps=1)
+        manifest["spec"]["learner"]["zeroStage"] = stage
+        manifest["spec"]["model"]["moe"]["routerAuxLossCoef"] = 0.0
+        learner = make_learner(cache, tmp_path / f"z{stage}", manifest)
+        assert asyncio.run(learner.run()) == 0
+        runs[stage] = AutoModelForCausalLM.from_pretrained(tmp_path / f"z{stage}" / "export")
+    z1 = dict(runs[1].named_parameters())
+    for name, p in runs[3].named_parameters():
+        torch.testing.assert_close(p, z1[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -116,6 +116,12 @@ class Learner:
         path = model_path or eng.resolve_model_path(spec)
         model, self.tokenizer = eng.load_model(spec, path)
         self.hf_config = model.config
+        # The KL reference is the starting policy, frozen (a full copy on every rank).
+        self.ref_model = None
+        if spec.algorithm.kl_coef > 0:
+            import copy
+
+            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         self.engine = eng.build_engine(spec, model)
         self.moe = moe_shape(model.config) if spec.model.moe is not None else None
         self.fused = self.engine.zero_optimization_stage() < 3
@@ -257,9 +263,9 @@ class Learner:
         start = k * per_update + self.rank * share
         return slice(start, start + share)
 
-    def _forward(self, packed: Packed, rows: slice, router: bool):
+    def _forward(self, packed: Packed, rows: slice, router: bool, model: Any = None):
         """Final hidden states (n, L-1, H) predicting targets, and router logits if MoE."""
-        module = self.engine.module
+        module = model if model is not None else self.engine.module
         attn = packed.attn[rows]
         L = int(attn.sum(-1).max())
         base = getattr(module, module.base_model_prefix)
@@ -302,20 +308,32 @@ class Learner:
         module = self.engine.module
         my = [self._rows(N, k) for k in range(alg.mini_batches)]
         old: dict[int, torch.Tensor] = {}
+        ref: dict[int, torch.Tensor] = {}
         old_experts: dict[int, list[torch.Tensor]] = {}
         mismatch_sum = mismatch_n = 0.0
         with torch.no_grad():
             for k, rows in enumerate(my):
                 hidden, L, router = self._forward(packed, rows, router=True)
                 mask = packed.mask[rows, : L - 1]
-                logp = token_logprobs_from_hidden(
-                    hidden, lm_head_weight(module).detach(), packed.targets[rows, : L - 1],
-                    temperature=alg.temperature, mask=mask,
-                ).logp  # fmt: skip
+                if self.fused:
+                    logp = token_logprobs_from_hidden(
+                        hidden, lm_head_weight(module).detach(), packed.targets[rows, : L - 1],
+                        temperature=alg.temperature, mask=mask,
+                    ).logp  # fmt: skip
+                else:  # ZeRO-3: the lm_head weight is a shard outside its module's forward
+                    logits = module.get_output_embeddings()(hidden)
+                    logp = token_logprobs(logits, packed.targets[rows, : L - 1], mask,
+                                          temperature=alg.temperature).logp  # fmt: skip
                 eng_logp = packed.engine_logp[rows, : L - 1]
                 mismatch_sum += float((logp - eng_logp).abs()[mask].sum())
                 mismatch_n += float(mask.sum())
                 old[k] = eng_logp if alg.old_logprob_source == "engine" else logp
+                if self.ref_model is not None:
+                    h_ref, _, _ = self._forward(packed, rows, router=False, model=self.ref_model)
+                    ref[k] = token_logprobs_from_hidden(
+                        h_ref, lm_head_weight(self.ref_model), packed.targets[rows, : L - 1],
+                        temperature=alg.temperature, mask=mask,
+                    ).logp  # fmt: skip
                 if router is not None and self.moe:
                     old_experts[k] = top_k_experts(router, self._token_mask(packed, rows, L),
                                                    self.moe[1])  # fmt: skip
@@ -327,17 +345,18 @@ class Learner:
         for k, rows in enumerate(my):
             hidden, L, router = self._forward(packed, rows, router=aux_coef > 0)
             mask, targets = packed.mask[rows, : L - 1], packed.targets[rows, : L - 1]
+            kl = {"ref_logprobs": ref[k], "kl_coef": alg.kl_coef} if k in ref else {}
             if self.fused:
                 loss, stats, scores = _fused(
                     hidden, lm_head_weight(module), targets, mask, old[k], advantages[rows],
-                    alg.temperature, kw,
+                    alg.temperature, {**kw, **kl},
                 )  # fmt: skip
                 entropy = scores.entropy
             else:
                 logits = module.get_output_embeddings()(hidden)
                 scores = token_logprobs(logits, targets, mask, temperature=alg.temperature,
                                         with_entropy=True)  # fmt: skip
-                loss, stats = policy_loss(scores.logp, old[k], advantages[rows], mask, **kw)
+                loss, stats = policy_loss(scores.logp, old[k], advantages[rows], mask, **kw, **kl)
                 entropy = scores.entropy.detach()
             if router is not None and self.moe and aux_coef > 0:
                 aux = router_aux_loss(router, self._token_mask(packed, rows, L), *self.moe)
