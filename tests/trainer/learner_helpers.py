@@ -1,0 +1,37 @@
+"""Build a real Learner on the tiny MoE with the in-process rollout source (tests only)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from pathlib import Path
+from typing import Any
+
+from gspo_trainer.engine import load_model, resolve_model_path
+from gspo_trainer.jobs import tiny_manifest
+from gspo_trainer.learner import Learner
+from gspo_trainer.rollout.local import LocalRollout
+from gspo_trainer.validation import parse_spec
+
+
+def tiny_spec(**algorithm: Any) -> Any:
+    manifest = copy.deepcopy(tiny_manifest())
+    manifest["spec"]["algorithm"].update(algorithm)
+    return manifest
+
+
+def make_learner(cache: Path, ckpt: Path | None, manifest: dict[str, Any] | None = None,
+                 **kw: Any) -> Learner:  # fmt: skip
+    spec = parse_spec((manifest or tiny_spec())["spec"])
+    path = resolve_model_path(spec, str(cache))
+    model, tok = load_model(spec, path)
+    rollout = LocalRollout(model, tok.pad_token_id, tok.eos_token_id)
+    return Learner(spec, rollout, checkpoint_dir=ckpt, model_path=path, **kw)
+
+
+def run(learner: Learner) -> int:
+    return asyncio.run(learner.run())
+
+
+def params(learner: Learner) -> dict[str, Any]:
+    return {n: p.detach().clone() for n, p in learner.engine.module.named_parameters()}

@@ -1,0 +1,74 @@
+"""`gspo learner` config loading, the embedded default's manifest, and rollout discovery."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import yaml
+from checkout import REPO
+
+from gspo_trainer.jobs import tiny_manifest
+from gspo_trainer.learner_cli import load_spec, main
+from gspo_trainer.rollout.client import RolloutClient
+from gspo_trainer.rollout.discovery import FleetDiscovery, resolve_urls
+from gspo_trainer.validation import SpecError
+
+
+def test_examples_tiny_yaml_is_the_embedded_default() -> None:
+    on_disk = yaml.safe_load((REPO / "examples" / "tiny.yaml").read_text())
+    assert on_disk == tiny_manifest()
+
+
+def test_config_may_be_a_manifest_or_a_bare_spec(tmp_path: Path) -> None:
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump(tiny_manifest()))
+    bare = tmp_path / "spec.yaml"
+    bare.write_text(yaml.safe_dump(tiny_manifest()["spec"]))
+    assert load_spec(manifest) == load_spec(bare)
+    assert load_spec(bare).algorithm.learning_rate == 3e-4
+
+
+def test_a_bad_config_exits_2_naming_the_field(tmp_path: Path, capsys) -> None:
+    spec = tiny_manifest()["spec"]
+    spec["algorithm"]["groupSize"] = 1
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(SpecError):
+        load_spec(path)
+    assert main(["--config", str(path)]) == 2
+    assert "spec.algorithm.groupSize" in capsys.readouterr().err
+    assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_dns_entries_resolve_to_one_url_per_address() -> None:
+    table = {"rollout.ns.svc": ["10.0.0.7", "10.0.0.3"], "v6": ["fd00::1"]}
+
+    def resolver(host: str, port: int) -> list[str]:
+        return sorted(table[host])
+
+    urls = resolve_urls("dns+http://rollout.ns.svc:8000, http://fixed:9000/", resolver)
+    assert urls == ["http://10.0.0.3:8000", "http://10.0.0.7:8000", "http://fixed:9000"]
+    assert resolve_urls("dns+http://v6:8000", resolver) == ["http://[fd00::1]:8000"]
+
+
+def test_discovery_adds_new_servers_and_drops_gone_ones() -> None:
+    addresses = ["127.0.0.1"]
+
+    def resolver(host: str, port: int) -> list[str]:
+        return list(addresses)
+
+    async def scenario() -> tuple[list[str], list[str], list[str]]:
+        start = resolve_urls("dns+http://rollout:1", resolver)
+        async with RolloutClient(start, "t", probe_timeout_s=1) as client:
+            fleet = FleetDiscovery(client, "dns+http://rollout:1", resolver)
+            unchanged = await fleet.discover()
+            addresses[:] = ["127.0.0.2"]
+            added = await fleet.discover()
+            return unchanged, added, sorted(client.servers)
+
+    unchanged, added, now = asyncio.run(scenario())
+    assert unchanged == []
+    assert added == ["http://127.0.0.2:1"]
+    assert now == ["http://127.0.0.2:1"]

@@ -1,0 +1,46 @@
+"""Run under torchrun: a real Learner on every rank, rollouts in process on rank 0 only.
+
+Writes rank 0's final parameters to argv[1], so a test compares 1-rank and 2-rank runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from gspo_trainer.engine import load_model, resolve_model_path
+from gspo_trainer.jobs import tiny_manifest
+from gspo_trainer.learner import Learner
+from gspo_trainer.rollout.local import LocalRollout
+from gspo_trainer.validation import parse_spec
+
+
+def main(out: str, cache: str) -> None:
+    world = int(os.environ["WORLD_SIZE"])
+    manifest = tiny_manifest()
+    manifest["spec"]["algorithm"].update(maxSteps=2, miniBatches=2)
+    manifest["spec"]["learner"]["replicas"] = world
+    manifest["spec"]["checkpoint"]["exportHf"] = False
+    # The router aux loss is not a mean over responses (E * sum f_e P_e of the whole batch),
+    # so ranks sharing a batch compute a slightly different one: leave it out here.
+    manifest["spec"]["model"]["moe"]["routerAuxLossCoef"] = 0.0
+    spec = parse_spec(manifest["spec"])
+    path = resolve_model_path(spec, cache)
+    rollout = None
+    if int(os.environ["RANK"]) == 0:
+        model, tok = load_model(spec, path)
+        rollout = LocalRollout(model, tok.pad_token_id, tok.eos_token_id)
+    learner = Learner(spec, rollout, checkpoint_dir=None, model_path=path)
+    assert asyncio.run(learner.run()) == 0
+    if learner.rank == 0:
+        params = {n: p.detach().clone() for n, p in learner.engine.module.named_parameters()}
+        torch.save({"params": params, "history": learner.state.history}, out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
+    Path(sys.argv[1] + ".done").write_text("ok")

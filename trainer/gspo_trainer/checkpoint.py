@@ -1,0 +1,198 @@
+"""Atomic checkpoints: written aside, listed with checksums, renamed, then pruned to the last K.
+
+Layout under the checkpoint directory:
+
+    step-000120/             a complete checkpoint (never a partial one)
+        engine/              DeepSpeed's model, optimizer and scheduler state (every rank)
+        trainer-rank0.pt     step, data position, RNG states (one file per rank)
+        manifest.json        every file with its size and sha256, written last
+    step-000130.tmp/         one being written; ignored, removed by the next save
+    latest                   name of the newest complete checkpoint
+    export/                  the final policy as HF safetensors (model + tokenizer)
+
+Resume takes the newest `step-*` directory whose manifest lists files that are all present
+with their sizes (checksums are verified with `verify`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+STEP_DIR = re.compile(r"^step-(\d{6,})$")
+MANIFEST = "manifest.json"
+ENGINE_TAG = "engine"
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(ckpt: Path, step: int) -> dict[str, Any]:
+    files = {}
+    for path in sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name != MANIFEST):
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+        rel = path.relative_to(ckpt).as_posix()
+        files[rel] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    manifest = {"step": step, "files": files}
+    tmp = ckpt / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.rename(tmp, ckpt / MANIFEST)
+    return manifest
+
+
+def is_complete(ckpt: Path) -> bool:
+    """Manifest present and every listed file there with its size (cheap; no hashing)."""
+    try:
+        manifest = json.loads((ckpt / MANIFEST).read_text())
+        return all(
+            (ckpt / rel).stat().st_size == meta["bytes"] for rel, meta in manifest["files"].items()
+        )
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def verify(ckpt: Path) -> list[str]:
+    """Files whose checksum or size differs from the manifest (empty: intact)."""
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    bad = []
+    for rel, meta in manifest["files"].items():
+        path = ckpt / rel
+        if not path.is_file() or sha256_file(path) != meta["sha256"]:
+            bad.append(rel)
+    return bad
+
+
+def list_complete(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint, oldest first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        m = STEP_DIR.match(child.name)
+        if m and child.is_dir() and is_complete(child):
+            found.append((int(m.group(1)), child))
+    return sorted(found)
+
+
+def latest(root: Path) -> Path | None:
+    done = list_complete(root)
+    return done[-1][1] if done else None
+
+
+def begin(root: Path, step: int) -> Path:
+    """The aside directory for `step` (rank 0 clears stale .tmp ones first)."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f"{step_name(step)}.tmp"
+    return tmp
+
+
+def clear_stale(root: Path) -> None:
+    if root.is_dir():
+        for child in root.iterdir():
+            if child.name.endswith(".tmp") and child.is_dir():
+                shutil.rmtree(child, ignore_errors=True)
+
+
+def commit(root: Path, step: int, keep: int) -> Path:
+    """Rank 0, after every rank wrote into the aside directory: manifest, rename, prune."""
+    tmp = root / f"{step_name(step)}.tmp"
+    final = root / step_name(step)
+    write_manifest(tmp, step)
+    _fsync_dir(tmp)
+    if final.exists():  # a re-run of the same step (resumed at it): replace
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    pointer = root / "latest.tmp"
+    pointer.write_text(final.name + "\n")
+    os.rename(pointer, root / "latest")
+    for _, old in list_complete(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+# --- the learner's state -------------------------------------------------------------
+
+
+def save_state(engine: Any, tmp: Path, rank: int, trainer_state: dict[str, Any]) -> None:
+    """Every rank: DeepSpeed's shards, and this rank's trainer state (RNG, data, step)."""
+    import torch
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    engine.save_checkpoint(str(tmp), tag=ENGINE_TAG, save_latest=False)
+    torch.save(trainer_state, tmp / f"trainer-rank{rank}.pt")
+
+
+def load_state(engine: Any, ckpt: Path, rank: int) -> dict[str, Any]:
+    import torch
+
+    path, _ = engine.load_checkpoint(
+        str(ckpt), tag=ENGINE_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
+    if path is None:
+        raise RuntimeError(f"checkpoint {ckpt}: DeepSpeed could not load {ENGINE_TAG}/")
+    return torch.load(ckpt / f"trainer-rank{rank}.pt", weights_only=False)
+
+
+def rng_state() -> dict[str, Any]:
+    import random
+
+    import numpy as np
+    import torch
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}  # fmt: skip
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def export_hf(named_tensors: list[tuple[str, Any]], model: Any, tokenizer: Any, out: Path) -> Path:
+    """Save the policy as an HF directory (safetensors), written aside then renamed."""
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    state = {n: t.detach().clone() for n, t in named_tensors}
+    model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    os.rename(tmp, out)
+    return out

@@ -1,0 +1,165 @@
+"""The DeepSpeed engine around an HF causal LM: process group, ZeRO config, MoE leaf modules.
+
+`gspo train` and CPU tests run on gloo with DeepSpeed's CPU accelerator; a cluster runs NCCL.
+The optimizer is DeepSpeed's Adam in AdamW mode with `torch_adam`, so no fused kernel is
+compiled. Under ZeRO-3, whole MoE blocks are leaf modules: their parameters are gathered
+once per block rather than per expert, which keeps routing (data-dependent expert calls)
+from tripping ZeRO-3's prefetch trace.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from gspo_trainer.config import GSPOJobSpec
+
+if TYPE_CHECKING:
+    import torch
+
+DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
+
+
+def has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def init_distributed() -> None:
+    """Join the learner group (one process alone when no launcher set RANK/WORLD_SIZE)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return
+    if not has_gpu():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
+                       ("MASTER_ADDR", "127.0.0.1")):  # fmt: skip
+        os.environ.setdefault(key, value)
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port())
+    deepspeed.init_distributed(dist_backend="nccl" if has_gpu() else "gloo", verbose=False)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def ds_config(spec: GSPOJobSpec) -> dict[str, Any]:
+    """DeepSpeed config from the spec: one micro-batch per optimizer step, per rank."""
+    alg, learner = spec.algorithm, spec.learner
+    zero: dict[str, Any] = {"stage": learner.zero_stage}
+    if learner.offload_optimizer and learner.zero_stage > 0:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": alg.max_grad_norm,
+        "zero_optimization": zero,
+        "optimizer": {
+            "type": "Adam",
+            "params": {
+                "lr": alg.learning_rate,
+                "betas": [0.9, 0.999],
+                "eps": 1e-8,
+                "weight_decay": alg.weight_decay,
+                "torch_adam": True,
+                "adam_w_mode": True,
+            },
+        },
+        "bf16": {"enabled": spec.model.dtype == "bfloat16"},
+        "fp16": {"enabled": spec.model.dtype == "float16"},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if alg.warmup_steps > 0:
+        cfg["scheduler"] = {
+            "type": "WarmupLR",
+            "params": {
+                "warmup_min_lr": 0.0,
+                "warmup_max_lr": alg.learning_rate,
+                "warmup_num_steps": alg.warmup_steps,
+                "warmup_type": "linear",
+            },
+        }
+    return cfg
+
+
+def resolve_model_path(spec: GSPOJobSpec, cache_dir: str | None = None) -> str:
+    name = spec.model.name
+    if name.startswith("builtin:"):
+        from gspo_trainer.tiny import materialize
+
+        return str(materialize(name, cache_dir, seed=spec.algorithm.seed))
+    return name
+
+
+def load_model(spec: GSPOJobSpec, path: str) -> tuple[Any, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw: dict[str, Any] = {"trust_remote_code": spec.model.trust_remote_code}
+    if spec.model.revision:
+        kw["revision"] = spec.model.revision
+    dtype = getattr(torch, spec.model.dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
+    tokenizer = AutoTokenizer.from_pretrained(spec.model.tokenizer or path, **kw)
+    if spec.model.gradient_checkpointing and getattr(model, "supports_gradient_checkpointing", 0):
+        model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    return model, tokenizer
+
+
+def moe_leaf_classes(model: Any) -> list[type]:
+    """Classes of the model's sparse MoE blocks (Qwen2/3-MoE, Mixtral, ...)."""
+    seen: dict[str, type] = {}
+    for module in model.modules():
+        name = type(module).__name__
+        if name.endswith(("SparseMoeBlock", "SparseMoEBlock")):
+            seen[name] = type(module)
+    return list(seen.values())
+
+
+def build_engine(spec: GSPOJobSpec, model: Any) -> Any:
+    """deepspeed.initialize around `model`; returns the engine."""
+    import deepspeed
+
+    init_distributed()
+    if spec.learner.zero_stage == 3:
+        leaves = moe_leaf_classes(model)
+        if leaves:
+            from deepspeed.utils import set_z3_leaf_modules
+
+            set_z3_leaf_modules(model, leaves)
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params,
+                                      config=ds_config(spec))  # fmt: skip
+    return engine
+
+
+@contextmanager
+def full_parameters(engine: Any):
+    """Yield (name, full tensor) pairs of the policy; gathers ZeRO-3 shards (collective)."""
+    module = engine.module
+    if engine.zero_optimization_stage() == 3:
+        import deepspeed
+
+        params = list(module.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            yield [(n, p.data) for n, p in module.named_parameters()]
+    else:
+        yield [(n, p.data) for n, p in module.named_parameters()]
+
+
+def lm_head_weight(model: Any) -> torch.Tensor:
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("the fused policy loss needs an lm_head without bias")
+    return head.weight

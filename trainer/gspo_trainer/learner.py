@@ -1,0 +1,536 @@
+"""The GSPO learner: one step is rollout -> reward -> advantages -> πold -> updates -> sync.
+
+Every rank runs the same loop. Rank 0 alone talks to the rollout fleet and scores rewards,
+then broadcasts the batch; each rank takes an equal share of every mini-batch, and DeepSpeed
+averages the gradients, so the update is the mean over the whole mini-batch whatever the
+number of ranks. Departures from the paper: πold is the learner's own recompute by default
+(the engine's log-probs are measured against it and reported as the mismatch); a step's
+responses form `miniBatches` contiguous mini-batches, one optimizer update each.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from gspo_trainer import checkpoint as ckpt
+from gspo_trainer.config import GSPOJobSpec
+from gspo_trainer.data import PromptStream, load_examples
+from gspo_trainer.metrics import LearnerMetrics
+from gspo_trainer.progress import LearnerProgress
+from gspo_trainer.rewards import Scored, build_scorer
+from gspo_trainer.rollout.types import RolloutBatch, SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("gspo.learner")
+
+
+class RolloutSource(Protocol):
+    """What the learner needs from rollouts: `RolloutClient` in production."""
+
+    async def generate(self, prompts: Any, params: SamplingParams) -> RolloutBatch: ...
+
+    async def sync_weights(self, named_tensors: Any, version: int) -> Any: ...
+
+
+@dataclass
+class Packed:
+    """A step's responses as tensors, one row per response (N rows, groups contiguous)."""
+
+    ids: torch.Tensor  # (N, L) prompt + response, right-padded
+    attn: torch.Tensor  # (N, L)
+    targets: torch.Tensor  # (N, L-1) ids[:, 1:]
+    mask: torch.Tensor  # (N, L-1) bool, True where targets is a response token
+    engine_logp: torch.Tensor  # (N, L-1) engine log-probs at the mask
+    rewards: torch.Tensor  # (N,)
+    lengths: torch.Tensor  # (N,) response tokens
+
+
+def pack(prompts: list[list[int]], responses: list[list[int]], engine_logps: list[list[float]],
+         rewards: list[float], group_size: int, pad_id: int) -> Packed:  # fmt: skip
+    import torch
+
+    rows = [prompts[i // group_size] + r for i, r in enumerate(responses)]
+    L = max(len(r) for r in rows)
+    N = len(rows)
+    ids = torch.full((N, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((N, L), dtype=torch.long)
+    mask = torch.zeros((N, L - 1), dtype=torch.bool)
+    engine_logp = torch.zeros((N, L - 1))
+    for i, row in enumerate(rows):
+        p, n = len(prompts[i // group_size]), len(responses[i])
+        ids[i, : len(row)] = torch.tensor(row)
+        attn[i, : len(row)] = 1
+        mask[i, p - 1 : p - 1 + n] = True
+        engine_logp[i, p - 1 : p - 1 + n] = torch.tensor(engine_logps[i], dtype=torch.float32)
+    lengths = torch.tensor([len(r) for r in responses], dtype=torch.float32)
+    return Packed(ids, attn, ids[:, 1:], mask, engine_logp,
+                  torch.tensor(rewards, dtype=torch.float32), lengths)  # fmt: skip
+
+
+@dataclass
+class LearnerState:
+    step: int = 0
+    policy_version: int = 0
+    last_checkpoint: str | None = None
+    last_checkpoint_step: int | None = None
+    phase: str = "Starting"
+    reward: float | None = None
+    message: str = ""
+    stop_requested: bool = False
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+class Learner:
+    def __init__(
+        self,
+        spec: GSPOJobSpec,
+        rollout: RolloutSource | None,
+        *,
+        checkpoint_dir: str | Path | None,
+        model_path: str | None = None,
+        metrics: LearnerMetrics | None = None,
+        history_path: str | Path | None = None,
+    ) -> None:
+        import torch.distributed as dist
+
+        from gspo_trainer import engine as eng
+        from gspo_trainer.moe import moe_shape
+
+        self.spec = spec
+        self.rollout = rollout
+        self.metrics = metrics or LearnerMetrics()
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
+        self.history_path = Path(history_path) if history_path else None
+        if self.history_path is not None:
+            self.history_path.parent.mkdir(parents=True, exist_ok=True)
+        self.state = LearnerState()
+        eng.init_distributed()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        path = model_path or eng.resolve_model_path(spec)
+        model, self.tokenizer = eng.load_model(spec, path)
+        self.hf_config = model.config
+        # The KL reference is the starting policy, frozen (a full copy on every rank).
+        self.ref_model = None
+        if spec.algorithm.kl_coef > 0:
+            import copy
+
+            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.engine = eng.build_engine(spec, model)
+        self.moe = moe_shape(model.config) if spec.model.moe is not None else None
+        self.fused = self.engine.zero_optimization_stage() < 3
+        self.scorer = build_scorer(
+            spec.reward, on_failure=lambda r: self.metrics.reward_failures.labels(r).inc()
+        )
+        self.stream = PromptStream(load_examples(spec.data, self.tokenizer),
+                                   spec.data.shuffle_seed)  # fmt: skip
+        self.pad_id = self.tokenizer.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = self.tokenizer.eos_token_id
+        self.eos_id = self.tokenizer.eos_token_id
+
+    # --- progress ------------------------------------------------------------------------
+
+    def progress(self) -> LearnerProgress:
+        s = self.state
+        return LearnerProgress(
+            phase=s.phase, step=s.step, max_steps=self.spec.algorithm.max_steps, reward=s.reward,
+            last_checkpoint=s.last_checkpoint, last_checkpoint_step=s.last_checkpoint_step,
+            policy_version=s.policy_version, message=s.message,
+        )  # fmt: skip
+
+    # --- the run -------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        """Resume, sync, train to maxSteps (or until asked to stop), checkpoint, export."""
+        alg = self.spec.algorithm
+        self.resume()
+        self.state.phase = "Running"
+        await self.sync(self.state.step)
+        while self.state.step < alg.max_steps:
+            if self._agree_stop():
+                self.state.phase = "Suspending"
+                self.save_checkpoint()
+                log.info("Stopped at step %d after a final checkpoint", self.state.step)
+                return 0
+            await self.train_step(self.state.step + 1)
+            every = self.spec.checkpoint.every_steps
+            if self.state.step % every == 0 and self.state.step < alg.max_steps:
+                self.save_checkpoint()
+        self.save_checkpoint()
+        if self.spec.checkpoint.export_hf:
+            self.export()
+        self.state.phase = "Succeeded"
+        return 0
+
+    async def _discovered(self) -> bool:
+        """Rank 0 re-resolves the fleet; True on every rank when servers were added."""
+        added = False
+        discover = getattr(self.rollout, "discover", None)
+        if self.rank == 0 and discover is not None:
+            added = bool(await discover())
+        return self._any_rank(added)
+
+    def _any_rank(self, flag: bool) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([1.0 if flag else 0.0])
+        if self.world > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def _agree_stop(self) -> bool:
+        """True on every rank when any rank was asked to stop (SIGTERM)."""
+        return self._any_rank(self.state.stop_requested)
+
+    async def sync(self, version: int) -> float:
+        """Push the policy to the rollout servers (rank 0; ZeRO-3 gathers on every rank)."""
+        from gspo_trainer import engine as eng
+
+        start = time.perf_counter()
+        sent = 0
+        with eng.full_parameters(self.engine) as named:
+            if self.rank == 0:
+                report = await self.rollout.sync_weights(named, version)
+                sent = int(getattr(report, "bytes_total", 0))
+        self.state.policy_version = version
+        self.metrics.policy_version.set(version)
+        self.metrics.observe_seconds("weight_sync", time.perf_counter() - start)
+        return float(sent)
+
+    # --- one step ------------------------------------------------------------------------
+
+    def sampling(self, step: int) -> SamplingParams:
+        """Sampling of step `step`. A seed only for sources that draw a fresh stream per
+        prompt from it (LocalRollout): vLLM seeds each request with it, so every prompt of
+        a batch would share one random stream and the batch would lose its diversity."""
+        alg = self.spec.algorithm
+        seeded = getattr(self.rollout, "seeds_per_batch", False)
+        return SamplingParams(
+            n=alg.group_size, max_tokens=alg.max_response_tokens, temperature=alg.temperature,
+            top_p=alg.top_p, top_k=-1,
+            seed=(alg.seed * 1_000_003 + step) % (2**31) if seeded else None,
+            stop_token_ids=(self.eos_id,),
+        )  # fmt: skip
+
+    async def collect(self, step: int) -> tuple[dict[str, Any], dict[str, float]]:
+        """Rank 0: rollouts and rewards. Returns the payload every rank needs, and timings."""
+        alg = self.spec.algorithm
+        examples = self.stream.next_batch(alg.prompts_per_step)
+        if self.rank != 0:
+            return {}, {}
+        prompts = [self.tokenizer(e.prompt, add_special_tokens=False).input_ids for e in examples]
+        t0 = time.perf_counter()
+        batch = await self.rollout.generate(prompts, self.sampling(step))
+        t1 = time.perf_counter()
+        completions = [c for group in batch.groups for c in group]
+        scored = [
+            Scored(examples[c.prompt_index].prompt,
+                   self.tokenizer.decode(c.token_ids, skip_special_tokens=True),
+                   examples[c.prompt_index].answer, c.finish_reason == "stop")
+            for c in completions
+        ]  # fmt: skip
+        rewards = self.scorer.score(scored)
+        t2 = time.perf_counter()
+        payload = {
+            "prompts": prompts,
+            "responses": [c.token_ids for c in completions],
+            "engine_logps": [c.logprobs for c in completions],
+            "rewards": rewards,
+        }
+        return payload, {"rollout": t1 - t0, "reward": t2 - t1}
+
+    def _broadcast(self, payload: dict[str, Any]) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        if self.world == 1:
+            return payload
+        box = [payload if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]  # type: ignore[return-value]
+
+    def _rows(self, n: int, k: int) -> slice:
+        """This rank's rows of mini-batch k, of a step with n responses."""
+        per_update = n // self.spec.algorithm.mini_batches
+        share = per_update // self.world
+        start = k * per_update + self.rank * share
+        return slice(start, start + share)
+
+    def _forward(self, packed: Packed, rows: slice, router: bool, model: Any = None):
+        """Final hidden states (n, L-1, H) predicting targets, and router logits if MoE."""
+        module = model if model is not None else self.engine.module
+        attn = packed.attn[rows]
+        L = int(attn.sum(-1).max())
+        base = getattr(module, module.base_model_prefix)
+        kw = {"output_router_logits": True} if (router and self.moe) else {}
+        out = base(input_ids=packed.ids[rows, :L], attention_mask=attn[:, :L], **kw)
+        hidden = out.last_hidden_state[:, : L - 1]
+        return hidden, L, getattr(out, "router_logits", None)
+
+    def _token_mask(self, packed: Packed, rows: slice, L: int) -> torch.Tensor:
+        """(n*L,) True at response-token positions, the layout of router logits."""
+        import torch
+
+        m = packed.mask[rows, : L - 1]
+        return torch.cat([torch.zeros_like(m[:, :1]), m], 1).reshape(-1)
+
+    async def train_step(self, step: int) -> dict[str, float]:
+        import torch
+
+        from gspo_trainer.advantages import group_advantages
+        from gspo_trainer.engine import lm_head_weight
+        from gspo_trainer.logprobs import token_logprobs, token_logprobs_from_hidden
+        from gspo_trainer.loss import LEVEL_OF, policy_loss
+        from gspo_trainer.moe import expert_load, router_aux_loss, routing_drift, top_k_experts
+
+        alg, t_step = self.spec.algorithm, time.perf_counter()
+        # --- fleet: a server that appeared gets the current weights first ---------------
+        if await self._discovered():
+            await self.sync(self.state.policy_version)
+        # --- rollout and reward (rank 0), then every rank gets the batch ---------------
+        payload, timings = await self.collect(step)
+        payload = self._broadcast(payload)
+        G = alg.group_size
+        packed = pack(payload["prompts"], payload["responses"], payload["engine_logps"],
+                      payload["rewards"], G, self.pad_id)  # fmt: skip
+        N = packed.rewards.shape[0]
+        # --- advantages ------------------------------------------------------------------
+        advantages, adv_stats = group_advantages(packed.rewards, G)
+        # --- πold: the learner's recompute (or the engine's log-probs) -------------------
+        t0 = time.perf_counter()
+        module = self.engine.module
+        my = [self._rows(N, k) for k in range(alg.mini_batches)]
+        old: dict[int, torch.Tensor] = {}
+        ref: dict[int, torch.Tensor] = {}
+        old_experts: dict[int, list[torch.Tensor]] = {}
+        mismatch_sum = mismatch_n = 0.0
+        with torch.no_grad():
+            for k, rows in enumerate(my):
+                hidden, L, router = self._forward(packed, rows, router=True)
+                mask = packed.mask[rows, : L - 1]
+                if self.fused:
+                    logp = token_logprobs_from_hidden(
+                        hidden, lm_head_weight(module).detach(), packed.targets[rows, : L - 1],
+                        temperature=alg.temperature, mask=mask,
+                    ).logp  # fmt: skip
+                else:  # ZeRO-3: the lm_head weight is a shard outside its module's forward
+                    logits = module.get_output_embeddings()(hidden)
+                    logp = token_logprobs(logits, packed.targets[rows, : L - 1], mask,
+                                          temperature=alg.temperature).logp  # fmt: skip
+                eng_logp = packed.engine_logp[rows, : L - 1]
+                mismatch_sum += float((logp - eng_logp).abs()[mask].sum())
+                mismatch_n += float(mask.sum())
+                old[k] = eng_logp if alg.old_logprob_source == "engine" else logp
+                if self.ref_model is not None:
+                    h_ref, _, _ = self._forward(packed, rows, router=False, model=self.ref_model)
+                    ref[k] = token_logprobs_from_hidden(
+                        h_ref, lm_head_weight(self.ref_model), packed.targets[rows, : L - 1],
+                        temperature=alg.temperature, mask=mask,
+                    ).logp  # fmt: skip
+                if router is not None and self.moe:
+                    old_experts[k] = top_k_experts(router, self._token_mask(packed, rows, L),
+                                                   self.moe[1])  # fmt: skip
+        t1 = time.perf_counter()
+        # --- updates: one optimizer step per mini-batch ----------------------------------
+        sums: dict[str, float] = {}
+        aux_coef = self.spec.model.moe.router_aux_loss_coef if self.spec.model.moe else 0.0
+        kw = dict(level=LEVEL_OF[alg.loss_level], clip_low=alg.clip_low, clip_high=alg.clip_high)
+        for k, rows in enumerate(my):
+            hidden, L, router = self._forward(packed, rows, router=aux_coef > 0)
+            mask, targets = packed.mask[rows, : L - 1], packed.targets[rows, : L - 1]
+            kl = {"ref_logprobs": ref[k], "kl_coef": alg.kl_coef} if k in ref else {}
+            if self.fused:
+                loss, stats, scores = _fused(
+                    hidden, lm_head_weight(module), targets, mask, old[k], advantages[rows],
+                    alg.temperature, {**kw, **kl},
+                )  # fmt: skip
+                entropy = scores.entropy
+            else:
+                logits = module.get_output_embeddings()(hidden)
+                scores = token_logprobs(logits, targets, mask, temperature=alg.temperature,
+                                        with_entropy=True)  # fmt: skip
+                loss, stats = policy_loss(scores.logp, old[k], advantages[rows], mask, **kw, **kl)
+                entropy = scores.entropy.detach()
+            if router is not None and self.moe and aux_coef > 0:
+                aux = router_aux_loss(router, self._token_mask(packed, rows, L), *self.moe)
+                loss = loss + aux_coef * aux
+                _add(sums, "router_aux_loss", float(aux.detach()))
+            self.engine.backward(loss)
+            self.engine.step()
+            _add(sums, "loss", float(stats["loss"]))
+            _add(sums, "clip_fraction_low", float(stats["clip_frac_low"]))
+            _add(sums, "clip_fraction_high", float(stats["clip_frac_high"]))
+            _add(sums, "log_ratio_abs", float(stats["abs_log_seq_ratio"]))
+            _add(sums, "kl", float(stats.get("kl", torch.zeros(()))))
+            if entropy is not None:
+                _add(sums, "entropy", float(entropy[mask].mean()) if mask.any() else 0.0)
+        grad_norm = self.engine.get_global_grad_norm()
+        # --- routing drift: top-k experts under πθ (after the updates) vs πold ----------
+        drift = None
+        if old_experts:
+            with torch.no_grad():
+                new = []
+                for rows in my:
+                    _, L, router = self._forward(packed, rows, router=True)
+                    new.append(top_k_experts(router, self._token_mask(packed, rows, L),
+                                             self.moe[1]))  # fmt: skip
+            drift = routing_drift([e for k in old_experts for e in old_experts[k]],
+                                  [e for layers in new for e in layers])  # fmt: skip
+        t2 = time.perf_counter()
+        # --- weight sync -----------------------------------------------------------------
+        sent = None
+        if step % self.spec.weight_sync.every_steps == 0:
+            sent = await self.sync(step)
+        t3 = time.perf_counter()
+        # --- stats, averaged over ranks --------------------------------------------------
+        mb = alg.mini_batches
+        local = {key: value / mb for key, value in sums.items()}
+        local["clip_fraction"] = local["clip_fraction_low"] + local["clip_fraction_high"]
+        local["logprob_mismatch"] = mismatch_sum / max(mismatch_n, 1.0)
+        if drift is not None:
+            local["routing_drift"] = drift
+        stats = self._mean_over_ranks(local)
+        step_s = time.perf_counter() - t_step
+        tokens = float(packed.lengths.sum())
+        stats.update(
+            reward_mean=float(adv_stats["reward_mean"]),
+            reward_std=float(adv_stats["reward_std"]),
+            zero_advantage_fraction=float(adv_stats["zero_spread_share"]),
+            response_length=float(packed.lengths.mean()),
+            tokens_per_second=tokens / step_s,
+        )
+        if grad_norm is not None:
+            stats["grad_norm"] = float(grad_norm)
+        if sent is not None:
+            stats["weight_sync_bytes"] = sent
+        # --- metrics, progress, history (rank 0) -----------------------------------------
+        self.state.step = step
+        self.state.reward = stats["reward_mean"]
+        if self.rank == 0:
+            self.metrics.observe_step(step, stats)
+            self.metrics.tokens.inc(tokens)
+            for phase, seconds in (*timings.items(), ("logprob", t1 - t0),
+                                   ("update", t2 - t1), ("step", step_s)):  # fmt: skip
+                self.metrics.observe_seconds(phase, seconds)
+            if old_experts and self.spec.model.moe and self.spec.model.moe.report_expert_load:
+                self.metrics.observe_expert_load(
+                    expert_load(old_experts[0], self.moe[0])  # type: ignore[index]
+                )
+            record = {"step": step, "seconds": step_s, "time": time.time(), **stats,
+                      **{f"{k}_seconds": v for k, v in timings.items()},
+                      "logprob_seconds": t1 - t0, "update_seconds": t2 - t1,
+                      "sync_seconds": t3 - t2}  # fmt: skip
+            self.state.history.append(record)
+            if self.history_path is not None:
+                with open(self.history_path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(record) + "\n")
+            log.info(
+                "step %d reward %.3f clip %.4f |log s| %.2e entropy %.3f len %.1f "
+                "mismatch %.2e drift %s %.2fs", step, stats["reward_mean"],
+                stats["clip_fraction"], stats["log_ratio_abs"], stats.get("entropy", 0.0),
+                stats["response_length"], stats["logprob_mismatch"],
+                f"{drift:.3f}" if drift is not None else "-", step_s,
+            )  # fmt: skip
+        return stats
+
+    def _mean_over_ranks(self, local: dict[str, float]) -> dict[str, float]:
+        import torch
+        import torch.distributed as dist
+
+        if self.world == 1:
+            return dict(local)
+        keys = sorted(local)
+        vec = torch.tensor([local[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(vec)
+        return {k: float(v) / self.world for k, v in zip(keys, vec.tolist(), strict=True)}
+
+    # --- checkpoints -----------------------------------------------------------------------
+
+    def trainer_state(self) -> dict[str, Any]:
+        return {"step": self.state.step, "data": self.stream.state_dict(),
+                "rng": ckpt.rng_state(), "policy_version": self.state.policy_version}  # fmt: skip
+
+    def save_checkpoint(self) -> Path | None:
+        import torch.distributed as dist
+
+        if self.checkpoint_dir is None:
+            return None
+        phase, self.state.phase = self.state.phase, "Checkpointing"
+        start = time.perf_counter()
+        step = self.state.step
+        try:
+            if self.rank == 0:
+                ckpt.clear_stale(self.checkpoint_dir)
+            self._barrier()
+            tmp = ckpt.begin(self.checkpoint_dir, step)
+            ckpt.save_state(self.engine, tmp, self.rank, self.trainer_state())
+            self._barrier()
+            final = None
+            if self.rank == 0:
+                final = ckpt.commit(self.checkpoint_dir, step, self.spec.checkpoint.keep)
+                self.metrics.checkpoint_time.set(time.time())
+                self.state.last_checkpoint, self.state.last_checkpoint_step = final.name, step
+                log.info("Saved checkpoint %s", final)
+            self._barrier()
+        except Exception:
+            self.metrics.checkpoint_failures.inc()
+            log.exception("Checkpoint at step %d failed; training goes on", step)
+            final = None
+        finally:
+            self.state.phase = phase
+        self.metrics.observe_seconds("checkpoint", time.perf_counter() - start)
+        del dist
+        return final
+
+    def _barrier(self) -> None:
+        import torch.distributed as dist
+
+        if self.world > 1:
+            dist.barrier()
+
+    def resume(self) -> int:
+        """Load the newest complete checkpoint, if any; returns the step resumed at."""
+        if self.checkpoint_dir is None:
+            return 0
+        found = ckpt.latest(self.checkpoint_dir)
+        if found is None:
+            return 0
+        state = ckpt.load_state(self.engine, found, self.rank)
+        self.stream.load_state_dict(state["data"])
+        ckpt.set_rng_state(state["rng"])
+        self.state.step = int(state["step"])
+        self.state.last_checkpoint, self.state.last_checkpoint_step = found.name, self.state.step
+        log.info("Resumed from %s at step %d", found, self.state.step)
+        return self.state.step
+
+    def export(self) -> Path | None:
+        """The final policy as HF safetensors under <checkpoint dir>/export."""
+        from gspo_trainer import engine as eng
+
+        if self.checkpoint_dir is None:
+            return None
+        out = self.checkpoint_dir / "export"
+        with eng.full_parameters(self.engine) as named:
+            if self.rank == 0:
+                ckpt.export_hf(named, self.engine.module, self.tokenizer, out)
+                log.info("Exported the policy to %s", out)
+        self._barrier()
+        return out
+
+
+def _add(sums: dict[str, float], key: str, value: float) -> None:
+    sums[key] = sums.get(key, 0.0) + value
+
+
+def _fused(hidden, weight, targets, mask, old_logp, advantages, temperature, kw):
+    from gspo_trainer.fused_loss import policy_loss_from_hidden
+
+    return policy_loss_from_hidden(hidden, weight, targets, mask, old_logp, advantages,
+                                   temperature=temperature, **kw)  # fmt: skip

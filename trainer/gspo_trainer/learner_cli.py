@@ -1,0 +1,173 @@
+"""`gspo learner --config FILE`: the learner process the learner pods (and `gspo train`) run.
+
+The pod contract (ports.py): GSPO_CONFIG or /etc/gspo/gspojob.yaml holds the GSPOJob
+manifest (or a bare spec); GSPO_ROLLOUT_URLS the servers (fixed URLs or dns+http://);
+GSPO_SYNC_TOKEN their control token; GSPO_POD_IP the address the servers reach rank 0 on
+for weight sync; GSPO_CHECKPOINT_DIR the checkpoint volume; MASTER_ADDR/MASTER_PORT and
+GSPO_NNODES/GSPO_NODE_RANK/GSPO_NPROC_PER_NODE the learner group. With more than one
+process per pod (or several pods) this command starts torch.distributed.run, which runs it
+again once per process.
+
+Exit status: 0 after algorithm.maxSteps (progress phase Succeeded) and after SIGTERM (a
+final checkpoint is written first, so a suspended job resumes where it stopped); 1 on a
+fatal error; 2 on an invalid config. A start resumes from the newest complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from gspo_trainer import ports
+from gspo_trainer.config import GSPOJobSpec
+
+log = logging.getLogger("gspo.learner")
+
+
+def load_spec(path: str | os.PathLike[str]) -> GSPOJobSpec:
+    """A GSPOJob manifest or a bare spec, from YAML or JSON; SpecError names bad fields."""
+    import yaml
+
+    from gspo_trainer.validation import parse_spec
+
+    raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    if isinstance(raw, dict) and "spec" in raw and ("kind" in raw or "apiVersion" in raw):
+        return parse_spec(raw["spec"], prefix="spec")
+    return parse_spec(raw, prefix="spec")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="gspo learner", description=__doc__.split("\n")[0])
+    default_config = os.environ.get(ports.ENV_CONFIG_PATH) or str(
+        Path(ports.CONFIG_DIR) / ports.CONFIG_FILE
+    )
+    p.add_argument("--config", default=default_config, help="GSPOJob manifest or bare spec")
+    ckpt_default = os.environ.get(ports.ENV_CHECKPOINT_DIR, ports.CHECKPOINT_DIR)
+    p.add_argument("--checkpoint-dir", default=ckpt_default)
+    p.add_argument("--rollout-urls", default=os.environ.get(ports.ENV_ROLLOUT_URLS, ""),
+                   help=f"default ${ports.ENV_ROLLOUT_URLS}")  # fmt: skip
+    p.add_argument("--weight-sync-port", type=int, default=ports.WEIGHT_SYNC_PORT)
+    p.add_argument("--metrics-host", default="0.0.0.0")
+    p.add_argument("--history", default=None, help="one JSON line per step (default: in the "
+                   "checkpoint dir, history.jsonl)")  # fmt: skip
+    return p.parse_args(argv)
+
+
+def _group_size() -> tuple[int, int, int]:
+    env = os.environ
+    return (int(env.get(ports.ENV_NNODES, "1")), int(env.get(ports.ENV_NODE_RANK, "0")),
+            int(env.get(ports.ENV_NPROC_PER_NODE, "1")))  # fmt: skip
+
+
+def launch_group(argv: list[str]) -> int:
+    """Start this command once per process of the learner group via torch.distributed.run."""
+    nnodes, node_rank, nproc = _group_size()
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--nproc-per-node={nproc}",
+        f"--master-addr={os.environ.get('MASTER_ADDR', '127.0.0.1')}",
+        f"--master-port={os.environ.get('MASTER_PORT', str(ports.RENDEZVOUS_PORT))}",
+        "-m", "gspo_operator.cli", "learner", *argv,
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd)
+
+    def forward(signum: int, _: Any) -> None:
+        proc.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    return proc.wait()
+
+
+def build_rollout(args: argparse.Namespace, spec: GSPOJobSpec) -> Any:
+    from gspo_trainer.engine import has_gpu
+    from gspo_trainer.rollout.client import RolloutClient, SyncOptions
+    from gspo_trainer.rollout.discovery import FleetDiscovery, resolve_urls
+
+    if not args.rollout_urls:
+        raise ValueError(f"no rollout servers: set ${ports.ENV_ROLLOUT_URLS} or --rollout-urls")
+    urls = resolve_urls(args.rollout_urls)
+    if not urls:
+        raise ValueError(f"${ports.ENV_ROLLOUT_URLS}={args.rollout_urls!r} resolved to nothing")
+    sync = SyncOptions(
+        master_addr=os.environ.get(ports.ENV_POD_IP, "127.0.0.1"),
+        master_port=args.weight_sync_port,
+        backend="nccl" if has_gpu() and spec.rollout.gpus_per_replica > 0 else "gloo",
+        bucket_mb=float(spec.weight_sync.bucket_size_mb),
+        timeout_s=spec.weight_sync.timeout_seconds,
+    )
+    client = RolloutClient(urls, os.environ.get(ports.ENV_SYNC_TOKEN) or None,
+                           timeout_s=spec.rollout.request_timeout_seconds, sync=sync)  # fmt: skip
+    return FleetDiscovery(client, args.rollout_urls)
+
+
+async def run(args: argparse.Namespace, spec: GSPOJobSpec) -> int:
+    from gspo_trainer.learner import Learner
+    from gspo_trainer.status_server import serve_status
+
+    if spec.weight_sync.method != "broadcast":
+        raise ValueError("weightSync.method filesystem is not implemented yet; use broadcast")
+    rank = int(os.environ.get("RANK", "0"))
+    rollout = build_rollout(args, spec) if rank == 0 else None
+    ckpt_dir = Path(args.checkpoint_dir)
+    history = args.history or (ckpt_dir / "history.jsonl")
+    learner = Learner(spec, rollout, checkpoint_dir=ckpt_dir,
+                      history_path=history if rank == 0 else None)  # fmt: skip
+    loop = asyncio.get_running_loop()
+
+    def request_stop() -> None:
+        log.info("Asked to stop: finishing the step, then a final checkpoint")
+        learner.state.stop_requested = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, request_stop)
+    server = None
+    if rank == 0 and spec.metrics.enabled:
+        server = serve_status(learner.metrics, learner.progress, args.metrics_host,
+                              spec.metrics.port)  # fmt: skip
+        log.info("Metrics on http://%s:%d/metrics, progress on /progress",
+                 args.metrics_host, spec.metrics.port)  # fmt: skip
+    try:
+        code = await learner.run()
+    except Exception as exc:
+        learner.state.phase, learner.state.message = "Failed", f"{type(exc).__name__}: {exc}"
+        log.exception("The learner failed")
+        code = 1
+    finally:
+        if rollout is not None:
+            await rollout.close()
+    if server is not None:
+        server.shutdown()
+    return code
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from gspo_trainer.validation import SpecError
+
+    args = parse_args(argv)
+    try:
+        spec = load_spec(args.config)
+    except FileNotFoundError:
+        where = f"--config or ${ports.ENV_CONFIG_PATH}"
+        print(f"gspo learner: config {args.config} not found ({where})", file=sys.stderr)
+        return 2
+    except SpecError as exc:
+        for problem in exc.problems:
+            print(f"gspo learner: {problem}", file=sys.stderr)
+        return 2
+    nnodes, _, nproc = _group_size()
+    if nnodes * nproc > 1 and "RANK" not in os.environ:
+        return launch_group(argv)
+    try:
+        return asyncio.run(run(args, spec))
+    except ValueError as exc:
+        print(f"gspo learner: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,68 @@
+"""Mixture-of-experts bookkeeping from router logits: aux loss, expert load, routing drift.
+
+Router logits come from a transformers MoE forward with `output_router_logits=True`: one
+(B*L, E) tensor per MoE layer. Only positions where `mask` is set (the scored response
+tokens) count. Pure torch; no model code here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+def moe_shape(config: Any) -> tuple[int, int] | None:
+    """(experts, top_k) of a transformers MoE config (Qwen-MoE or Mixtral names); None if dense."""
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    return (int(experts), int(top_k)) if experts and top_k else None
+
+
+def router_aux_loss(router_logits, mask: torch.Tensor, num_experts: int, top_k: int):
+    """Switch-style load-balancing loss, E * sum_e f_e P_e over masked tokens and all layers.
+
+    router_logits: tuple of (N, E); mask (N,) bool. Differentiable in the logits.
+    """
+    import torch
+
+    m = mask.reshape(-1).bool()
+    count = torch.zeros(num_experts, device=m.device)
+    prob = torch.zeros(num_experts, device=m.device)
+    rows = 0
+    for logits in router_logits:
+        probs = logits[m].float().softmax(-1)  # (n, E)
+        chosen = probs.topk(top_k, dim=-1).indices  # (n, k)
+        count = count + torch.bincount(chosen.reshape(-1), minlength=num_experts).float()
+        prob = prob + probs.sum(0)
+        rows += probs.shape[0]
+    if rows == 0:
+        return prob.sum() * 0.0
+    return num_experts * ((count / (rows * top_k)) * (prob / rows)).sum()
+
+
+def top_k_experts(router_logits, mask: torch.Tensor, top_k: int) -> list[torch.Tensor]:
+    """Per layer, the sorted top-k expert ids of each masked token: (n, k) int64."""
+    m = mask.reshape(-1).bool()
+    return [lg.detach()[m].topk(top_k, dim=-1).indices.sort(-1).values for lg in router_logits]
+
+
+def expert_load(chosen: list[torch.Tensor], num_experts: int) -> dict[int, list[float]]:
+    """layer -> share of routed (token, slot) pairs each expert received."""
+    import torch
+
+    out = {}
+    for layer, ids in enumerate(chosen):
+        counts = torch.bincount(ids.reshape(-1), minlength=num_experts).float()
+        out[layer] = (counts / counts.sum().clamp(min=1)).tolist()
+    return out
+
+
+def routing_drift(old: list[torch.Tensor], new: list[torch.Tensor]) -> float:
+    """Share of (layer, token) pairs whose top-k expert set differs between two forwards."""
+    changed = total = 0
+    for a, b in zip(old, new, strict=True):
+        changed += int((a != b).any(-1).sum())
+        total += a.shape[0]
+    return changed / total if total else 0.0
