@@ -118,6 +118,30 @@ def test_watch_namespaces_bind_rbac_only_there() -> None:
     assert cluster_bindings == {f"{RELEASE}-cluster"}, "job rules must not be bound cluster-wide"
 
 
+def grants(rules: list[dict[str, list[str]]]) -> set[tuple[str, str, str]]:
+    return {
+        (group, resource, verb)
+        for rule in rules
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def test_chart_grants_exactly_what_the_operator_uses() -> None:
+    """The operator tests check every API call against rbac.RULES; the chart must grant those
+    and nothing more (a missing verb breaks a cluster, an extra one widens the blast radius)."""
+    from gspo_operator.rbac import RULES
+
+    roles = by_kind(template(), "ClusterRole")
+    granted = grants([rule for role in roles for rule in role["rules"]])
+    needed = grants(RULES)
+    assert not needed - granted, f"the chart lacks {sorted(needed - granted)}"
+    assert not granted - needed, (
+        f"the chart grants more than the operator uses: {sorted(granted - needed)}"
+    )
+
+
 def test_promtool_checks_the_rules(tmp_path: Path) -> None:
     rules = tmp_path / "rules.yaml"
     rules.write_text(yaml.safe_dump(rendered_rules()))
