@@ -17,6 +17,11 @@ def boom(prompt: str, completion: str, answer: str) -> float:
     raise ValueError("bad reward")
 
 
+def varied(prompt: str, completion: str, answer: str) -> float:
+    """A reward with spread inside every group from the first step (so gradients are not 0)."""
+    return float(sum(map(ord, completion)) % 7)
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("models")
@@ -96,3 +101,41 @@ def test_zero3_with_moe_leaf_blocks_takes_the_zero1_step(cache: Path, tmp_path: 
     z1 = dict(runs[1].named_parameters())
     for name, p in runs[3].named_parameters():
         torch.testing.assert_close(p, z1[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_micro_batches_cut_rows_within_the_token_budget() -> None:
+    from gspo_trainer.learner import micro_count, micro_slices
+
+    assert micro_count(16, 9, 16384) == 1
+    assert micro_count(16, 9, 40) == 4  # 4 rows of 9 tokens fit in 40
+    assert micro_count(5, 10, 25) == 3  # 2 rows per micro-batch, not 2.5
+    assert micro_count(3, 100, 10) == 3  # a row longer than the budget goes alone
+    parts = micro_slices(slice(8, 15), 3)
+    assert [(p.start, p.stop) for p in parts] == [(8, 10), (10, 12), (12, 15)]
+    assert micro_slices(slice(0, 2), 5) == [slice(0, 1), slice(1, 2)]
+
+
+def test_micro_batched_step_equals_the_whole_mini_batch(cache: Path, tmp_path: Path) -> None:
+    """learner.microBatchTokens splits a mini-batch into accumulated micro-batches: the
+    optimizer still steps once per mini-batch, on the same gradient."""
+    from transformers import AutoModelForCausalLM
+
+    runs = {}
+    for budget in (16384, 8):  # 8 tokens: one response per micro-batch
+        manifest = tiny_spec(maxSteps=2, miniBatches=2, learningRate=1e-3)
+        manifest["spec"]["learner"]["microBatchTokens"] = budget
+        manifest["spec"]["model"]["moe"]["routerAuxLossCoef"] = 0.0  # a per-batch statistic
+        manifest["spec"]["reward"] = {"kind": "python", "function": "test_learner_step:varied"}
+        learner = make_learner(cache, tmp_path / f"b{budget}", manifest)
+        assert asyncio.run(learner.run()) == 0
+        runs[budget] = (learner.state.history, AutoModelForCausalLM.from_pretrained(
+            tmp_path / f"b{budget}" / "export"))  # fmt: skip
+    (whole_hist, whole), (micro_hist, micro) = runs[16384], runs[8]
+    for a, b in zip(whole_hist, micro_hist, strict=True):
+        assert a["reward_mean"] == b["reward_mean"] and a["zero_advantage_fraction"] < 0.5
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
+        assert b["clip_fraction"] == pytest.approx(a["clip_fraction"], abs=1e-6)
+    reference = dict(whole.named_parameters())
+    # Adam turns float-order noise in near-zero gradients into ~1e-6 moves; a step is 1e-3.
+    for name, p in micro.named_parameters():
+        torch.testing.assert_close(p, reference[name], rtol=1e-4, atol=1e-5, msg=name)

@@ -10,6 +10,7 @@ responses form `miniBatches` contiguous mini-batches, one optimizer update each.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -72,6 +73,21 @@ def pack(prompts: list[list[int]], responses: list[list[int]], engine_logps: lis
     lengths = torch.tensor([len(r) for r in responses], dtype=torch.float32)
     return Packed(ids, attn, ids[:, 1:], mask, engine_logp,
                   torch.tensor(rewards, dtype=torch.float32), lengths)  # fmt: skip
+
+
+def micro_slices(rows: slice, count: int) -> list[slice]:
+    """`rows` cut into `count` contiguous, nearly equal parts, none empty."""
+    n = rows.stop - rows.start
+    count = max(1, min(count, n))
+    bounds = [rows.start + (n * j) // count for j in range(count + 1)]
+    return [slice(a, b) for a, b in itertools.pairwise(bounds)]
+
+
+def micro_count(rows_per_update: int, padded_len: int, token_budget: int) -> int:
+    """Micro-batches so that each holds at most `token_budget` padded tokens (one row each
+    when a single row is longer than the budget)."""
+    per_micro = max(1, token_budget // max(padded_len, 1))
+    return -(-rows_per_update // per_micro)
 
 
 @dataclass
@@ -274,6 +290,22 @@ class Learner:
         hidden = out.last_hidden_state[:, : L - 1]
         return hidden, L, getattr(out, "router_logits", None)
 
+    def _micro(self, packed: Packed, my: list[slice]) -> list[list[slice]]:
+        """Each mini-batch's rows in micro-batches within learner.microBatchTokens; every rank
+        runs as many (ZeRO's collectives in backward pair up across ranks)."""
+        import torch
+        import torch.distributed as dist
+
+        budget = self.spec.learner.micro_batch_tokens
+        need = max(
+            micro_count(r.stop - r.start, int(packed.attn[r].sum(-1).max()), budget) for r in my
+        )
+        if self.world > 1:
+            box = torch.tensor([need])
+            dist.all_reduce(box, op=dist.ReduceOp.MAX)
+            need = int(box.item())
+        return [micro_slices(r, need) for r in my]
+
     def _token_mask(self, packed: Packed, rows: slice, L: int) -> torch.Tensor:
         """(n*L,) True at response-token positions, the layout of router logits."""
         import torch
@@ -307,80 +339,106 @@ class Learner:
         t0 = time.perf_counter()
         module = self.engine.module
         my = [self._rows(N, k) for k in range(alg.mini_batches)]
+        micro = self._micro(packed, my)
         old: dict[int, torch.Tensor] = {}
         ref: dict[int, torch.Tensor] = {}
         old_experts: dict[int, list[torch.Tensor]] = {}
         mismatch_sum = mismatch_n = 0.0
         with torch.no_grad():
             for k, rows in enumerate(my):
-                hidden, L, router = self._forward(packed, rows, router=True)
-                mask = packed.mask[rows, : L - 1]
-                if self.fused:
-                    logp = token_logprobs_from_hidden(
-                        hidden, lm_head_weight(module).detach(), packed.targets[rows, : L - 1],
-                        temperature=alg.temperature, mask=mask,
-                    ).logp  # fmt: skip
-                else:  # ZeRO-3: the lm_head weight is a shard outside its module's forward
-                    logits = module.get_output_embeddings()(hidden)
-                    logp = token_logprobs(logits, packed.targets[rows, : L - 1], mask,
-                                          temperature=alg.temperature).logp  # fmt: skip
-                eng_logp = packed.engine_logp[rows, : L - 1]
-                mismatch_sum += float((logp - eng_logp).abs()[mask].sum())
-                mismatch_n += float(mask.sum())
-                old[k] = eng_logp if alg.old_logprob_source == "engine" else logp
+                width = int(packed.attn[rows].sum(-1).max()) - 1
+                old[k] = torch.zeros(rows.stop - rows.start, width)
                 if self.ref_model is not None:
-                    h_ref, _, _ = self._forward(packed, rows, router=False, model=self.ref_model)
-                    ref[k] = token_logprobs_from_hidden(
-                        h_ref, lm_head_weight(self.ref_model), packed.targets[rows, : L - 1],
-                        temperature=alg.temperature, mask=mask,
-                    ).logp  # fmt: skip
-                if router is not None and self.moe:
-                    old_experts[k] = top_k_experts(router, self._token_mask(packed, rows, L),
-                                                   self.moe[1])  # fmt: skip
+                    ref[k] = torch.zeros_like(old[k])
+                experts = []
+                for sub in micro[k]:
+                    here = slice(sub.start - rows.start, sub.stop - rows.start)
+                    hidden, L, router = self._forward(packed, sub, router=True)
+                    mask, targets = packed.mask[sub, : L - 1], packed.targets[sub, : L - 1]
+                    if self.fused:
+                        logp = token_logprobs_from_hidden(
+                            hidden, lm_head_weight(module).detach(), targets,
+                            temperature=alg.temperature, mask=mask,
+                        ).logp  # fmt: skip
+                    else:  # ZeRO-3: the lm_head weight is a shard outside its module's forward
+                        logits = module.get_output_embeddings()(hidden)
+                        logp = token_logprobs(logits, targets, mask,
+                                              temperature=alg.temperature).logp  # fmt: skip
+                    eng_logp = packed.engine_logp[sub, : L - 1]
+                    mismatch_sum += float((logp - eng_logp).abs()[mask].sum())
+                    mismatch_n += float(mask.sum())
+                    source = eng_logp if alg.old_logprob_source == "engine" else logp
+                    old[k][here, : L - 1] = source
+                    if self.ref_model is not None:
+                        h_ref, _, _ = self._forward(packed, sub, router=False,
+                                                    model=self.ref_model)  # fmt: skip
+                        ref[k][here, : L - 1] = token_logprobs_from_hidden(
+                            h_ref, lm_head_weight(self.ref_model), targets,
+                            temperature=alg.temperature, mask=mask,
+                        ).logp  # fmt: skip
+                    if router is not None and self.moe:
+                        experts.append(top_k_experts(router, self._token_mask(packed, sub, L),
+                                                     self.moe[1]))  # fmt: skip
+                if experts:
+                    old_experts[k] = _per_layer(experts)
         t1 = time.perf_counter()
-        # --- updates: one optimizer step per mini-batch ----------------------------------
+        # --- updates: one optimizer step per mini-batch, its gradient accumulated over
+        # micro-batches, each weighted by its share of the mini-batch's responses ---------
         sums: dict[str, float] = {}
         aux_coef = self.spec.model.moe.router_aux_loss_coef if self.spec.model.moe else 0.0
         kw = dict(level=LEVEL_OF[alg.loss_level], clip_low=alg.clip_low, clip_high=alg.clip_high)
         for k, rows in enumerate(my):
-            hidden, L, router = self._forward(packed, rows, router=aux_coef > 0)
-            mask, targets = packed.mask[rows, : L - 1], packed.targets[rows, : L - 1]
-            kl = {"ref_logprobs": ref[k], "kl_coef": alg.kl_coef} if k in ref else {}
-            if self.fused:
-                loss, stats, scores = _fused(
-                    hidden, lm_head_weight(module), targets, mask, old[k], advantages[rows],
-                    alg.temperature, {**kw, **kl},
-                )  # fmt: skip
-                entropy = scores.entropy
-            else:
-                logits = module.get_output_embeddings()(hidden)
-                scores = token_logprobs(logits, targets, mask, temperature=alg.temperature,
-                                        with_entropy=True)  # fmt: skip
-                loss, stats = policy_loss(scores.logp, old[k], advantages[rows], mask, **kw, **kl)
-                entropy = scores.entropy.detach()
-            if router is not None and self.moe and aux_coef > 0:
-                aux = router_aux_loss(router, self._token_mask(packed, rows, L), *self.moe)
-                loss = loss + aux_coef * aux
-                _add(sums, "router_aux_loss", float(aux.detach()))
-            self.engine.backward(loss)
-            self.engine.step()
-            _add(sums, "loss", float(stats["loss"]))
-            _add(sums, "clip_fraction_low", float(stats["clip_frac_low"]))
-            _add(sums, "clip_fraction_high", float(stats["clip_frac_high"]))
-            _add(sums, "log_ratio_abs", float(stats["abs_log_seq_ratio"]))
-            _add(sums, "kl", float(stats.get("kl", torch.zeros(()))))
-            if entropy is not None:
-                _add(sums, "entropy", float(entropy[mask].mean()) if mask.any() else 0.0)
+            for j, sub in enumerate(micro[k]):
+                here = slice(sub.start - rows.start, sub.stop - rows.start)
+                share = (sub.stop - sub.start) / (rows.stop - rows.start)
+                hidden, L, router = self._forward(packed, sub, router=aux_coef > 0)
+                mask, targets = packed.mask[sub, : L - 1], packed.targets[sub, : L - 1]
+                old_sub = old[k][here, : L - 1]
+                kl = {}
+                if k in ref:
+                    kl = {"ref_logprobs": ref[k][here, : L - 1], "kl_coef": alg.kl_coef}
+                if self.fused:
+                    loss, stats, scores = _fused(
+                        hidden, lm_head_weight(module), targets, mask, old_sub, advantages[sub],
+                        alg.temperature, {**kw, **kl},
+                    )  # fmt: skip
+                    entropy = scores.entropy
+                else:
+                    logits = module.get_output_embeddings()(hidden)
+                    scores = token_logprobs(logits, targets, mask, temperature=alg.temperature,
+                                            with_entropy=True)  # fmt: skip
+                    loss, stats = policy_loss(scores.logp, old_sub, advantages[sub], mask,
+                                              **kw, **kl)  # fmt: skip
+                    entropy = scores.entropy.detach()
+                if router is not None and self.moe and aux_coef > 0:
+                    aux = router_aux_loss(router, self._token_mask(packed, sub, L), *self.moe)
+                    loss = loss + aux_coef * aux
+                    _add(sums, "router_aux_loss", share * float(aux.detach()))
+                # DeepSpeed steps the optimizer only after the mini-batch's last micro-batch.
+                self.engine.set_gradient_accumulation_boundary(j == len(micro[k]) - 1)
+                self.engine.backward(loss * share)
+                self.engine.step()
+                _add(sums, "loss", share * float(stats["loss"]))
+                _add(sums, "clip_fraction_low", share * float(stats["clip_frac_low"]))
+                _add(sums, "clip_fraction_high", share * float(stats["clip_frac_high"]))
+                _add(sums, "log_ratio_abs", share * float(stats["abs_log_seq_ratio"]))
+                _add(sums, "kl", share * float(stats.get("kl", torch.zeros(()))))
+                if entropy is not None:
+                    ent = float(entropy[mask].mean()) if mask.any() else 0.0
+                    _add(sums, "entropy", share * ent)
         grad_norm = self.engine.get_global_grad_norm()
         # --- routing drift: top-k experts under πθ (after the updates) vs πold ----------
         drift = None
         if old_experts:
             with torch.no_grad():
                 new = []
-                for rows in my:
-                    _, L, router = self._forward(packed, rows, router=True)
-                    new.append(top_k_experts(router, self._token_mask(packed, rows, L),
-                                             self.moe[1]))  # fmt: skip
+                for parts in micro:
+                    experts = []
+                    for sub in parts:
+                        _, L, router = self._forward(packed, sub, router=True)
+                        experts.append(top_k_experts(router, self._token_mask(packed, sub, L),
+                                                     self.moe[1]))  # fmt: skip
+                    new.append(_per_layer(experts))
             drift = routing_drift([e for k in old_experts for e in old_experts[k]],
                                   [e for layers in new for e in layers])  # fmt: skip
         t2 = time.perf_counter()
@@ -523,6 +581,13 @@ class Learner:
                 log.info("Exported the policy to %s", out)
         self._barrier()
         return out
+
+
+def _per_layer(parts: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Per-layer expert choices of several micro-batches, joined per layer."""
+    import torch
+
+    return [torch.cat(layer) for layer in zip(*parts, strict=True)]
 
 
 def _add(sums: dict[str, float], key: str, value: float) -> None:
