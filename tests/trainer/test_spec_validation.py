@@ -88,7 +88,11 @@ def test_list_items_are_indexed_in_paths() -> None:
             "spec.rollout.tensorParallelSize",
             "CPU",
         ),
-        ({"model": {"moe": {"expertParallelSize": 3}}}, "spec.model.moe.expertParallelSize", "16"),
+        (
+            {"model": {"moe": {"expertParallelSize": 2}}},
+            "spec.model.moe.expertParallelSize",
+            "ZeRO-3",
+        ),
         ({"model": {"name": "builtin:gpt5"}}, "spec.model.name", "tiny-qwen3-moe"),
         ({"model": {"maxModelLen": 4096}}, "spec.model.maxModelLen", "10240"),
         ({"reward": {"kind": "python"}}, "spec.reward.function", "module:function"),

@@ -73,7 +73,9 @@ class MoEConfig(Section):
     expert_parallel_size: int = Field(
         1,
         ge=1,
-        description="Data-parallel ranks that share one copy of each expert (DeepSpeed EP).",
+        description=(
+            "Reserved for expert parallelism; must be 1 in this release (ZeRO-3 shards experts)."
+        ),
     )
     report_expert_load: bool = Field(True, description="Export per-expert token load metrics.")
 

@@ -136,10 +136,12 @@ def check_spec(spec: GSPOJobSpec, *, prefix: str = "spec") -> list[Problem]:
             "promptsPerStep x groupSize / miniBatches a multiple of it",
         )
 
-    if spec.model.moe is not None and world % spec.model.moe.expert_parallel_size:
+    if spec.model.moe is not None and spec.model.moe.expert_parallel_size != 1:
         bad(
             "model.moe.expertParallelSize",
-            f"{spec.model.moe.expert_parallel_size} must divide the {world} learner processes",
+            f"{spec.model.moe.expert_parallel_size}: expert parallelism is not available in "
+            "this release; the learner shards experts with ZeRO-3 (learner.zeroStage: 3, "
+            "whole expert blocks gathered as leaf modules); set it to 1",
         )
     name = spec.model.name
     if name.startswith("builtin:") and name not in BUILTIN_MODELS:
