@@ -207,8 +207,14 @@ def main(argv: list[str]) -> int:
     cache = out / "models"
     model = spec.model.name
     if model.startswith("builtin:"):
+        import torch
+        from transformers.utils import logging as hf_logging
+
         from gspo_trainer.tiny import materialize
 
+        if not torch.cuda.is_available():  # DeepSpeed (imported by transformers) says so once
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        hf_logging.disable_progress_bar()  # a bar for writing one tiny file is noise here
         model = str(materialize(model, cache, seed=spec.algorithm.seed))
     metrics_port = free_port()
     manifest["spec"].setdefault("metrics", {})["port"] = metrics_port
