@@ -92,15 +92,16 @@ def test_zero3_with_moe_leaf_blocks_takes_the_zero1_step(cache: Path, tmp_path: 
 
     runs = {}
     for stage in (1, 3):
-        manifest = tiny_spec(maxSteps=1)
+        manifest = tiny_spec(maxSteps=2, miniBatches=2, learningRate=1e-3)
         manifest["spec"]["learner"]["zeroStage"] = stage
         manifest["spec"]["model"]["moe"]["routerAuxLossCoef"] = 0.0
+        manifest["spec"]["reward"] = {"kind": "python", "function": "test_learner_step:varied"}
         learner = make_learner(cache, tmp_path / f"z{stage}", manifest)
         assert asyncio.run(learner.run()) == 0
         runs[stage] = AutoModelForCausalLM.from_pretrained(tmp_path / f"z{stage}" / "export")
     z1 = dict(runs[1].named_parameters())
     for name, p in runs[3].named_parameters():
-        torch.testing.assert_close(p, z1[name], rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(p, z1[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_micro_batches_cut_rows_within_the_token_budget() -> None:
@@ -115,7 +116,10 @@ def test_micro_batches_cut_rows_within_the_token_budget() -> None:
     assert micro_slices(slice(0, 2), 5) == [slice(0, 1), slice(1, 2)]
 
 
-def test_micro_batched_step_equals_the_whole_mini_batch(cache: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("stage", [1, 3])
+def test_micro_batched_step_equals_the_whole_mini_batch(
+    cache: Path, tmp_path: Path, stage: int
+) -> None:
     """learner.microBatchTokens splits a mini-batch into accumulated micro-batches: the
     optimizer still steps once per mini-batch, on the same gradient."""
     from transformers import AutoModelForCausalLM
@@ -123,7 +127,7 @@ def test_micro_batched_step_equals_the_whole_mini_batch(cache: Path, tmp_path: P
     runs = {}
     for budget in (16384, 8):  # 8 tokens: one response per micro-batch
         manifest = tiny_spec(maxSteps=2, miniBatches=2, learningRate=1e-3)
-        manifest["spec"]["learner"]["microBatchTokens"] = budget
+        manifest["spec"]["learner"].update(zeroStage=stage, microBatchTokens=budget)
         manifest["spec"]["model"]["moe"]["routerAuxLossCoef"] = 0.0  # a per-batch statistic
         manifest["spec"]["reward"] = {"kind": "python", "function": "test_learner_step:varied"}
         learner = make_learner(cache, tmp_path / f"b{budget}", manifest)

@@ -1,6 +1,7 @@
 """Run under torchrun: a real Learner on every rank, rollouts in process on rank 0 only.
 
-Writes rank 0's final parameters to argv[1], so a test compares 1-rank and 2-rank runs.
+Writes rank 0's final parameters to argv[1], so a test compares 1-rank and 2-rank runs;
+argv[3] and argv[4] set the ZeRO stage and learner.microBatchTokens.
 """
 
 from __future__ import annotations
@@ -12,18 +13,25 @@ from pathlib import Path
 
 import torch
 
-from gspo_trainer.engine import load_model, resolve_model_path
+from gspo_trainer.engine import full_parameters, load_model, resolve_model_path
 from gspo_trainer.jobs import tiny_manifest
 from gspo_trainer.learner import Learner
 from gspo_trainer.rollout.local import LocalRollout
 from gspo_trainer.validation import parse_spec
 
 
-def main(out: str, cache: str) -> None:
+def varied(prompt: str, completion: str, answer: str) -> float:
+    """A reward with spread inside every group from the first step (so gradients are not 0)."""
+    return float(sum(map(ord, completion)) % 7)
+
+
+def main(out: str, cache: str, stage: int, micro_tokens: int) -> None:
     world = int(os.environ["WORLD_SIZE"])
     manifest = tiny_manifest()
-    manifest["spec"]["algorithm"].update(maxSteps=2, miniBatches=2)
-    manifest["spec"]["learner"]["replicas"] = world
+    manifest["spec"]["algorithm"].update(maxSteps=2, miniBatches=2, learningRate=1e-3)
+    manifest["spec"]["reward"] = {"kind": "python", "function": "two_rank_worker:varied"}
+    manifest["spec"]["learner"].update(replicas=world, zeroStage=stage,
+                                       microBatchTokens=micro_tokens)  # fmt: skip
     manifest["spec"]["checkpoint"]["exportHf"] = False
     # The router aux loss is not a mean over responses (E * sum f_e P_e of the whole batch),
     # so ranks sharing a batch compute a slightly different one: leave it out here.
@@ -36,11 +44,12 @@ def main(out: str, cache: str) -> None:
         rollout = LocalRollout(model, tok.pad_token_id, tok.eos_token_id)
     learner = Learner(spec, rollout, checkpoint_dir=None, model_path=path)
     assert asyncio.run(learner.run()) == 0
+    with full_parameters(learner.engine) as named:  # gathers ZeRO-3 shards on every rank
+        params = {n: t.detach().clone() for n, t in named}
     if learner.rank == 0:
-        params = {n: p.detach().clone() for n, p in learner.engine.module.named_parameters()}
         torch.save({"params": params, "history": learner.state.history}, out)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     Path(sys.argv[1] + ".done").write_text("ok")

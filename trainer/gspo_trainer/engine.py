@@ -138,6 +138,9 @@ def build_engine(spec: GSPOJobSpec, model: Any) -> Any:
             from deepspeed.utils import set_z3_leaf_modules
 
             set_z3_leaf_modules(model, leaves)
+        head = model.get_output_embeddings()
+        model.add_module(HEAD_SCORER, _head_scorer(head))
+        deepspeed.zero.register_external_parameter(getattr(model, HEAD_SCORER), head.weight)
     params = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params,
                                       config=ds_config(spec))  # fmt: skip
@@ -156,6 +159,44 @@ def full_parameters(engine: Any):
             yield [(n, p.data) for n, p in module.named_parameters()]
     else:
         yield [(n, p.data) for n, p in module.named_parameters()]
+
+
+def begin_forward(engine: Any) -> None:
+    """What `engine.forward` does first. The learner runs the base model itself (for hidden
+    states, not logits), so it does this too: ZeRO counts the micro-batches of a gradient
+    accumulation here (ZeRO-3 would otherwise overwrite, not add, each micro-batch's grads)."""
+    clear = getattr(engine.optimizer, "clear_backward_seen_flag", None)
+    if clear is not None:
+        clear()
+
+
+HEAD_SCORER = "gspo_head_scorer"
+
+
+def _head_scorer(head: Any) -> Any:
+    import torch
+
+    class HeadScorer(torch.nn.Module):
+        """Calls fn(hidden, lm_head.weight, ...) inside a module's forward: ZeRO-3 gathers the
+        partitioned weight for it and again for its backward, so the fused, chunked scoring
+        serves ZeRO-3 too (no (tokens, vocab) logits)."""
+
+        def __init__(self, head: Any) -> None:
+            super().__init__()
+            self._head = (head,)  # a reference, not a submodule: the weight stays lm_head's
+
+        def forward(self, fn: Any, hidden: Any, *args: Any, **kw: Any) -> Any:
+            return fn(hidden, self._head[0].weight, *args, **kw)
+
+    return HeadScorer(head)
+
+
+def score_with_head(model: Any, fn: Any, hidden: Any, *args: Any, **kw: Any) -> Any:
+    """fn(hidden, lm_head weight, *args, **kw), with the weight gathered under ZeRO-3."""
+    scorer = getattr(model, HEAD_SCORER, None)
+    if scorer is not None:
+        return scorer(fn, hidden, *args, **kw)
+    return fn(hidden, lm_head_weight(model), *args, **kw)
 
 
 def lm_head_weight(model: Any) -> torch.Tensor:

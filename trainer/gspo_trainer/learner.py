@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from gspo_trainer import checkpoint as ckpt
 from gspo_trainer.config import GSPOJobSpec
 from gspo_trainer.data import PromptStream, load_examples
+from gspo_trainer.engine import begin_forward
 from gspo_trainer.metrics import LearnerMetrics
 from gspo_trainer.progress import LearnerProgress
 from gspo_trainer.rewards import Scored, build_scorer
@@ -140,7 +141,6 @@ class Learner:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         self.engine = eng.build_engine(spec, model)
         self.moe = moe_shape(model.config) if spec.model.moe is not None else None
-        self.fused = self.engine.zero_optimization_stage() < 3
         self.scorer = build_scorer(
             spec.reward, on_failure=lambda r: self.metrics.reward_failures.labels(r).inc()
         )
@@ -281,7 +281,10 @@ class Learner:
 
     def _forward(self, packed: Packed, rows: slice, router: bool, model: Any = None):
         """Final hidden states (n, L-1, H) predicting targets, and router logits if MoE."""
-        module = model if model is not None else self.engine.module
+        module = model
+        if module is None:
+            begin_forward(self.engine)
+            module = self.engine.module
         attn = packed.attn[rows]
         L = int(attn.sum(-1).max())
         base = getattr(module, module.base_model_prefix)
@@ -317,9 +320,9 @@ class Learner:
         import torch
 
         from gspo_trainer.advantages import group_advantages
-        from gspo_trainer.engine import lm_head_weight
-        from gspo_trainer.logprobs import token_logprobs, token_logprobs_from_hidden
-        from gspo_trainer.loss import LEVEL_OF, policy_loss
+        from gspo_trainer.engine import lm_head_weight, score_with_head
+        from gspo_trainer.logprobs import token_logprobs_from_hidden
+        from gspo_trainer.loss import LEVEL_OF
         from gspo_trainer.moe import expert_load, router_aux_loss, routing_drift, top_k_experts
 
         alg, t_step = self.spec.algorithm, time.perf_counter()
@@ -355,15 +358,8 @@ class Learner:
                     here = slice(sub.start - rows.start, sub.stop - rows.start)
                     hidden, L, router = self._forward(packed, sub, router=True)
                     mask, targets = packed.mask[sub, : L - 1], packed.targets[sub, : L - 1]
-                    if self.fused:
-                        logp = token_logprobs_from_hidden(
-                            hidden, lm_head_weight(module).detach(), targets,
-                            temperature=alg.temperature, mask=mask,
-                        ).logp  # fmt: skip
-                    else:  # ZeRO-3: the lm_head weight is a shard outside its module's forward
-                        logits = module.get_output_embeddings()(hidden)
-                        logp = token_logprobs(logits, targets, mask,
-                                              temperature=alg.temperature).logp  # fmt: skip
+                    logp = score_with_head(module, _logp, hidden, targets, mask,
+                                           alg.temperature)  # fmt: skip
                     eng_logp = packed.engine_logp[sub, : L - 1]
                     mismatch_sum += float((logp - eng_logp).abs()[mask].sum())
                     mismatch_n += float(mask.sum())
@@ -397,19 +393,11 @@ class Learner:
                 kl = {}
                 if k in ref:
                     kl = {"ref_logprobs": ref[k][here, : L - 1], "kl_coef": alg.kl_coef}
-                if self.fused:
-                    loss, stats, scores = _fused(
-                        hidden, lm_head_weight(module), targets, mask, old_sub, advantages[sub],
-                        alg.temperature, {**kw, **kl},
-                    )  # fmt: skip
-                    entropy = scores.entropy
-                else:
-                    logits = module.get_output_embeddings()(hidden)
-                    scores = token_logprobs(logits, targets, mask, temperature=alg.temperature,
-                                            with_entropy=True)  # fmt: skip
-                    loss, stats = policy_loss(scores.logp, old_sub, advantages[sub], mask,
-                                              **kw, **kl)  # fmt: skip
-                    entropy = scores.entropy.detach()
+                loss, stats, scores = score_with_head(
+                    module, _fused, hidden, targets, mask, old_sub, advantages[sub],
+                    alg.temperature, {**kw, **kl},
+                )  # fmt: skip
+                entropy = scores.entropy
                 if router is not None and self.moe and aux_coef > 0:
                     aux = router_aux_loss(router, self._token_mask(packed, sub, L), *self.moe)
                     loss = loss + aux_coef * aux
@@ -592,6 +580,13 @@ def _per_layer(parts: list[list[torch.Tensor]]) -> list[torch.Tensor]:
 
 def _add(sums: dict[str, float], key: str, value: float) -> None:
     sums[key] = sums.get(key, 0.0) + value
+
+
+def _logp(hidden, weight, targets, mask, temperature):
+    from gspo_trainer.logprobs import token_logprobs_from_hidden
+
+    return token_logprobs_from_hidden(hidden, weight.detach(), targets, temperature=temperature,
+                                      mask=mask).logp  # fmt: skip
 
 
 def _fused(hidden, weight, targets, mask, old_logp, advantages, temperature, kw):
