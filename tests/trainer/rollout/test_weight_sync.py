@@ -26,8 +26,11 @@ def _round_trip(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> list[ws.
     decoded = list(ws.decode_layout(ws.encode_layout(buckets)))
     assert decoded == buckets
     seen = {}
-    for bucket in decoded:
-        seen.update(ws.unflatten_bucket(bucket, ws.flatten_bucket(bucket, tensors)))
+    send = ws.SendBuffers(decoded, "cpu")
+    for k, bucket in enumerate(decoded):
+        seen.update(
+            (n, t.clone()) for n, t in ws.unflatten_bucket(bucket, send.fill(k, bucket, tensors))
+        )
     assert list(seen) == list(tensors)
     for name, t in tensors.items():
         assert seen[name].dtype == t.dtype and seen[name].shape == t.shape

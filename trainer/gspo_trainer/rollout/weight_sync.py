@@ -15,9 +15,11 @@ DeepSpeed on the learner and to vLLM in the server's workers.
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -91,29 +93,92 @@ def torch_module() -> Any:
     return torch
 
 
-def flatten_bucket(bucket: Bucket, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The bucket's tensors as one uint8 buffer, each at its planned offset (one `cat`)."""
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic collector off for the length of a sync. A sync makes thousands of
+    short-lived tensor views, and in a process with a large heap (a vLLM worker, a learner)
+    every collection they trigger walks all of it: that, not the views, was most of the
+    per-tensor cost of a sync."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+class SendBuffers:
+    """Send buffers for the buckets of one layout: two, so bucket k+1 is filled while bucket k
+    is on the wire, each with cached views as every bucket's tensors, so filling a bucket is
+    one batched copy rather than a concatenation of per-tensor byte views."""
+
+    def __init__(self, buckets: Sequence[Bucket], device: Any) -> None:
+        torch = torch_module()
+        size = max((b.nbytes for b in buckets), default=0)
+        slots = 2 if len(buckets) > 1 else 1
+        self.buffers = [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(slots)]
+        self.views: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+    def fill(self, k: int, bucket: Bucket, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        torch = torch_module()
+        slot = k % len(self.buffers)
+        buffer = self.buffers[slot][: bucket.nbytes]
+        views = self.views.get((k, slot))
+        if views is None:
+            views = [view for _, view in unflatten_bucket(bucket, buffer)]
+            self.views[(k, slot)] = views
+        with torch.no_grad():
+            torch._foreach_copy_(views, [tensors[meta.name] for meta in bucket.tensors])
+        return buffer
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Consecutive tensors of one dtype: one dtype view of their bytes, split in elements."""
+
+    dtype: str
+    start: int  # byte offsets in the bucket
+    end: int
+    sizes: tuple[int, ...]  # in elements, gaps included
+    picks: tuple[int, ...]  # which split pieces are the tensors
+
+
+@functools.lru_cache(maxsize=256)
+def _runs(bucket: Bucket) -> tuple[_Run, ...]:
     torch = torch_module()
-    device = next(iter(tensors.values())).device if tensors else "cpu"
-    pad = torch.zeros(ALIGN_BYTES, dtype=torch.uint8, device=device)
-    pieces, end = [], 0
-    for meta in bucket.tensors:
-        if meta.offset > end:
-            pieces.append(pad[: meta.offset - end])
-        t = tensors[meta.name].detach()
-        pieces.append(t.contiguous().view(-1).view(torch.uint8) if t.dim() else
-                      t.reshape(1).view(torch.uint8))  # fmt: skip
-        end = meta.offset + meta.nbytes
-    return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
+    runs: list[_Run] = []
+    metas = bucket.tensors
+    i = 0
+    while i < len(metas):
+        dtype = metas[i].dtype
+        item = getattr(torch, dtype).itemsize
+        start = end = metas[i].offset
+        sizes: list[int] = []
+        picks: list[int] = []
+        while i < len(metas) and metas[i].dtype == dtype and (metas[i].offset - end) % item == 0:
+            if metas[i].offset > end:
+                sizes.append((metas[i].offset - end) // item)
+            picks.append(len(sizes))
+            sizes.append(metas[i].nbytes // item)
+            end = metas[i].offset + metas[i].nbytes
+            i += 1
+        runs.append(_Run(dtype, start, end, tuple(sizes), tuple(picks)))
+    return tuple(runs)
 
 
 def unflatten_bucket(bucket: Bucket, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """Views of `buffer` as the bucket's named tensors (no copy)."""
+    """Views of `buffer` as the bucket's named tensors (no copy). Runs for every tensor of
+    every update, so it makes one dtype view and one split per run of same-dtype tensors
+    (usually the whole bucket) and then one shape view per tensor."""
     torch = torch_module()
     out = []
-    for meta in bucket.tensors:
-        raw = buffer[meta.offset : meta.offset + meta.nbytes]
-        out.append((meta.name, raw.view(getattr(torch, meta.dtype)).view(meta.shape)))
+    metas = iter(bucket.tensors)
+    for run in _runs(bucket):
+        pieces = buffer[run.start : run.end].view(getattr(torch, run.dtype)).split(run.sizes)
+        for i in run.picks:
+            meta = next(metas)
+            out.append((meta.name, pieces[i].view(meta.shape)))
     return out
 
 
@@ -270,30 +335,34 @@ class WeightSender:
             raise ValueError(f"WeightSender must be rank 0 of the sync group, not {group.rank}")
         self.group = group
         self.bucket_bytes = int(bucket_mb * 1024 * 1024)
-        self._layout: tuple[Any, list[Bucket], bytes] | None = None  # (metas, plan, encoded)
+        # (metas, plan, encoded plan, send buffers), computed once per model
+        self._layout: tuple[Any, list[Bucket], bytes, SendBuffers] | None = None
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
         start = time.perf_counter()
-        tensors = dict(named_tensors)
-        metas = [
-            (name, tuple(t.shape), _dtype_name(t), t.numel() * t.element_size())
-            for name, t in tensors.items()
-        ]
-        key = tuple(metas)
-        if self._layout is None or self._layout[0] != key:
-            buckets = plan_buckets(metas, self.bucket_bytes)
-            self._layout = (key, buckets, encode_layout(buckets))
-        _, buckets, layout = self._layout
-        _broadcast_header(self.group, version, layout)
-        # Flatten bucket k+1 while bucket k is on the wire.
-        in_flight: Any = None
-        for bucket in buckets:
-            buffer = flatten_bucket(bucket, tensors).to(self.group.device)
+        with gc_paused():
+            tensors = dict(named_tensors)
+            metas = [
+                (name, tuple(t.shape), _dtype_name(t), t.numel() * t.element_size())
+                for name, t in tensors.items()
+            ]
+            key = tuple(metas)
+            if self._layout is None or self._layout[0] != key:
+                self._layout = None  # free the old buffers before making new ones
+                buckets = plan_buckets(metas, self.bucket_bytes)
+                staging = SendBuffers(buckets, self.group.device)
+                self._layout = (key, buckets, encode_layout(buckets), staging)
+            _, buckets, layout, staging = self._layout
+            _broadcast_header(self.group, version, layout)
+            # Fill bucket k+1 while bucket k is on the wire.
+            in_flight: Any = None
+            for k, bucket in enumerate(buckets):
+                buffer = staging.fill(k, bucket, tensors)
+                if in_flight is not None:
+                    in_flight.wait()
+                in_flight = self.group.broadcast_async(buffer)
             if in_flight is not None:
                 in_flight.wait()
-            in_flight = self.group.broadcast_async(buffer)
-        if in_flight is not None:
-            in_flight.wait()
         return SyncStats(
             version=version,
             bytes_total=sum(m[3] for m in metas),
@@ -318,12 +387,13 @@ def receive_weights(group: SyncGroup) -> tuple[int, Iterator[tuple[str, torch.Te
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         # Receive bucket k+1 while the caller loads bucket k.
-        pending = post(buckets[0]) if buckets else None
-        for k in range(len(buckets)):
-            assert pending is not None
-            bucket, buffer, work = pending
-            work.wait()
-            pending = post(buckets[k + 1]) if k + 1 < len(buckets) else None
-            yield from unflatten_bucket(bucket, buffer)
+        with gc_paused():
+            pending = post(buckets[0]) if buckets else None
+            for k in range(len(buckets)):
+                assert pending is not None
+                bucket, buffer, work = pending
+                work.wait()
+                pending = post(buckets[k + 1]) if k + 1 < len(buckets) else None
+                yield from unflatten_bucket(bucket, buffer)
 
     return version, tensors()
