@@ -57,8 +57,33 @@ class WeightSyncExtension:
         self.model_runner.reload_weights(weights_iterator=stream)  # type: ignore[attr-defined]
         for _ in stream:  # every bucket is a collective: take part even if the loader stopped
             pass
+        repack_cpu_moe_experts(self.model_runner.get_model())  # type: ignore[attr-defined]
         return {"version": version, **counted}
 
     def gspo_close_sync_group(self) -> None:
         self._gspo_group = None
         self._gspo_store = None
+
+
+def repack_cpu_moe_experts(model: Any) -> int:
+    """Prepack the reloaded expert weights of every MoE layer that runs vLLM's CPU experts.
+
+    vLLM's unquantized MoE method runs the experts' own post-load step (on CPU: pad the
+    intermediate dimension and prepack w13/w2 into the grouped-GEMM layout) on the first
+    load only; on a reload it copies the new weights into the packed parameters in their
+    checkpoint layout and skips it, so the kernel would read them as if packed (measured:
+    outputs 0.24 nats/token from the new weights and 0.10 from the old). This runs that
+    step again, as the first load did. GPU experts are left alone. Returns the layers done.
+    """
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a vLLM without CPU experts
+        return 0
+    done = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(module)
+            done += 1
+    return done
