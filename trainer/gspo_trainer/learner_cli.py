@@ -10,7 +10,9 @@ again once per process.
 
 Exit status: 0 after algorithm.maxSteps (progress phase Succeeded) and after SIGTERM (a
 final checkpoint is written first, so a suspended job resumes where it stopped); 1 on a
-fatal error; 2 on an invalid config. A start resumes from the newest complete checkpoint.
+fatal error; 2 on an invalid config, or one this node cannot run (a model, data set or reward
+function that is not there, more GPUs than it has: `preflight`), before any work. A start
+resumes from the newest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -163,6 +165,14 @@ def main(argv: list[str]) -> int:
         for problem in exc.problems:
             print(f"gspo learner: {problem}", file=sys.stderr)
         return 2
+    if "RANK" not in os.environ:  # once per pod, before torch.distributed.run starts ranks
+        from gspo_trainer.preflight import check_environment
+
+        problems = check_environment(spec)
+        for problem in problems:
+            print(f"gspo learner: {problem}", file=sys.stderr)
+        if problems:
+            return 2
     nnodes, _, nproc = _group_size()
     if nnodes * nproc > 1 and "RANK" not in os.environ:
         return launch_group(argv)

@@ -1,0 +1,100 @@
+"""What the learner checks before any work: the parts of a spec only the machine it runs on
+can judge (files, imports, hardware).
+
+`validation` judges a spec on its own and runs everywhere (`gspo validate`, the operator);
+these checks need the model, the data and the GPUs, so they run where the learner starts,
+before it loads a model, opens a port or touches a checkpoint. Every problem names the spec
+field and the fix, like validation's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gspo_trainer.config import GSPOJobSpec
+from gspo_trainer.validation import Problem
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~")) or Path(name).expanduser().exists()
+
+
+def check_model(spec: GSPOJobSpec) -> list[Problem]:
+    name = spec.model.name
+    if name.startswith("builtin:"):
+        return []
+    if _looks_like_path(name):
+        path = Path(name).expanduser()
+        if not path.is_dir():
+            return [Problem("spec.model.name", f"{name!r} does not exist; give a local model "
+                            "directory (with config.json) or a Hugging Face model id")]  # fmt: skip
+        if not (path / "config.json").is_file():
+            return [Problem("spec.model.name", f"{name!r} has no config.json; point it at the "
+                            "directory save_pretrained wrote")]  # fmt: skip
+        return []
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(name, revision=spec.model.revision,
+                                   trust_remote_code=spec.model.trust_remote_code)  # fmt: skip
+    except Exception as exc:  # transformers raises OSError, ValueError, HTTP errors
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        hint = "give a local model directory or a model id this node can download"
+        return [Problem("spec.model.name", f"cannot load the config of {name!r} ({first}); {hint}")]
+    return []
+
+
+def check_reward(spec: GSPOJobSpec) -> list[Problem]:
+    from gspo_trainer.rewards import reward_function
+
+    try:
+        reward_function(spec.reward)
+    except ValueError as exc:
+        return [Problem("spec.reward.function", str(exc).removeprefix("reward.function "))]
+    return []
+
+
+def check_data(spec: GSPOJobSpec) -> list[Problem]:
+    """Rows are read and checked as the learner will (templates are applied later, with the
+    model's tokenizer)."""
+    from gspo_trainer.data import load_examples
+
+    src = spec.data.source
+    if not src.startswith("builtin:") and not Path(src).exists():
+        return [Problem("spec.data.source", f"{src!r} does not exist on this node; mount the "
+                        "data set or fix the path")]  # fmt: skip
+    try:
+        load_examples(spec.data, tokenizer=None)
+    except (ValueError, OSError) as exc:
+        message, field = str(exc), "spec.data.source"
+        if f"has no field {spec.data.answer_field!r}" in message:
+            field = "spec.data.answerField"
+        elif "has no field" in message:
+            field = "spec.data.promptField"
+        return [Problem(field, message.removeprefix("data.source "))]
+    return []
+
+
+def check_hardware(spec: GSPOJobSpec, gpus_here: int | None = None) -> list[Problem]:
+    asked = spec.learner.gpus_per_replica
+    if asked == 0:
+        return []
+    if gpus_here is None:
+        import torch
+
+        gpus_here = torch.cuda.device_count()
+    if asked > gpus_here:
+        return [Problem("spec.learner.gpusPerReplica", f"{asked} GPUs per learner pod asked "
+                        f"for, but this node has {gpus_here}; lower it, or run on nodes with "
+                        f"{asked} GPUs (set 0 to train on CPU)")]  # fmt: skip
+    return []
+
+
+def check_environment(spec: GSPOJobSpec, gpus_here: int | None = None) -> list[Problem]:
+    """Every problem at once, cheapest first."""
+    return [
+        *check_hardware(spec, gpus_here),
+        *check_reward(spec),
+        *check_model(spec),
+        *check_data(spec),
+    ]
