@@ -10,8 +10,8 @@ Layout under the checkpoint directory:
     latest                   name of the newest complete checkpoint
     export/                  the final policy as HF safetensors (model + tokenizer)
 
-Resume takes the newest `step-*` directory whose manifest lists files that are all present
-with their sizes (checksums are verified with `verify`).
+Resume takes the newest `step-*` directory whose files all match the sizes and checksums in
+its manifest (`verify`); a damaged one is passed over, with a log line, for the one before.
 """
 
 from __future__ import annotations
@@ -77,26 +77,44 @@ def is_complete(ckpt: Path) -> bool:
 
 
 def verify(ckpt: Path) -> list[str]:
-    """Files whose checksum or size differs from the manifest (empty: intact)."""
-    manifest = json.loads((ckpt / MANIFEST).read_text())
-    bad = []
-    for rel, meta in manifest["files"].items():
-        path = ckpt / rel
-        if not path.is_file() or sha256_file(path) != meta["sha256"]:
-            bad.append(rel)
-    return bad
+    """Files whose size or checksum differs from the manifest, or that are gone (empty:
+    intact). Files are hashed in parallel threads (hashlib lets go of the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        files = json.loads((ckpt / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError):
+        return [MANIFEST]
+
+    def damaged(item: tuple[str, dict[str, Any]]) -> bool:
+        path = ckpt / item[0]
+        try:
+            if path.stat().st_size != item[1]["bytes"]:
+                return True
+        except OSError:
+            return True
+        return sha256_file(path) != item[1]["sha256"]
+
+    with ThreadPoolExecutor(max_workers=min(8, len(files) or 1)) as pool:
+        flags = list(pool.map(damaged, files.items()))
+    return [rel for rel, bad in zip(files, flags, strict=True) if bad]
 
 
-def list_complete(root: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every complete checkpoint, oldest first."""
+def list_steps(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every committed checkpoint directory, oldest first, intact or not."""
     if not root.is_dir():
         return []
     found = []
     for child in root.iterdir():
         m = STEP_DIR.match(child.name)
-        if m and child.is_dir() and is_complete(child):
+        if m and child.is_dir():
             found.append((int(m.group(1)), child))
     return sorted(found)
+
+
+def list_complete(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint (all files there, sizes right), oldest first."""
+    return [(step, path) for step, path in list_steps(root) if is_complete(path)]
 
 
 def latest(root: Path) -> Path | None:

@@ -91,6 +91,13 @@ def micro_count(rows_per_update: int, padded_len: int, token_budget: int) -> int
     return -(-rows_per_update // per_micro)
 
 
+MAX_CHECKPOINT_FAILURES = 3  # in a row; then the learner stops (see Learner.checkpoint)
+
+
+class CheckpointFailed(RuntimeError):
+    """Checkpoints cannot be written; training on would risk losing everything since."""
+
+
 @dataclass
 class LearnerState:
     step: int = 0
@@ -128,6 +135,7 @@ class Learner:
         if self.history_path is not None:
             self.history_path.parent.mkdir(parents=True, exist_ok=True)
         self.state = LearnerState()
+        self.checkpoint_failures = 0  # consecutive
         eng.init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         path = model_path or eng.resolve_model_path(spec)
@@ -172,14 +180,16 @@ class Learner:
         while self.state.step < alg.max_steps:
             if self._agree_stop():
                 self.state.phase = "Suspending"
-                self.save_checkpoint()
+                self.checkpoint(final=True)
                 log.info("Stopped at step %d after a final checkpoint", self.state.step)
                 return 0
             await self.train_step(self.state.step + 1)
             every = self.spec.checkpoint.every_steps
-            if self.state.step % every == 0 and self.state.step < alg.max_steps:
-                self.save_checkpoint()
-        self.save_checkpoint()
+            # after a failed checkpoint, try again at the next step rather than an interval on
+            due = self.state.step % every == 0 or self.checkpoint_failures > 0
+            if due and self.state.step < alg.max_steps:
+                self.checkpoint()
+        self.checkpoint(final=True)
         if self.spec.checkpoint.export_hf:
             self.export()
         self.state.phase = "Succeeded"
@@ -503,37 +513,73 @@ class Learner:
         return {"step": self.state.step, "data": self.stream.state_dict(),
                 "rng": ckpt.rng_state(), "policy_version": self.state.policy_version}  # fmt: skip
 
-    def save_checkpoint(self) -> Path | None:
-        import torch.distributed as dist
+    def checkpoint(self, *, final: bool = False) -> None:
+        """Save, and stop the run rather than train on without checkpoints: a final one that
+        fails, or MAX_CHECKPOINT_FAILURES in a row, raise CheckpointFailed (the learner exits
+        1; the next start resumes from the last good checkpoint, which a failed write never
+        touches)."""
+        if self.checkpoint_dir is None:
+            return
+        if self.save_checkpoint() is not None:
+            self.checkpoint_failures = 0
+            return
+        self.checkpoint_failures += 1
+        if final or self.checkpoint_failures >= MAX_CHECKPOINT_FAILURES:
+            raise CheckpointFailed(
+                f"{self.checkpoint_failures} checkpoint write(s) in a row failed at step "
+                f"{self.state.step} (see the errors above); the newest good checkpoint is "
+                f"{self.state.last_checkpoint or 'none'}, and training stops here rather than "
+                "carry on without checkpoints: free space on the checkpoint volume or fix "
+                "its permissions, then restart (the job resumes from it)"
+            )
 
+    def save_checkpoint(self) -> Path | None:
+        """Every rank writes its part aside; rank 0 commits only if every rank succeeded.
+        Returns the checkpoint, or None when it failed (logged, counted, the aside copy
+        removed; the previous checkpoints are untouched)."""
         if self.checkpoint_dir is None:
             return None
         phase, self.state.phase = self.state.phase, "Checkpointing"
         start = time.perf_counter()
         step = self.state.step
+        final = None
         try:
-            if self.rank == 0:
-                ckpt.clear_stale(self.checkpoint_dir)
-            self._barrier()
-            tmp = ckpt.begin(self.checkpoint_dir, step)
-            ckpt.save_state(self.engine, tmp, self.rank, self.trainer_state())
-            self._barrier()
-            final = None
-            if self.rank == 0:
-                final = ckpt.commit(self.checkpoint_dir, step, self.spec.checkpoint.keep)
+            ok = True
+            try:
+                if self.rank == 0:
+                    ckpt.clear_stale(self.checkpoint_dir)
+                self._barrier()
+                tmp = ckpt.begin(self.checkpoint_dir, step)
+                ckpt.save_state(self.engine, tmp, self.rank, self.trainer_state())
+            except Exception:
+                log.exception("Checkpoint at step %d: this rank could not write its part", step)
+                ok = False
+            ok = self._all_ranks(ok)
+            if ok and self.rank == 0:
+                try:
+                    final = ckpt.commit(self.checkpoint_dir, step, self.spec.checkpoint.keep)
+                except Exception:
+                    log.exception("Checkpoint at step %d could not be committed", step)
+                    ok = False
+            ok = self._all_ranks(ok)
+            if ok and self.rank == 0 and final is not None:
                 self.metrics.checkpoint_time.set(time.time())
                 self.state.last_checkpoint, self.state.last_checkpoint_step = final.name, step
                 log.info("Saved checkpoint %s", final)
-            self._barrier()
-        except Exception:
-            self.metrics.checkpoint_failures.inc()
-            log.exception("Checkpoint at step %d failed; training goes on", step)
-            final = None
+            if not ok:
+                final = None
+                self.metrics.checkpoint_failures.inc()
+                log.error("Checkpoint at step %d FAILED; the newest good one is still %s",
+                          step, self.state.last_checkpoint or "none")  # fmt: skip
+                if self.rank == 0:
+                    ckpt.clear_stale(self.checkpoint_dir)  # give the space back
         finally:
             self.state.phase = phase
         self.metrics.observe_seconds("checkpoint", time.perf_counter() - start)
-        del dist
         return final
+
+    def _all_ranks(self, flag: bool) -> bool:
+        return not self._any_rank(not flag)
 
     def _barrier(self) -> None:
         import torch.distributed as dist
@@ -545,7 +591,7 @@ class Learner:
         """Load the newest complete checkpoint, if any; returns the step resumed at."""
         if self.checkpoint_dir is None:
             return 0
-        found = ckpt.latest(self.checkpoint_dir)
+        found = self._newest_intact()
         if found is None:
             return 0
         state = ckpt.load_state(self.engine, found, self.rank)
@@ -555,6 +601,22 @@ class Learner:
         self.state.last_checkpoint, self.state.last_checkpoint_step = found.name, self.state.step
         log.info("Resumed from %s at step %d", found, self.state.step)
         return self.state.step
+
+    def _newest_intact(self) -> Path | None:
+        """Rank 0 takes the newest complete checkpoint whose files match their checksums,
+        saying which damaged ones it passes over; every rank gets the same choice."""
+        assert self.checkpoint_dir is not None
+        choice = None
+        if self.rank == 0:
+            for _, path in reversed(ckpt.list_steps(self.checkpoint_dir)):
+                bad = ckpt.verify(path)
+                if not bad:
+                    choice = path.name
+                    break
+                log.error("Checkpoint %s is damaged (%s differ from its manifest); skipping it "
+                          "for the previous one", path, ", ".join(bad[:5]))  # fmt: skip
+        choice = self._broadcast({"choice": choice})["choice"]
+        return self.checkpoint_dir / choice if choice else None
 
     def export(self) -> Path | None:
         """The final policy as HF safetensors under <checkpoint dir>/export."""
