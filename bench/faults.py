@@ -194,6 +194,45 @@ async def bad_rollout_requests(trials: int, rng: random.Random) -> Row:
     return row
 
 
+# --- the operator ----------------------------------------------------------------------------
+
+
+@scenario("operator-restarts")
+async def operator_restarts(trials: int, rng: random.Random) -> Row:
+    """The operator killed and restarted 10 times at random moments of one job's life."""
+    row = Row(
+        "operator killed and restarted 10x during a job",
+        "no duplicate/orphan children, no learner restart, job Succeeded",
+    )
+    totals = {"duplicates": 0, "orphans": 0, "missing": 0, "learner restarts": 0}
+    for _ in range(trials):
+        trial = await _operator_restart_trial(rng)
+        totals["duplicates"] += trial.duplicates
+        totals["orphans"] += trial.orphans
+        totals["missing"] += trial.missing
+        totals["learner restarts"] += trial.learner_restarts
+        row.record(not trial.problems, "; ".join(trial.problems)[:120])
+    row.notes.insert(0, ", ".join(f"{k} {v}" for k, v in totals.items()))
+    return row
+
+
+async def _operator_restart_trial(rng: random.Random):  # type: ignore[no-untyped-def]
+    import logging
+
+    sys.path.insert(0, str(REPO / "tests" / "operator"))
+    from operator_restarts import run_trial
+
+    for noisy in ("kopf", "aiohttp", "kubernetes", "gspo_operator"):
+        logging.getLogger(noisy).setLevel(logging.CRITICAL)  # a crash a second is expected
+    seed = rng.randrange(2**32)
+    try:
+        return await asyncio.wait_for(run_trial(random.Random(seed), restarts=10), 120)
+    except (TimeoutError, AssertionError) as exc:
+        from operator_restarts import Trial
+
+        return Trial(problems=[f"seed {seed}: {type(exc).__name__}: {exc}"])
+
+
 # --- the table -------------------------------------------------------------------------------
 
 

@@ -166,17 +166,22 @@ async def _create_children(
     if _rejected_at_creation(original):
         st = status.accepted_change({"conditions": original.get("conditions")}, _now())
         st["conditions"] = [c for c in st["conditions"] if c["type"] == "InvalidSpec"]
-    made = await ctx.kube.create_all(_desired(body, spec, st))
+    desired = _desired(body, spec, st)
+    made = await ctx.kube.create_all(desired)
     for what in made:
         logger.info("Created %s", what)
     memo.accepted = spec
-    new_status = status.created(st, _now(), len(made))
+    if made:
+        _post(body, status.Event("Normal", "Created", f"Created {len(made)} objects"))
+    if "Created" in _true(original) and not refused:
+        # Resumed after a restart: the status belongs to the timer, which may have moved on
+        # since `body` was read; a patch from this stale copy would undo its conditions.
+        return
+    new_status = status.created(st, _now(), len(desired))
     if refused:
         new_status, event = status.refused_change(new_status, _now(), refused)
         _post(body, event)
     patch.status.update(_diff(original, new_status))
-    if made:
-        _post(body, status.Event("Normal", "Created", f"Created {len(made)} objects"))
 
 
 def _rejected_at_creation(st: dict[str, Any]) -> bool:

@@ -25,6 +25,10 @@ Obj = dict[str, Any]
 LEARNER_GRACE_SECONDS = 1800
 ROLLOUT_GRACE_SECONDS = 30
 POD_UID = 10001  # the images' non-root user
+# The root filesystem is read-only; what DeepSpeed, vLLM, torch and Hugging Face write (compiled
+# ops, caches, downloads) goes to emptyDirs at the home directory and /tmp instead.
+HOME_DIR = "/home/gspo"  # the images' user's home (docker/*.Dockerfile)
+TMP_DIR = "/tmp"
 SOCKET_IFNAME = "eth0"  # the pod network; never loopback
 # vLLM loads the model before /health answers; allow it up to 30 minutes.
 ROLLOUT_STARTUP_PERIOD_S, ROLLOUT_STARTUP_FAILURES = 10, 180
@@ -173,6 +177,7 @@ def render_learner_pod(ctx: _Ctx, rank: int, restart: int = 0) -> Obj:
     learner = spec.learner
     config_path = f"{ports.CONFIG_DIR}/{ports.CONFIG_FILE}"
     env = [
+        *_writable_env(),
         *_user_env(learner.env),
         _env(ports.ENV_CONFIG_PATH, config_path),
         _env(ports.ENV_JOB_NAME, job),
@@ -211,6 +216,7 @@ def render_learner_pod(ctx: _Ctx, rank: int, restart: int = 0) -> Obj:
             {"name": "config", "mountPath": ports.CONFIG_DIR, "readOnly": True},
             {"name": "checkpoints", "mountPath": ports.CHECKPOINT_DIR},
             {"name": "dshm", "mountPath": "/dev/shm"},
+            *_writable_mounts(),
         ],
         "securityContext": _container_security(),
     }
@@ -230,12 +236,15 @@ def render_learner_pod(ctx: _Ctx, rank: int, restart: int = 0) -> Obj:
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": LEARNER_GRACE_SECONDS,
         "enableServiceLinks": False,
+        # The learner finds rollout servers by DNS and never calls the Kubernetes API.
+        "automountServiceAccountToken": False,
         "securityContext": _pod_security(),
         "containers": [container],
         "volumes": [
             {"name": "config", "configMap": {"name": names.config_map(job)}},
             {"name": "checkpoints", "persistentVolumeClaim": {"claimName": _claim(ctx)}},
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(learner.shm_size)}},
+            *_writable_volumes(),
         ],
         **_scheduling(spec),
     }
@@ -276,7 +285,12 @@ def render_rollout_deployment(ctx: _Ctx, replicas: int | None = None) -> Obj:
         "image": rollout.image,
         "command": list(ports.ROLLOUT_COMMAND),
         "args": rollout_args(spec),
-        "env": [*_user_env(rollout.env), _env(ports.ENV_JOB_NAME, job), _token_env(job)],
+        "env": [
+            *_writable_env(),
+            *_user_env(rollout.env),
+            _env(ports.ENV_JOB_NAME, job),
+            _token_env(job),
+        ],
         "ports": [_container_port("http", ports.ROLLOUT_HTTP_PORT)],
         # /ready turns true only once the server holds weights synced from the learner.
         "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5},
@@ -292,10 +306,10 @@ def render_rollout_deployment(ctx: _Ctx, replicas: int | None = None) -> Obj:
             "failureThreshold": 4,
         },
         "resources": _resources(rollout.resources.model_dump(), rollout.gpus_per_replica),
-        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, *_writable_mounts()],
         "securityContext": _container_security(),
     }
-    volumes: list[Obj] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    volumes: list[Obj] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}, *_writable_volumes()]
     if spec.weight_sync.method == "filesystem":
         container["volumeMounts"].append(
             {"name": "checkpoints", "mountPath": ports.CHECKPOINT_DIR, "readOnly": True}
@@ -319,6 +333,7 @@ def render_rollout_deployment(ctx: _Ctx, replicas: int | None = None) -> Obj:
                 "spec": {
                     "terminationGracePeriodSeconds": ROLLOUT_GRACE_SECONDS,
                     "enableServiceLinks": False,
+                    "automountServiceAccountToken": False,
                     "securityContext": _pod_security(),
                     "containers": [container],
                     "volumes": volumes,
@@ -450,7 +465,29 @@ def _pod_security() -> Obj:
 
 
 def _container_security() -> Obj:
-    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    return {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "readOnlyRootFilesystem": True,
+        "privileged": False,
+    }
+
+
+def _writable_env() -> list[Obj]:
+    # Listed before the user's env, so a user may point a cache elsewhere (e.g. a volume).
+    return [
+        _env("HOME", HOME_DIR),
+        _env("XDG_CACHE_HOME", f"{HOME_DIR}/.cache"),
+        _env("TMPDIR", TMP_DIR),
+    ]
+
+
+def _writable_mounts() -> list[Obj]:
+    return [{"name": "home", "mountPath": HOME_DIR}, {"name": "tmp", "mountPath": TMP_DIR}]
+
+
+def _writable_volumes() -> list[Obj]:
+    return [{"name": "home", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
 
 
 def _scheduling(spec: GSPOJobSpec) -> Obj:

@@ -57,6 +57,10 @@ def configure(settings: kopf.OperatorSettings, *, scanning: bool = True) -> None
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="gspo.dev")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="gspo.dev")
     settings.persistence.finalizer = "gspo.dev/finalizer"
+    # A GSPOJob deleted while its timer is mid-reconcile (the ttlSecondsAfterFinished delete
+    # is issued by that very timer) keeps its finalizer until kopf looks again: every second,
+    # not kopf's default minute.
+    settings.background.cancellation_polling = 1.0
 
 
 async def serve(

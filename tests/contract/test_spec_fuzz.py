@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 from checkout import REPO
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from gspo_trainer.validation import SpecError, parse_spec
@@ -103,3 +103,94 @@ def test_any_value_as_the_whole_spec_is_refused_or_accepted_cleanly(value: Any) 
         parse_spec(value)
     except SpecError as exc:
         assert all(p.path.startswith("spec") for p in exc.problems)
+
+
+# --- accepted specs render to objects the Kubernetes schemas accept -----------------------
+
+KUBERNETES_VERSION = "1.32.0"
+NO_SCHEMA = {"monitoring.coreos.com/v1"}  # Prometheus Operator kinds: not in the k8s schemas
+EXAMPLE_DOC = yaml.safe_load((REPO / "examples" / "gspojob.yaml").read_text())
+ENV_NAME = st.from_regex(r"[A-Z_][A-Z0-9_]{0,12}", fullmatch=True)
+LABEL_TEXT = st.text(alphabet="abcxyz0189-._/", min_size=0, max_size=20)
+
+
+def _dig(node: Any, path: tuple[Any, ...]) -> Any:
+    for part in path:
+        node = node[part]
+    return node
+
+
+def _set(spec: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
+    node: Any = spec
+    for part in path[:-1]:
+        node = node[part] if isinstance(node, list) else node.setdefault(part, {})
+    node[path[-1]] = value
+
+
+def _like(value: Any) -> st.SearchStrategy[Any]:
+    """A value of the same type as `value`: mostly plausible, so that many specs pass."""
+    if isinstance(value, bool):
+        return st.booleans()
+    if isinstance(value, int):
+        return st.integers(min_value=-2, max_value=max(2 * value, 70000))
+    if isinstance(value, float):
+        return st.floats(min_value=-1.0, max_value=max(2 * value, 2.0), allow_nan=False)
+    if isinstance(value, str):
+        return st.sampled_from([value, value.upper(), value + "-x"]) | st.text(max_size=16)
+    return st.just(value)
+
+
+SCALARS = [p for p in PATHS if not isinstance(_dig(EXAMPLE, p), dict | list)]
+typed_mutation = st.sampled_from(SCALARS).flatmap(
+    lambda path: st.tuples(st.just(path), _like(_dig(EXAMPLE, path)))
+)
+extras = st.fixed_dictionaries(
+    {},
+    optional={
+        ("learner", "env"): st.lists(
+            st.fixed_dictionaries({"name": ENV_NAME, "value": st.text(max_size=12)}),
+            max_size=3,
+        ),
+        ("rollout", "engineArgs"): st.dictionaries(
+            st.from_regex(r"[a-z_]{1,12}", fullmatch=True),
+            st.integers(0, 9) | st.booleans() | st.text(max_size=8),
+            max_size=3,
+        ),
+        ("runPolicy", "scheduling", "nodeSelector"): st.dictionaries(
+            LABEL_TEXT, LABEL_TEXT, max_size=2
+        ),
+        ("checkpoint", "claimName"): st.from_regex(r"[a-z][a-z0-9-]{0,20}", fullmatch=True),
+        ("checkpoint", "storageClassName"): st.text(max_size=10),
+        ("metrics", "podMonitor"): st.booleans(),
+        ("runPolicy", "suspend"): st.booleans(),
+        ("weightSync", "method"): st.sampled_from(["broadcast", "filesystem", "nope"]),
+    },
+)
+job_name = st.from_regex(r"[a-z][a-z0-9-]{0,55}", fullmatch=True) | st.text(max_size=12)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(typed_mutation, max_size=3), extras, job_name)
+def test_accepted_specs_render_to_valid_kubernetes_objects(
+    mutations: list[Any], extra: dict[tuple[str, ...], Any], name: str
+) -> None:
+    import kubernetes_validate
+
+    from gspo_operator.manifest import check_job
+    from gspo_operator.render import render_job
+
+    doc = copy.deepcopy(EXAMPLE_DOC)
+    doc["metadata"] = {"name": name, "namespace": "team-a", "uid": "0b5e8a76-0000-4000-8000-1"}
+    for path, value in [*mutations, *extra.items()]:
+        _set(doc["spec"], path, value)
+    spec, problems = check_job(doc)
+    if spec is None:
+        event("rejected")
+        assert problems and all(p.path.startswith(("spec", "metadata")) for p in problems)
+        return
+    event("accepted and rendered")
+    objs = render_job(doc, spec, token="t0ken")
+    for obj in objs:
+        if obj["apiVersion"] in NO_SCHEMA:
+            continue
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)

@@ -159,7 +159,13 @@ def test_learner_pods_carry_the_rendezvous_contract() -> None:
         assert c["readinessProbe"]["httpGet"]["path"] == "/progress"
         assert {p["containerPort"] for p in c["ports"]} == {29500, 29600, 9090}
         mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
-        assert mounts == {"/etc/gspo": "config", "/checkpoints": "checkpoints", "/dev/shm": "dshm"}
+        assert mounts == {
+            "/etc/gspo": "config",
+            "/checkpoints": "checkpoints",
+            "/dev/shm": "dshm",
+            "/home/gspo": "home",
+            "/tmp": "tmp",
+        }
         vols = {v["name"]: v for v in spec["volumes"]}
         assert vols["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
         assert (
@@ -201,7 +207,8 @@ def test_rollout_deployment_runs_the_server_with_the_spec_flags() -> None:
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"
-    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/dev/shm", "/checkpoints"}
+    mounts = {m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts == {"/dev/shm", "/checkpoints", "/home/gspo", "/tmp"}
     assert pod["spec"]["nodeSelector"] == {"pool": "h100"}
     assert pod["spec"]["schedulerName"] == "volcano"
     assert "nodeAffinity" in pod["spec"]["affinity"]
@@ -297,3 +304,17 @@ def test_render_cli_prints_valid_multi_document_yaml(gspo) -> None:
     kinds = [d["kind"] for d in docs]
     assert kinds.count("Pod") == 2 and "Deployment" in kinds and "PodMonitor" in kinds
     assert all(d["metadata"]["namespace"] == "default" for d in docs)
+
+
+def test_render_cli_redacts_secret_values_unless_asked(gspo) -> None:
+    out = gspo("render", "examples/gspojob.yaml")
+    assert out.returncode == 0, out.stderr
+    (secret,) = [d for d in yaml.safe_load_all(out.stdout) if d["kind"] == "Secret"]
+    assert secret["stringData"] == {"token": "<redacted>"}
+    assert out.stdout.count("<redacted>") == 1  # only Secret values are touched
+    shown = gspo("render", "--show-secrets", "examples/gspojob.yaml")
+    assert shown.returncode == 0, shown.stderr
+    (secret,) = [d for d in yaml.safe_load_all(shown.stdout) if d["kind"] == "Secret"]
+    token = secret["stringData"]["token"]
+    assert token != "<redacted>" and len(token) >= 32
+    assert token not in out.stdout
