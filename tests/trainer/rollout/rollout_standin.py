@@ -65,6 +65,11 @@ class _ModelRunner:
         self.seconds_per_tensor = seconds_per_tensor
         self.weights: dict[str, Any] = {}
 
+    def get_model(self) -> Any:
+        import torch
+
+        return torch.nn.Module()  # no layers: nothing for the extension to prepare
+
     def reload_weights(self, weights_iterator: Any) -> None:
         for name, tensor in weights_iterator:
             time.sleep(self.seconds_per_tensor)
