@@ -10,14 +10,16 @@ Layout under the checkpoint directory:
     latest                   name of the newest complete checkpoint
     export/                  the final policy as HF safetensors (model + tokenizer)
 
-Resume takes the newest `step-*` directory whose manifest lists files that are all present
-with their sizes (checksums are verified with `verify`).
+Resume takes the newest `step-*` directory whose every file matches the manifest's size and
+sha256 (`newest_intact`); a truncated or tampered one is skipped for the previous one, with a
+log line naming it and its bad files.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -27,6 +29,8 @@ from typing import Any
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 MANIFEST = "manifest.json"
 ENGINE_TAG = "engine"
+
+log = logging.getLogger("gspo.checkpoint")
 
 
 def step_name(step: int) -> str:
@@ -82,7 +86,11 @@ def verify(ckpt: Path) -> list[str]:
     bad = []
     for rel, meta in manifest["files"].items():
         path = ckpt / rel
-        if not path.is_file() or sha256_file(path) != meta["sha256"]:
+        if (
+            not path.is_file()
+            or path.stat().st_size != meta["bytes"]
+            or sha256_file(path) != meta["sha256"]
+        ):
             bad.append(rel)
     return bad
 
@@ -99,6 +107,31 @@ def list_complete(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def newest_intact(root: Path) -> Path | None:
+    """The newest `step-*` checkpoint whose files all match the manifest's checksums.
+
+    Every newer one that does not is logged (a warning naming it and what is wrong) and
+    skipped, so a run resumes from the previous good checkpoint instead of a corrupt one.
+    """
+    if not root.is_dir():
+        return None
+    candidates = sorted(
+        ((int(m.group(1)), child) for child in root.iterdir()
+         if (m := STEP_DIR.match(child.name)) and child.is_dir()),
+        reverse=True,
+    )  # fmt: skip
+    for _, path in candidates:
+        try:
+            bad = verify(path)
+        except (OSError, ValueError, KeyError) as exc:
+            bad = [f"{MANIFEST} unreadable ({type(exc).__name__})"]
+        if not bad:
+            return path
+        log.warning("Checkpoint %s failed verification (%s); skipped for the previous one",
+                    path, ", ".join(bad[:5]) + (" ..." if len(bad) > 5 else ""))  # fmt: skip
+    return None
+
+
 def latest(root: Path) -> Path | None:
     done = list_complete(root)
     return done[-1][1] if done else None
@@ -109,6 +142,11 @@ def begin(root: Path, step: int) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f"{step_name(step)}.tmp"
     return tmp
+
+
+def discard(root: Path, step: int) -> None:
+    """Remove the aside directory of a failed write (frees the space it took)."""
+    shutil.rmtree(root / f"{step_name(step)}.tmp", ignore_errors=True)
 
 
 def clear_stale(root: Path) -> None:

@@ -74,6 +74,10 @@ def pack(prompts: list[list[int]], responses: list[list[int]], engine_logps: lis
                   torch.tensor(rewards, dtype=torch.float32), lengths)  # fmt: skip
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint write failed; the run stops so that no work goes on unsaved."""
+
+
 @dataclass
 class LearnerState:
     step: int = 0
@@ -458,8 +462,14 @@ class Learner:
                 "rng": ckpt.rng_state(), "policy_version": self.state.policy_version}  # fmt: skip
 
     def save_checkpoint(self) -> Path | None:
-        import torch.distributed as dist
+        """Write a checkpoint on every rank; a failed write stops the run (CheckpointError).
 
+        Training on without checkpoints would risk an unbounded loss of work at the next
+        crash, so the first failed write (disk full, I/O error) is loud: the metric
+        gspo_checkpoint_failures_total goes up, the half-written directory is removed, the
+        previous checkpoint stays the newest one, and the learner exits non-zero; a restart
+        resumes from that previous checkpoint, losing at most one checkpoint interval.
+        """
         if self.checkpoint_dir is None:
             return None
         phase, self.state.phase = self.state.phase, "Checkpointing"
@@ -479,14 +489,21 @@ class Learner:
                 self.state.last_checkpoint, self.state.last_checkpoint_step = final.name, step
                 log.info("Saved checkpoint %s", final)
             self._barrier()
-        except Exception:
+        except Exception as exc:
             self.metrics.checkpoint_failures.inc()
-            log.exception("Checkpoint at step %d failed; training goes on", step)
-            final = None
+            ckpt.discard(self.checkpoint_dir, step)
+            previous = self.state.last_checkpoint or "none"
+            log.error("Checkpoint at step %d failed: %s: %s; previous checkpoint %s kept",
+                      step, type(exc).__name__, exc, previous)  # fmt: skip
+            raise CheckpointError(
+                f"checkpoint at step {step} could not be written under {self.checkpoint_dir} "
+                f"({type(exc).__name__}: {exc}); stopping rather than training on unsaved. "
+                f"The newest checkpoint is still {previous}; free space (or fix the volume) and "
+                "restart to resume from it"
+            ) from exc
         finally:
             self.state.phase = phase
-        self.metrics.observe_seconds("checkpoint", time.perf_counter() - start)
-        del dist
+            self.metrics.observe_seconds("checkpoint", time.perf_counter() - start)
         return final
 
     def _barrier(self) -> None:
@@ -496,10 +513,10 @@ class Learner:
             dist.barrier()
 
     def resume(self) -> int:
-        """Load the newest complete checkpoint, if any; returns the step resumed at."""
+        """Load the newest checkpoint whose checksums verify, if any; returns its step."""
         if self.checkpoint_dir is None:
             return 0
-        found = ckpt.latest(self.checkpoint_dir)
+        found = ckpt.newest_intact(self.checkpoint_dir)
         if found is None:
             return 0
         state = ckpt.load_state(self.engine, found, self.rank)
@@ -507,7 +524,7 @@ class Learner:
         ckpt.set_rng_state(state["rng"])
         self.state.step = int(state["step"])
         self.state.last_checkpoint, self.state.last_checkpoint_step = found.name, self.state.step
-        log.info("Resumed from %s at step %d", found, self.state.step)
+        log.info("Resumed from %s at step %d (checksums verified)", found, self.state.step)
         return self.state.step
 
     def export(self) -> Path | None:

@@ -10,7 +10,10 @@ again once per process.
 
 Exit status: 0 after algorithm.maxSteps (progress phase Succeeded) and after SIGTERM (a
 final checkpoint is written first, so a suspended job resumes where it stopped); 1 on a
-fatal error; 2 on an invalid config. A start resumes from the newest complete checkpoint.
+fatal error (a failed checkpoint write among them: the run stops rather than train on
+unsaved); 2 on an invalid config or one whose data, reward function, model path or GPU count
+does not check out (preflight.py), before any work. A start resumes from the newest
+checkpoint whose checksums verify.
 """
 
 from __future__ import annotations
@@ -162,6 +165,13 @@ def main(argv: list[str]) -> int:
     except SpecError as exc:
         for problem in exc.problems:
             print(f"gspo learner: {problem}", file=sys.stderr)
+        return 2
+    from gspo_trainer.preflight import preflight
+
+    problems = preflight(spec)
+    for problem in problems:
+        print(f"gspo learner: {problem}", file=sys.stderr)
+    if problems:
         return 2
     nnodes, _, nproc = _group_size()
     if nnodes * nproc > 1 and "RANK" not in os.environ:
