@@ -68,7 +68,8 @@ def write_bad_config(name: str, scratch: Path) -> tuple[Path, str]:
     return path, field
 
 
-def refuse(name: str, scratch: Path, run: Callable[[list[str]], tuple[int, str]]) -> str:
+def refuse(name: str, scratch: Path, run: Callable[[list[str]], tuple[int, str]],
+           max_seconds: float = 10) -> str:  # fmt: skip
     """'' when the bad input is refused as promised, else what went wrong."""
     config, field = write_bad_config(name, scratch)
     ckpt = scratch / "ckpt"
@@ -82,7 +83,7 @@ def refuse(name: str, scratch: Path, run: Callable[[list[str]], tuple[int, str]]
         return f"expected one line naming {field}, got {lines}"
     if ckpt.exists():
         return "work started: the checkpoint directory was created"
-    if seconds > 10:
+    if seconds > max_seconds:
         return f"took {seconds:.1f} s"
     return ""
 
