@@ -233,6 +233,217 @@ async def _operator_restart_trial(rng: random.Random):  # type: ignore[no-untype
         return Trial(problems=[f"seed {seed}: {type(exc).__name__}: {exc}"])
 
 
+# --- the learner -----------------------------------------------------------------------------
+# Learner processes on the tiny MoE with in-process rollouts (tests/trainer/learner_proc.py),
+# so these scenarios need neither vLLM nor a GPU.
+
+
+def _learner_paths() -> None:
+    here = str(REPO / "tests" / "trainer")
+    if here not in sys.path:
+        sys.path.insert(0, here)
+
+
+@scenario("learner-sigkill")
+async def learner_sigkill(trials: int, rng: random.Random) -> Row:
+    """The learner SIGKILLed: odd trials inside a checkpoint write, even ones mid-step."""
+    import tempfile
+
+    _learner_paths()
+    from learner_proc import reference_params, sigkill_trial
+
+    steps, every = 6, 2
+    row = Row(
+        f"learner SIGKILLed ({steps} steps, checkpoint every {every}; half the kills timed to "
+        "land inside a checkpoint write), then restarted",
+        "resumes from the newest checksum-verified checkpoint; loses <= one interval; "
+        f"parameters at step {steps} equal an uninterrupted run's",
+    )
+    with tempfile.TemporaryDirectory(prefix="faults-learner-") as tmp:
+        root = Path(tmp)
+        reference = await asyncio.to_thread(
+            reference_params, root / "cache", root / "straight", steps, every
+        )
+        in_write = 0
+        for trial in range(trials):
+            work = root / f"trial-{trial}"
+            work.mkdir()
+            ok, note, lost, landed = await asyncio.to_thread(
+                sigkill_trial, root / "cache", work, steps, every, reference, rng,
+                trial % 2 == 1,
+            )  # fmt: skip
+            in_write += landed
+            row.steps_lost = max(row.steps_lost, lost)
+            row.record(ok, f"trial {trial}: {note}")
+            print(f"  trial {trial}: {'ok' if ok else 'FAILED'} {note} (lost {lost})",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        row.notes.insert(0, f"{in_write} of {trials} kills landed inside a checkpoint write")
+    return row
+
+
+def _tamper(path: Path, how: str, rng: random.Random) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "truncate":
+        path.write_bytes(bytes(data[: rng.randrange(len(data))]))
+    elif how == "flip":
+        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        path.write_bytes(bytes(data))
+    else:  # delete
+        path.unlink()
+
+
+def _checkpoint_tampered(trials: int, rng: random.Random) -> Row:
+    """The newest checkpoint's file truncated, a bit flipped, or the file deleted."""
+    import logging
+    import shutil
+    import tempfile
+
+    _learner_paths()
+    from learner_helpers import make_learner, run
+    from learner_proc import manifest
+
+    from gspo_trainer import checkpoint as ckpt
+
+    row = Row(
+        "newest checkpoint tampered: a random file truncated, a bit flipped or deleted",
+        "resume skips it for the previous good one, with a log line naming it",
+    )
+    seen: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    handler = Catch(logging.WARNING)
+    logging.getLogger("gspo.checkpoint").addHandler(handler)
+    with tempfile.TemporaryDirectory(prefix="faults-tamper-") as tmp:
+        root = Path(tmp)
+        base = root / "base"
+        assert run(make_learner(root / "cache", base, manifest(2, 1, 3))) == 0
+        learner = make_learner(root / "cache", base, manifest(3, 1, 3))  # resumes each copy
+        try:
+            for trial in range(trials):
+                work = root / f"trial-{trial}"
+                shutil.copytree(base, work)
+                newest = work / "step-000002"
+                files = sorted(p for p in newest.rglob("*") if p.is_file())
+                victim = files[rng.randrange(len(files))]
+                how = ("truncate", "flip", "delete")[trial % 3]
+                _tamper(victim, how, rng)
+                seen.clear()
+                learner.checkpoint_dir = work
+                at = learner.resume()
+                rel = victim.relative_to(newest).as_posix()
+                named = any("step-000002 failed verification" in m for m in seen)
+                ok = at == 1 and named and ckpt.verify(work / "step-000001") == []
+                row.steps_lost = max(row.steps_lost, 2 - at)
+                row.record(ok, f"trial {trial}: {how} {rel} -> resumed at step {at}, "
+                           f"logged: {named}")  # fmt: skip
+                shutil.rmtree(work)
+        finally:
+            logging.getLogger("gspo.checkpoint").removeHandler(handler)
+    return row
+
+
+@scenario("checkpoint-tampered")
+async def checkpoint_tampered(trials: int, rng: random.Random) -> Row:
+    """In a thread: these learners run their own event loop, in this process."""
+    return await asyncio.to_thread(_checkpoint_tampered, trials, rng)
+
+
+def _checkpoint_disk_full(trials: int, rng: random.Random) -> Row:
+    """A checkpoint write that fails part-way: RLIMIT_FSIZE set in the learner's process."""
+    import resource
+    import shutil
+    import tempfile
+
+    _learner_paths()
+    from learner_helpers import make_learner, run
+    from learner_proc import manifest
+
+    from gspo_trainer import checkpoint as ckpt
+    from gspo_trainer.learner import MAX_CHECKPOINT_FAILURES, CheckpointError, LearnerState
+
+    row = Row(
+        "checkpoint write fails part-way (RLIMIT_FSIZE at a random size in the learner process)",
+        f"each failure logged and counted, retried at the next step; after "
+        f"{MAX_CHECKPOINT_FAILURES} in a row the run stops with an error; the previous "
+        "checkpoint stays intact and is the one resumed from",
+    )
+    with tempfile.TemporaryDirectory(prefix="faults-full-") as tmp:
+        root = Path(tmp)
+        base = root / "base"
+        assert run(make_learner(root / "cache", base, manifest(2, 1, 3))) == 0
+        biggest = max(p.stat().st_size for p in (base / "step-000002").rglob("*") if p.is_file())
+        learner = make_learner(root / "cache", base, manifest(6, 1, 3))  # reused for each copy
+        for trial in range(trials):
+            work = root / f"trial-{trial}"
+            shutil.copytree(base, work)
+            learner.checkpoint_dir, learner.state = work, LearnerState()
+            learner.checkpoint_failures = 0  # consecutive failures, per run
+            before = learner.metrics.checkpoint_failures._value.get()
+            limit = rng.randrange(4096, biggest)
+            soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+            try:
+                try:
+                    run(learner)
+                    stopped = False
+                except CheckpointError:
+                    stopped = True
+            finally:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+            failures = learner.metrics.checkpoint_failures._value.get() - before
+            intact = ckpt.verify(work / "step-000002") == []
+            kept = {"step-000001", "step-000002"}
+            leftover = [p.name for p in work.iterdir()
+                        if p.name.startswith("step-") and p.name not in kept]  # fmt: skip
+            stopped_at, learner.state = learner.state.step, LearnerState()
+            at = learner.resume()
+            ok = (stopped and failures == MAX_CHECKPOINT_FAILURES and intact and not leftover
+                  and at == 2 and stopped_at == 2 + MAX_CHECKPOINT_FAILURES)  # fmt: skip
+            row.steps_lost = max(row.steps_lost, stopped_at - at)
+            row.record(ok, f"trial {trial}: limit {limit} B: stopped={stopped} at step "
+                       f"{stopped_at}, failures={failures:.0f}, previous intact="
+                       f"{intact}, left over {leftover}, resumed at {at}")  # fmt: skip
+            shutil.rmtree(work)
+    return row
+
+
+@scenario("checkpoint-disk-full")
+async def checkpoint_disk_full(trials: int, rng: random.Random) -> Row:
+    """In a thread: these learners run their own event loop, in this process."""
+    return await asyncio.to_thread(_checkpoint_disk_full, trials, rng)
+
+
+@scenario("learner-bad-input")
+async def learner_bad_input(trials: int, rng: random.Random) -> Row:
+    """Every bad input of the learner bad-input test, through `gspo learner` as a process."""
+    import os
+    import subprocess
+    import tempfile
+
+    _learner_paths()
+    from test_learner_bad_input import BAD_INPUTS, refuse
+
+    row = Row(
+        "bad learner inputs: " + ", ".join(sorted(BAD_INPUTS)),
+        "exit 2 at start-up with one line naming the spec field; no checkpoint dir made",
+    )
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'operator'}:{REPO / 'trainer'}"}
+
+    def gspo_learner(argv: list[str]) -> tuple[int, str]:
+        cmd = [sys.executable, "-m", "gspo_operator.cli", "learner", *argv]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+        return done.returncode, done.stderr
+
+    for name in sorted(BAD_INPUTS):
+        with tempfile.TemporaryDirectory(prefix="faults-bad-") as tmp:
+            problem = await asyncio.to_thread(refuse, name, Path(tmp), gspo_learner, 60)
+        row.record(not problem, f"{name}: {problem or 'refused'}")
+    return row
+
+
 # --- the table -------------------------------------------------------------------------------
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 import pytest
@@ -73,56 +72,3 @@ def test_discovery_adds_new_servers_and_drops_gone_ones() -> None:
     assert unchanged == []
     assert added == ["http://127.0.0.2:1"]
     assert now == ["http://127.0.0.2:1"]
-
-
-def _bad_job(tmp_path: Path, **sections: dict) -> Path:
-    spec = tiny_manifest()["spec"]
-    for section, fields in sections.items():
-        spec[section] = {**spec.get(section, {}), **fields}
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return path
-
-
-def _rows(tmp_path: Path, rows: list[dict]) -> str:
-    path = tmp_path / "data.jsonl"
-    path.write_text("".join(f"{json.dumps(r)}\n" for r in rows))
-    return str(path)
-
-
-def _data(rows: list[dict]):  # type: ignore[no-untyped-def]
-    return lambda t: {"data": {"source": _rows(t, rows)}}
-
-
-def _reward(function: str):  # type: ignore[no-untyped-def]
-    return lambda t: {"reward": {"kind": "python", "function": function}}
-
-
-BAD_INPUTS = {
-    "missing data set": (lambda t: {"data": {"source": str(t / "nope.jsonl")}},
-                         "spec.data.source", "does not exist"),
-    "empty data set": (_data([]), "spec.data.source", "no rows"),
-    "rows without the prompt": (_data([{"q": "1+1=", "answer": "2"}]),
-                                "spec.data.promptField", "'prompt'"),
-    "rows without the answer": (_data([{"prompt": "1+1="}]), "spec.data.answerField", "'answer'"),
-    "reward module missing": (_reward("no_such_mod:f"), "spec.reward.function", "cannot import"),
-    "reward function missing": (_reward("json:nothing"), "spec.reward.function", "no function"),
-    "model path missing": (lambda t: {"model": {"name": str(t / "no-model")}},
-                           "spec.model.name", "does not exist"),
-    "more GPUs than present": (lambda t: {"learner": {"gpusPerReplica": 8}},
-                               "spec.learner.gpusPerReplica", "this node has"),
-}  # fmt: skip
-
-
-@pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_a_job_this_node_cannot_run_is_refused_before_any_work(
-    tmp_path: Path, capsys, case: str
-) -> None:
-    sections, field, words = BAD_INPUTS[case]
-    config = _bad_job(tmp_path, **sections(tmp_path))
-    ckpt = tmp_path / "checkpoints"
-    assert main(["--config", str(config), "--checkpoint-dir", str(ckpt)]) == 2
-    err = capsys.readouterr().err
-    assert f"{field}:" in err and words in err, err
-    assert len(err.strip().splitlines()) == 1  # that problem alone, not a traceback
-    assert not ckpt.exists()  # nothing started: no checkpoint directory, no model loaded

@@ -11,13 +11,15 @@ Layout under the checkpoint directory:
     export/                  the final policy as HF safetensors (model + tokenizer)
 
 Resume takes the newest `step-*` directory whose files all match the sizes and checksums in
-its manifest (`verify`); a damaged one is passed over, with a log line, for the one before.
+its manifest (`newest_intact`); a damaged one is passed over, with a log line naming it and
+its bad files, for the one before.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -27,6 +29,8 @@ from typing import Any
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 MANIFEST = "manifest.json"
 ENGINE_TAG = "engine"
+
+log = logging.getLogger("gspo.checkpoint")
 
 
 def step_name(step: int) -> str:
@@ -115,6 +119,18 @@ def list_steps(root: Path) -> list[tuple[int, Path]]:
 def list_complete(root: Path) -> list[tuple[int, Path]]:
     """(step, path) of every complete checkpoint (all files there, sizes right), oldest first."""
     return [(step, path) for step, path in list_steps(root) if is_complete(path)]
+
+
+def newest_intact(root: Path) -> Path | None:
+    """The newest checkpoint whose files all match its manifest's sizes and checksums; each
+    newer one that does not is logged (naming it and its bad files) and passed over."""
+    for _, path in reversed(list_steps(root)):
+        bad = verify(path)
+        if not bad:
+            return path
+        log.warning("Checkpoint %s failed verification (%s); skipped for the previous one",
+                    path, ", ".join(bad[:5]) + (" ..." if len(bad) > 5 else ""))  # fmt: skip
+    return None
 
 
 def latest(root: Path) -> Path | None:

@@ -94,7 +94,7 @@ def micro_count(rows_per_update: int, padded_len: int, token_budget: int) -> int
 MAX_CHECKPOINT_FAILURES = 3  # in a row; then the learner stops (see Learner.checkpoint)
 
 
-class CheckpointFailed(RuntimeError):
+class CheckpointError(RuntimeError):
     """Checkpoints cannot be written; training on would risk losing everything since."""
 
 
@@ -515,7 +515,7 @@ class Learner:
 
     def checkpoint(self, *, final: bool = False) -> None:
         """Save, and stop the run rather than train on without checkpoints: a final one that
-        fails, or MAX_CHECKPOINT_FAILURES in a row, raise CheckpointFailed (the learner exits
+        fails, or MAX_CHECKPOINT_FAILURES in a row, raise CheckpointError (the learner exits
         1; the next start resumes from the last good checkpoint, which a failed write never
         touches)."""
         if self.checkpoint_dir is None:
@@ -525,7 +525,7 @@ class Learner:
             return
         self.checkpoint_failures += 1
         if final or self.checkpoint_failures >= MAX_CHECKPOINT_FAILURES:
-            raise CheckpointFailed(
+            raise CheckpointError(
                 f"{self.checkpoint_failures} checkpoint write(s) in a row failed at step "
                 f"{self.state.step} (see the errors above); the newest good checkpoint is "
                 f"{self.state.last_checkpoint or 'none'}, and training stops here rather than "
@@ -599,23 +599,14 @@ class Learner:
         ckpt.set_rng_state(state["rng"])
         self.state.step = int(state["step"])
         self.state.last_checkpoint, self.state.last_checkpoint_step = found.name, self.state.step
-        log.info("Resumed from %s at step %d", found, self.state.step)
+        log.info("Resumed from %s at step %d (checksums verified)", found, self.state.step)
         return self.state.step
 
     def _newest_intact(self) -> Path | None:
-        """Rank 0 takes the newest complete checkpoint whose files match their checksums,
-        saying which damaged ones it passes over; every rank gets the same choice."""
+        """Rank 0 verifies (checksums: see checkpoint.newest_intact); every rank gets its pick."""
         assert self.checkpoint_dir is not None
-        choice = None
-        if self.rank == 0:
-            for _, path in reversed(ckpt.list_steps(self.checkpoint_dir)):
-                bad = ckpt.verify(path)
-                if not bad:
-                    choice = path.name
-                    break
-                log.error("Checkpoint %s is damaged (%s differ from its manifest); skipping it "
-                          "for the previous one", path, ", ".join(bad[:5]))  # fmt: skip
-        choice = self._broadcast({"choice": choice})["choice"]
+        found = ckpt.newest_intact(self.checkpoint_dir) if self.rank == 0 else None
+        choice = self._broadcast({"choice": found.name if found else None})["choice"]
         return self.checkpoint_dir / choice if choice else None
 
     def export(self) -> Path | None:

@@ -165,14 +165,13 @@ def main(argv: list[str]) -> int:
         for problem in exc.problems:
             print(f"gspo learner: {problem}", file=sys.stderr)
         return 2
-    if "RANK" not in os.environ:  # once per pod, before torch.distributed.run starts ranks
-        from gspo_trainer.preflight import check_environment
+    from gspo_trainer.preflight import preflight
 
-        problems = check_environment(spec)
-        for problem in problems:
-            print(f"gspo learner: {problem}", file=sys.stderr)
-        if problems:
-            return 2
+    problems = preflight(spec)  # before torch.distributed.run starts ranks, and in each rank
+    for problem in problems:
+        print(f"gspo learner: {problem}", file=sys.stderr)
+    if problems:
+        return 2
     nnodes, _, nproc = _group_size()
     if nnodes * nproc > 1 and "RANK" not in os.environ:
         return launch_group(argv)

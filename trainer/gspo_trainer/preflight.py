@@ -75,25 +75,25 @@ def check_data(spec: GSPOJobSpec) -> list[Problem]:
     return []
 
 
-def check_hardware(spec: GSPOJobSpec, gpus_here: int | None = None) -> list[Problem]:
+def check_hardware(spec: GSPOJobSpec, gpus: int | None = None) -> list[Problem]:
     asked = spec.learner.gpus_per_replica
     if asked == 0:
         return []
-    if gpus_here is None:
+    if gpus is None:
         import torch
 
-        gpus_here = torch.cuda.device_count()
-    if asked > gpus_here:
+        gpus = torch.cuda.device_count()
+    if asked > gpus:
         return [Problem("spec.learner.gpusPerReplica", f"{asked} GPUs per learner pod asked "
-                        f"for, but this node has {gpus_here}; lower it, or run on nodes with "
+                        f"for, but this node has {gpus}; lower it, or run on nodes with "
                         f"{asked} GPUs (set 0 to train on CPU)")]  # fmt: skip
     return []
 
 
-def check_environment(spec: GSPOJobSpec, gpus_here: int | None = None) -> list[Problem]:
-    """Every problem at once, cheapest first."""
+def preflight(spec: GSPOJobSpec, gpus: int | None = None) -> list[Problem]:
+    """Every problem at once, cheapest first (`gpus`: this node's count; None: ask torch)."""
     return [
-        *check_hardware(spec, gpus_here),
+        *check_hardware(spec, gpus),
         *check_reward(spec),
         *check_model(spec),
         *check_data(spec),
