@@ -5,13 +5,85 @@ The server calls these methods with `collective_rpc`; tensors never cross that b
 (they cannot be pickled through it), only the group's coordinates and small results.
 Weights are loaded through the engine's `reload_weights` path, the one that works on the
 CPU backend, which repacks parameters after loading.
+
+On the CPU backend vLLM (0.32) does not repack a reloaded MoE layer's experts: its
+`UnquantizedFusedMoEMethod._setup_kernel` runs the experts' own post-load step (the CPU
+grouped-gemm prepack, `CPUUnquantizedExperts.process_weights_after_loading`) only on the
+first load, so a reload copies checkpoint-layout expert weights into the prepacked buffers
+that the kernel reads. `reload_weights` below runs that step again after each reload.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from gspo_trainer.rollout import weight_sync
+
+
+def reload_weights(model_runner: Any, weights: Iterable[tuple[str, Any]]) -> None:
+    """Load checkpoint-format `(name, tensor)` pairs in place through the engine's reload."""
+    with _experts_prepacked_after_reload(model_runner.get_model()):
+        model_runner.reload_weights(weights_iterator=weights)
+
+
+@contextlib.contextmanager
+def _experts_prepacked_after_reload(model: Any) -> Iterator[None]:
+    """While reloading, follow each unquantized MoE layer's post-load processing with its
+    experts' own (the prepack into the kernel's layout), as on the first load; CPU only.
+
+    vLLM copies the layer's processed tensors into the buffers the kernel reads, so those
+    end up prepacked. If vLLM's update path already ran the experts' step, it is not run twice.
+    """
+    methods = [
+        m.quant_method
+        for m in model.modules()
+        if getattr(getattr(m, "quant_method", None), "moe_kernel", None) is not None
+    ]
+    if not methods:
+        yield
+        return
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+        UnquantizedFusedMoEMethod,
+    )
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        yield
+        return
+    methods = [m for m in methods if isinstance(m, UnquantizedFusedMoEMethod)]
+    for method in methods:
+        method.process_weights_after_loading = _then_experts_step(method)
+    try:
+        yield
+    finally:
+        for method in methods:
+            del method.process_weights_after_loading  # the class's own method again
+
+
+def _then_experts_step(method: Any) -> Any:
+    """`method.process_weights_after_loading`, then its kernel's experts' step unless it ran."""
+    process_layer = method.process_weights_after_loading  # bound to the instance
+
+    def process_weights_after_loading(layer: Any) -> None:
+        experts = method.moe_kernel.fused_experts
+        experts_step = experts.process_weights_after_loading
+        ran = []
+
+        def counted(layer: Any) -> None:
+            ran.append(True)
+            experts_step(layer)
+
+        experts.process_weights_after_loading = counted
+        try:
+            process_layer(layer)
+        finally:
+            del experts.process_weights_after_loading
+        if not ran and method.moe_kernel.fused_experts is experts:  # a new kernel did its own
+            experts_step(layer)
+
+    return process_weights_after_loading
 
 
 class WeightSyncExtension:
@@ -54,36 +126,11 @@ class WeightSyncExtension:
                 yield name, t
 
         stream = counting()
-        self.model_runner.reload_weights(weights_iterator=stream)  # type: ignore[attr-defined]
+        reload_weights(self.model_runner, stream)  # type: ignore[attr-defined]
         for _ in stream:  # every bucket is a collective: take part even if the loader stopped
             pass
-        repack_cpu_moe_experts(self.model_runner.get_model())  # type: ignore[attr-defined]
         return {"version": version, **counted}
 
     def gspo_close_sync_group(self) -> None:
         self._gspo_group = None
         self._gspo_store = None
-
-
-def repack_cpu_moe_experts(model: Any) -> int:
-    """Prepack the reloaded expert weights of every MoE layer that runs vLLM's CPU experts.
-
-    vLLM's unquantized MoE method runs the experts' own post-load step (on CPU: pad the
-    intermediate dimension and prepack w13/w2 into the grouped-GEMM layout) on the first
-    load only; on a reload it copies the new weights into the packed parameters in their
-    checkpoint layout and skips it, so the kernel would read them as if packed (measured:
-    outputs 0.24 nats/token from the new weights and 0.10 from the old). This runs that
-    step again, as the first load did. GPU experts are left alone. Returns the layers done.
-    """
-    try:
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-    except ImportError:  # a vLLM without CPU experts
-        return 0
-    done = 0
-    for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if isinstance(experts, CPUUnquantizedExperts):
-            experts.process_weights_after_loading(module)
-            done += 1
-    return done
