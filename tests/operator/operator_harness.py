@@ -56,12 +56,20 @@ def tiny_job(name: str = "tiny", progress_port: int = 9090, **sections: dict) ->
     }
 
 
-@pytest.fixture
-async def api() -> AsyncIterator[ApiServer]:
+@contextlib.asynccontextmanager
+async def api_server() -> AsyncIterator[ApiServer]:
+    """The kmock API stand-in, served over HTTP; on exit, every request it got is checked
+    against rbac.RULES."""
     async with ApiServer() as server, kmock.Server(server) as http:
         server.base_url = str(http.url).rstrip("/")
         yield server
         assert_rbac_covers(server)
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[ApiServer]:
+    async with api_server() as server:
+        yield server
 
 
 VERBS = {"POST": "create", "DELETE": "delete", "PATCH": "patch", "PUT": "update"}
@@ -105,16 +113,25 @@ class Progress:
         return aiohttp.web.Response(text=self.value.to_json(), content_type="application/json")
 
 
-@pytest.fixture
-async def progress() -> AsyncIterator[Progress]:
+@contextlib.asynccontextmanager
+async def progress_server() -> AsyncIterator[Progress]:
+    """A learner's GET /progress, with whatever the test sets as its value."""
     prog = Progress()
     app = aiohttp.web.Application()
     app.router.add_get("/progress", prog.handle)
     runner = aiohttp.web.AppRunner(app)
     await runner.setup()
     await aiohttp.web.TCPSite(runner, "127.0.0.1", prog.port).start()
-    yield prog
-    await runner.cleanup()
+    try:
+        yield prog
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def progress() -> AsyncIterator[Progress]:
+    async with progress_server() as prog:
+        yield prog
 
 
 @contextlib.asynccontextmanager

@@ -18,9 +18,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import kmock
 from kmock_apiserver import ApiServer
-from operator_harness import NS, Progress, assert_rbac_covers, kubelet, tiny_job
+from operator_harness import NS, Progress, api_server, kubelet, progress_server, tiny_job
 
 from gspo_operator import names
 from gspo_operator.handlers import Context
@@ -56,30 +55,6 @@ class Trial:
     phase: str = ""
     seconds: float = 0.0
     problems: list[str] = field(default_factory=list)
-
-
-@contextlib.asynccontextmanager
-async def api_server() -> AsyncIterator[ApiServer]:
-    async with ApiServer() as server, kmock.Server(server) as http:
-        server.base_url = str(http.url).rstrip("/")
-        yield server
-        assert_rbac_covers(server)
-
-
-@contextlib.asynccontextmanager
-async def progress_server() -> AsyncIterator[Progress]:
-    import aiohttp.web
-
-    prog = Progress()
-    app = aiohttp.web.Application()
-    app.router.add_get("/progress", prog.handle)
-    runner = aiohttp.web.AppRunner(app)
-    await runner.setup()
-    await aiohttp.web.TCPSite(runner, "127.0.0.1", prog.port).start()
-    try:
-        yield prog
-    finally:
-        await runner.cleanup()
 
 
 @contextlib.asynccontextmanager
