@@ -114,8 +114,6 @@ async def run(args: argparse.Namespace, spec: GSPOJobSpec) -> int:
     from gspo_trainer.learner import Learner
     from gspo_trainer.status_server import serve_status
 
-    if spec.weight_sync.method != "broadcast":
-        raise ValueError("weightSync.method filesystem is not implemented yet; use broadcast")
     rank = int(os.environ.get("RANK", "0"))
     rollout = build_rollout(args, spec) if rank == 0 else None
     ckpt_dir = Path(args.checkpoint_dir)
