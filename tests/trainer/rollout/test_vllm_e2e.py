@@ -186,17 +186,22 @@ def test_one_broadcast_updates_both_servers(dense_pair: list[Any]) -> None:
 
 
 def test_server_killed_mid_batch_every_prompt_gets_its_group(dense_pair: list[Any]) -> None:
-    """Runs last in this module: it kills one of the shared servers."""
+    """Runs last in this module: it kills one of the shared servers.
+
+    The victim is paused first, so the chunks it is handed wait inside it: the kill always
+    lands while it owes part of the batch (a tiny model can otherwise finish its share
+    between any check and the kill)."""
     survivor, victim = dense_pair
     prompts = [p for p in PROMPTS for _ in range(6)]  # 24 prompts
     params = SamplingParams(n=4, max_tokens=100, temperature=1.0, stop_token_ids=())
+    assert post(victim.url + "/control/pause", {"timeout_s": 30}, TOKEN) == 200
 
     async def run() -> RolloutBatch:
         async with RolloutClient([survivor.url, victim.url], TOKEN, chunk_prompts=2) as client:
             task = asyncio.create_task(client.generate(prompts, params))
-            for _ in range(200):  # kill it while it is generating part of this batch
+            for _ in range(200):  # until the batch is spread: the survivor is generating
                 await asyncio.sleep(0.02)
-                _, health = await asyncio.to_thread(get_json, victim.url + "/health")
+                _, health = await asyncio.to_thread(get_json, survivor.url + "/health")
                 if health["active_requests"] > 0:
                     break
             assert health["active_requests"] > 0 and not task.done()
