@@ -10,17 +10,22 @@ import pytest
 import torch
 from checkout import checkout_env
 
+from gspo_trainer.checkpoint import list_steps, newest_intact, step_name
+
 pytestmark = pytest.mark.e2e
 WORKER = Path(__file__).with_name("two_rank_worker.py")
 
 
-def run_ranks(n: int, out: Path, cache: Path, stage: int = 1, micro_tokens: int = 16384) -> dict:
+def launch(n: int, out: Path, cache: Path, *args: object) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={n}", str(WORKER), str(out), str(cache), str(stage),
-           str(micro_tokens)]  # fmt: skip
+           f"--nproc-per-node={n}", str(WORKER), str(out), str(cache), *map(str, args)]  # fmt: skip
     env = checkout_env(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     env["PYTHONPATH"] += f":{WORKER.parent}"
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def run_ranks(n: int, out: Path, cache: Path, stage: int = 1, micro_tokens: int = 16384) -> dict:
+    proc = launch(n, out, cache, stage, micro_tokens)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return torch.load(out, weights_only=False)
 
@@ -43,3 +48,27 @@ def test_two_ranks_split_every_mini_batch_and_match_one_rank(
     for name, p1 in one["params"].items():
         p2 = two["params"][name]
         torch.testing.assert_close(p2, p1, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_one_rank_failing_its_checkpoint_write_stops_both_and_keeps_the_last_good_one(
+    tmp_path: Path, stage: int
+) -> None:
+    """Rank 1's disk fills after step 1's checkpoint, part-way into DeepSpeed's own writes
+    (whose collectives must still line up across ranks): both ranks agree that steps 2 and 3
+    failed, both stop, and step 1's checkpoint stays the verified one to resume from."""
+    ckpt, models = tmp_path / "ckpt", tmp_path / "models"
+    first = launch(2, tmp_path / "a.pt", models, stage, 16384, ckpt, 1, 0)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert [step for step, _ in list_steps(ckpt)] == [1]
+
+    failed = launch(2, tmp_path / "b.pt", models, stage, 16384, ckpt, 3, 4096)
+    logs = failed.stdout + failed.stderr
+    assert failed.returncode != 0, logs[-3000:]
+    assert "this rank could not write its part" in logs  # rank 1, at steps 2 and 3
+    for step in (2, 3):
+        assert f"Checkpoint at step {step} FAILED" in logs  # every rank agreed it failed
+    assert "training stops here rather than carry on without checkpoints" in logs
+    assert [step for step, _ in list_steps(ckpt)] == [1]
+    assert newest_intact(ckpt) == ckpt / step_name(1)
+    assert not [p for p in ckpt.iterdir() if p.name.endswith(".tmp")]

@@ -1,12 +1,16 @@
 """Run under torchrun: a real Learner on every rank, rollouts in process on rank 0 only.
 
 Writes rank 0's final parameters to argv[1], so a test compares 1-rank and 2-rank runs;
-argv[3] and argv[4] set the ZeRO stage and learner.microBatchTokens.
+argv[3] and argv[4] set the ZeRO stage and learner.microBatchTokens. With argv[5:8]
+(checkpoint directory, maxSteps, a file-size limit in bytes) the run checkpoints every step,
+resuming from what is there, and rank 1 alone cannot write a file past that limit once its
+learner is built (0: no limit): one rank's disk fills while the other's does not.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
 from pathlib import Path
@@ -25,10 +29,13 @@ def varied(prompt: str, completion: str, answer: str) -> float:
     return float(sum(map(ord, completion)) % 7)
 
 
-def main(out: str, cache: str, stage: int, micro_tokens: int) -> None:
+def main(out: str, cache: str, stage: int, micro_tokens: int, ckpt: str | None = None,
+         max_steps: int = 2, fsize_limit: int = 0) -> None:  # fmt: skip
+    logging.basicConfig(level=logging.INFO, format=f"[rank{os.environ['RANK']}] %(message)s")
     world = int(os.environ["WORLD_SIZE"])
     manifest = tiny_manifest()
-    manifest["spec"]["algorithm"].update(maxSteps=2, miniBatches=2, learningRate=1e-3)
+    manifest["spec"]["algorithm"].update(maxSteps=max_steps, miniBatches=2, learningRate=1e-3)
+    manifest["spec"]["checkpoint"].update(everySteps=1, keep=5)
     manifest["spec"]["reward"] = {"kind": "python", "function": "two_rank_worker:varied"}
     manifest["spec"]["learner"].update(replicas=world, zeroStage=stage,
                                        microBatchTokens=micro_tokens)  # fmt: skip
@@ -42,7 +49,12 @@ def main(out: str, cache: str, stage: int, micro_tokens: int) -> None:
     if int(os.environ["RANK"]) == 0:
         model, tok = load_model(spec, path)
         rollout = LocalRollout(model, tok.pad_token_id, tok.eos_token_id)
-    learner = Learner(spec, rollout, checkpoint_dir=None, model_path=path)
+    learner = Learner(spec, rollout, checkpoint_dir=ckpt and Path(ckpt), model_path=path)
+    if fsize_limit and learner.rank == 1:
+        import resource
+
+        _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_limit, hard))
     assert asyncio.run(learner.run()) == 0
     with full_parameters(learner.engine) as named:  # gathers ZeRO-3 shards on every rank
         params = {n: t.detach().clone() for n, t in named}
@@ -51,5 +63,10 @@ def main(out: str, cache: str, stage: int, micro_tokens: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    extra = sys.argv[5:8]
+    if extra:
+        main(*sys.argv[1:3], int(sys.argv[3]), int(sys.argv[4]), extra[0], int(extra[1]),
+             int(extra[2]))  # fmt: skip
+    else:
+        main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     Path(sys.argv[1] + ".done").write_text("ok")

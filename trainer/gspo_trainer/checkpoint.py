@@ -138,11 +138,9 @@ def latest(root: Path) -> Path | None:
     return done[-1][1] if done else None
 
 
-def begin(root: Path, step: int) -> Path:
-    """The aside directory for `step` (rank 0 clears stale .tmp ones first)."""
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f"{step_name(step)}.tmp"
-    return tmp
+def aside(root: Path, step: int) -> Path:
+    """The directory `step` is written into before `commit` renames it into place."""
+    return root / f"{step_name(step)}.tmp"
 
 
 def clear_stale(root: Path) -> None:
@@ -154,7 +152,7 @@ def clear_stale(root: Path) -> None:
 
 def commit(root: Path, step: int, keep: int) -> Path:
     """Rank 0, after every rank wrote into the aside directory: manifest, rename, prune."""
-    tmp = root / f"{step_name(step)}.tmp"
+    tmp = aside(root, step)
     final = root / step_name(step)
     write_manifest(tmp, step)
     _fsync_dir(tmp)
@@ -173,12 +171,53 @@ def commit(root: Path, step: int, keep: int) -> Path:
 # --- the learner's state -------------------------------------------------------------
 
 
+class _WritesRecorded:
+    """Stands in for DeepSpeed's checkpoint engine during one save: a write that fails
+    (disk full, I/O error) is recorded and the save goes on without writing more, so this
+    rank still joins every collective `save_checkpoint` runs; a rank that left it part-way
+    would leave the others waiting in a barrier, or pair their barrier with its next
+    collective."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.error: BaseException | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def _guarded(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if self.error is not None:
+            return None
+        try:
+            return getattr(self.inner, method)(*args, **kwargs)
+        except Exception as exc:  # re-raised once the collectives are done
+            self.error = exc
+            return None
+
+    def save(self, *args: Any, **kwargs: Any) -> Any:
+        return self._guarded("save", *args, **kwargs)
+
+    def makedirs(self, *args: Any, **kwargs: Any) -> Any:
+        return self._guarded("makedirs", *args, **kwargs)
+
+
 def save_state(engine: Any, tmp: Path, rank: int, trainer_state: dict[str, Any]) -> None:
-    """Every rank: DeepSpeed's shards, and this rank's trainer state (RNG, data, step)."""
+    """Every rank: DeepSpeed's shards, and this rank's trainer state (RNG, data, step).
+    A failed write raises only after DeepSpeed's save has run its course on this rank."""
     import torch
 
-    tmp.mkdir(parents=True, exist_ok=True)
-    engine.save_checkpoint(str(tmp), tag=ENGINE_TAG, save_latest=False)
+    recorder = _WritesRecorded(engine.checkpoint_engine)
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        recorder.error = exc
+    engine.checkpoint_engine = recorder
+    try:
+        engine.save_checkpoint(str(tmp), tag=ENGINE_TAG, save_latest=False)
+    finally:
+        engine.checkpoint_engine = recorder.inner
+    if recorder.error is not None:
+        raise recorder.error
     torch.save(trainer_state, tmp / f"trainer-rank{rank}.pt")
 
 

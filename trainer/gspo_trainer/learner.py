@@ -535,8 +535,8 @@ class Learner:
 
     def save_checkpoint(self) -> Path | None:
         """Every rank writes its part aside; rank 0 commits only if every rank succeeded.
-        Returns the checkpoint, or None when it failed (logged, counted, the aside copy
-        removed; the previous checkpoints are untouched)."""
+        Returns the checkpoint on every rank, or None on every rank when it failed (logged,
+        counted, the aside copy removed; the previous checkpoints are untouched)."""
         if self.checkpoint_dir is None:
             return None
         phase, self.state.phase = self.state.phase, "Checkpointing"
@@ -545,11 +545,18 @@ class Learner:
         final = None
         try:
             ok = True
+            # Every rank runs the same collectives whatever fails: the barrier, DeepSpeed's
+            # own inside save_state (which records a failed write and raises after them),
+            # then the agreement.
             try:
                 if self.rank == 0:
                     ckpt.clear_stale(self.checkpoint_dir)
-                self._barrier()
-                tmp = ckpt.begin(self.checkpoint_dir, step)
+            except OSError:
+                log.exception("Checkpoint at step %d: could not clear old aside copies", step)
+                ok = False
+            self._barrier()
+            try:
+                tmp = ckpt.aside(self.checkpoint_dir, step)
                 ckpt.save_state(self.engine, tmp, self.rank, self.trainer_state())
             except Exception:
                 log.exception("Checkpoint at step %d: this rank could not write its part", step)
@@ -562,11 +569,13 @@ class Learner:
                     log.exception("Checkpoint at step %d could not be committed", step)
                     ok = False
             ok = self._all_ranks(ok)
-            if ok and self.rank == 0 and final is not None:
+            if ok:
+                final = self.checkpoint_dir / ckpt.step_name(step)  # every rank: committed
                 self.metrics.checkpoint_time.set(time.time())
                 self.state.last_checkpoint, self.state.last_checkpoint_step = final.name, step
-                log.info("Saved checkpoint %s", final)
-            if not ok:
+                if self.rank == 0:
+                    log.info("Saved checkpoint %s", final)
+            else:
                 final = None
                 self.metrics.checkpoint_failures.inc()
                 log.error("Checkpoint at step %d FAILED; the newest good one is still %s",
