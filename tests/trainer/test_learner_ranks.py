@@ -65,10 +65,18 @@ def test_one_rank_failing_its_checkpoint_write_stops_both_and_keeps_the_last_goo
     failed = launch(2, tmp_path / "b.pt", models, stage, 16384, ckpt, 3, 4096)
     logs = failed.stdout + failed.stderr
     assert failed.returncode != 0, logs[-3000:]
-    assert "this rank could not write its part" in logs  # rank 1, at steps 2 and 3
     for step in (2, 3):
-        assert f"Checkpoint at step {step} FAILED" in logs  # every rank agreed it failed
+        assert f"[rank1] Checkpoint at step {step}: this rank could not write" in logs, logs[-5000:]
+        assert f"[rank0] Checkpoint at step {step}: this rank" not in logs, logs[-5000:]
+        for rank in (0, 1):  # every rank agreed it failed
+            assert f"[rank{rank}] Checkpoint at step {step} FAILED" in logs, logs[-5000:]
     assert "training stops here rather than carry on without checkpoints" in logs
     assert [step for step, _ in list_steps(ckpt)] == [1]
     assert newest_intact(ckpt) == ckpt / step_name(1)
-    assert not [p for p in ckpt.iterdir() if p.name.endswith(".tmp")]
+    assert not [p.name for p in ckpt.iterdir() if p.name.endswith(".tmp")], logs[-3000:]
+
+    resumed = launch(2, tmp_path / "c.pt", models, stage, 16384, ckpt, 3, 0)  # space freed
+    logs = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, logs[-3000:]
+    assert f"Resumed from {ckpt / step_name(1)} at step 1" in logs, logs[-3000:]
+    assert [step for step, _ in list_steps(ckpt)] == [1, 2, 3]

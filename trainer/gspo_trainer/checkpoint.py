@@ -144,10 +144,14 @@ def aside(root: Path, step: int) -> Path:
 
 
 def clear_stale(root: Path) -> None:
-    if root.is_dir():
-        for child in root.iterdir():
-            if child.name.endswith(".tmp") and child.is_dir():
-                shutil.rmtree(child, ignore_errors=True)
+    """Remove aside copies left by failed or killed writes; best effort, never raises."""
+    try:
+        children = list(root.iterdir()) if root.is_dir() else []
+    except OSError:
+        return
+    for child in children:
+        if child.name.endswith(".tmp") and child.is_dir():
+            shutil.rmtree(child, ignore_errors=True)
 
 
 def commit(root: Path, step: int, keep: int) -> Path:

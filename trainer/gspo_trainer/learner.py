@@ -548,12 +548,8 @@ class Learner:
             # Every rank runs the same collectives whatever fails: the barrier, DeepSpeed's
             # own inside save_state (which records a failed write and raises after them),
             # then the agreement.
-            try:
-                if self.rank == 0:
-                    ckpt.clear_stale(self.checkpoint_dir)
-            except OSError:
-                log.exception("Checkpoint at step %d: could not clear old aside copies", step)
-                ok = False
+            if self.rank == 0:
+                ckpt.clear_stale(self.checkpoint_dir)
             self._barrier()
             try:
                 tmp = ckpt.aside(self.checkpoint_dir, step)
@@ -582,6 +578,8 @@ class Learner:
                           step, self.state.last_checkpoint or "none")  # fmt: skip
                 if self.rank == 0:
                     ckpt.clear_stale(self.checkpoint_dir)  # give the space back
+                # Cleared before any rank can stop (its launcher then stops the others).
+                self._barrier()
         finally:
             self.state.phase = phase
         self.metrics.observe_seconds("checkpoint", time.perf_counter() - start)
