@@ -20,9 +20,7 @@ from gspo_trainer.config import API_GROUP, API_VERSION, KIND, EnvVar, GSPOJobSpe
 
 Obj = dict[str, Any]
 
-# SIGTERM makes the learner write a final checkpoint and exit 0; suspend relies on it, so
-# the kubelet must wait long enough for a checkpoint of a large model to reach the volume.
-LEARNER_GRACE_SECONDS = 1800
+LEARNER_GRACE_SECONDS = ports.LEARNER_GRACE_SECONDS  # time for the final checkpoint
 ROLLOUT_GRACE_SECONDS = 30
 POD_UID = 10001  # the images' non-root user
 # The root filesystem is read-only; what DeepSpeed, vLLM, torch and Hugging Face write (compiled

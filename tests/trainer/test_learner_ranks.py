@@ -1,4 +1,5 @@
-"""Two learner ranks on CPU (torchrun, gloo) take the update one rank takes alone."""
+"""Two learner ranks on CPU (torchrun, gloo): the update one rank takes alone, and
+checkpoints every rank agrees on, even when only one of them can write."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkout import checkout_env
+from transformers import AutoModelForCausalLM
 
 from gspo_trainer.checkpoint import list_steps, newest_intact, step_name
 
@@ -80,3 +82,8 @@ def test_one_rank_failing_its_checkpoint_write_stops_both_and_keeps_the_last_goo
     assert resumed.returncode == 0, logs[-3000:]
     assert f"Resumed from {ckpt / step_name(1)} at step 1" in logs, logs[-3000:]
     assert [step for step, _ in list_steps(ckpt)] == [1, 2, 3]
+    # The exported policy is the one the ranks hold (ZeRO-3: gathered from both ranks' shards).
+    exported = AutoModelForCausalLM.from_pretrained(ckpt / "export", dtype=torch.float32)
+    final = torch.load(tmp_path / "c.pt", weights_only=False)["params"]
+    for name, param in exported.named_parameters():
+        torch.testing.assert_close(param, final[name], rtol=0, atol=0, msg=name)

@@ -39,7 +39,7 @@ def main(out: str, cache: str, stage: int, micro_tokens: int, ckpt: str | None =
     manifest["spec"]["reward"] = {"kind": "python", "function": "two_rank_worker:varied"}
     manifest["spec"]["learner"].update(replicas=world, zeroStage=stage,
                                        microBatchTokens=micro_tokens)  # fmt: skip
-    manifest["spec"]["checkpoint"]["exportHf"] = False
+    manifest["spec"]["checkpoint"]["exportHf"] = ckpt is not None  # gathered from every rank
     # The router aux loss is not a mean over responses (E * sum f_e P_e of the whole batch),
     # so ranks sharing a batch compute a slightly different one: leave it out here.
     manifest["spec"]["model"]["moe"]["routerAuxLossCoef"] = 0.0

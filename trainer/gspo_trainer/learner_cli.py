@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -68,20 +69,69 @@ def _group_size() -> tuple[int, int, int]:
             int(env.get(ports.ENV_NPROC_PER_NODE, "1")))  # fmt: skip
 
 
-def launch_group(argv: list[str]) -> int:
-    """Start this command once per process of the learner group via torch.distributed.run."""
+# torch.distributed.run kills its ranks 30 s after passing SIGTERM on, by default: too soon
+# for the final checkpoint of a large model. Leave a minute of the pod's grace period.
+RANKS_STOP_SECONDS = ports.LEARNER_GRACE_SECONDS - 60
+
+
+def group_command(argv: list[str]) -> list[str]:
+    """torch.distributed.run starting this command once per process of the learner group."""
     nnodes, node_rank, nproc = _group_size()
-    cmd = [
+    return [
         sys.executable, "-m", "torch.distributed.run",
         f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--nproc-per-node={nproc}",
         f"--master-addr={os.environ.get('MASTER_ADDR', '127.0.0.1')}",
         f"--master-port={os.environ.get('MASTER_PORT', str(ports.RENDEZVOUS_PORT))}",
+        f"--shutdown-timeout={RANKS_STOP_SECONDS}",
         "-m", "gspo_operator.cli", "learner", *argv,
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd)
+
+
+def _ranks_of(launcher_pid: int) -> list[int]:
+    """The learner processes torch.distributed.run started (its children that carry a rank)."""
+    pids: list[int] = []
+    for task in Path(f"/proc/{launcher_pid}/task").glob("*"):
+        try:
+            pids += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    ranks = []
+    for pid in pids:
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(var.startswith(b"LOCAL_RANK=") for var in environ):
+            ranks.append(pid)
+    return ranks
+
+
+def _die_with_parent() -> None:
+    """Runs in the launcher child before exec: SIGTERM it (so it stops its ranks) if we die."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def launch_group(argv: list[str]) -> int:
+    """Run the learner group; SIGTERM and SIGINT go to each rank, which then checkpoints.
+
+    The ranks get the signal, not torch.distributed.run: it would stop them itself and exit
+    1 whatever they did, where a group whose ranks all checkpointed and stopped exits 0. The
+    launcher runs in its own session so a terminal's Ctrl-C or a process-group kill reaches
+    only this process, and it is stopped in turn if this process dies.
+    """
+    proc = subprocess.Popen(group_command(argv), start_new_session=True,
+                            preexec_fn=_die_with_parent)  # fmt: skip
 
     def forward(signum: int, _: Any) -> None:
-        proc.send_signal(signum)
+        ranks = _ranks_of(proc.pid)
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):  # a rank that has just exited
+                os.kill(pid, signum)
+        if not ranks:  # not started yet (or no /proc): the launcher stops what there is
+            proc.send_signal(signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
