@@ -150,3 +150,44 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_run_loudly(
     assert after == before
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("step-")] == ["step-000002"]
     assert make_learner(cache, tmp_path, manifest_for(12, 1)).resume() == 2
+
+
+def test_a_failed_export_fails_the_run_and_a_rerun_exports_from_the_final_checkpoint(
+    cache: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import resource
+    import signal
+
+    from transformers import AutoModelForCausalLM
+
+    from gspo_trainer.learner import CheckpointError, Learner
+
+    class ExportOnFullDisk(Learner):
+        def export(self):  # type: ignore[no-untyped-def]
+            old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            old = resource.getrlimit(resource.RLIMIT_FSIZE)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (4096, old[1]))
+            try:
+                return super().export()
+            finally:
+                resource.setrlimit(resource.RLIMIT_FSIZE, old)
+                signal.signal(signal.SIGXFSZ, old_handler)
+
+    learner = make_learner(cache, tmp_path, manifest_for(2, 1))
+    learner.__class__ = ExportOnFullDisk
+    with caplog.at_level("ERROR", logger="gspo.learner"), pytest.raises(CheckpointError) as err:
+        run(learner)
+    assert "checkpoint.exportHf" in str(err.value) and "step-000002" in str(err.value)
+    assert "Exporting the policy" in caplog.text
+    assert not (tmp_path / "export").exists() and not (tmp_path / "export.tmp").exists()
+    final = ckpt.latest(tmp_path)
+    assert final is not None and final.name == "step-000002" and ckpt.verify(final) == []
+    written = final.stat().st_ino
+    # The rerun resumes at maxSteps, keeps that checkpoint as it is, and exports it.
+    rerun = make_learner(cache, tmp_path, manifest_for(2, 1))
+    assert run(rerun) == 0
+    assert final.stat().st_ino == written  # not written again
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    trained = params(learner)
+    for name, value in exported.named_parameters():
+        assert torch.equal(value, trained[name]), name

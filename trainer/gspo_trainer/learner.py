@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -189,7 +190,8 @@ class Learner:
             due = self.state.step % every == 0 or self.checkpoint_failures > 0
             if due and self.state.step < alg.max_steps:
                 self.checkpoint()
-        self.checkpoint(final=True)
+        if self.state.last_checkpoint_step != self.state.step:  # not when resumed at the end
+            self.checkpoint(final=True)
         if self.spec.checkpoint.export_hf:
             self.export()
         self.state.phase = "Succeeded"
@@ -617,17 +619,31 @@ class Learner:
         return self.checkpoint_dir / choice if choice else None
 
     def export(self) -> Path | None:
-        """The final policy as HF safetensors under <checkpoint dir>/export."""
+        """The final policy as HF safetensors under <checkpoint dir>/export. Every rank
+        gathers; rank 0 writes; a failed write fails the run on every rank (no rank is left
+        waiting), with the final checkpoint already committed and intact."""
         from gspo_trainer import engine as eng
 
         if self.checkpoint_dir is None:
             return None
         out = self.checkpoint_dir / "export"
+        ok = True
         with eng.full_parameters(self.engine) as named:
             if self.rank == 0:
-                ckpt.export_hf(named, self.engine.module, self.tokenizer, out)
-                log.info("Exported the policy to %s", out)
-        self._barrier()
+                try:
+                    ckpt.export_hf(named, self.engine.module, self.tokenizer, out)
+                    log.info("Exported the policy to %s", out)
+                except Exception:
+                    log.exception("Exporting the policy to %s failed", out)
+                    shutil.rmtree(out.with_name(out.name + ".tmp"), ignore_errors=True)
+                    ok = False
+        if not self._all_ranks(ok):
+            raise CheckpointError(
+                f"exporting the final policy to {out} failed (see the errors above); the "
+                f"final checkpoint {self.state.last_checkpoint or 'none'} is intact: free "
+                "space on the checkpoint volume and rerun the job, which resumes from that "
+                "checkpoint and exports again, or set checkpoint.exportHf: false"
+            )
         return out
 
 
