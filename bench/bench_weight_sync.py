@@ -1,4 +1,6 @@
-"""Weight-sync bandwidth: bucketed broadcast vs one raw flat buffer, and vs per-tensor.
+"""Weight-sync bandwidth: bucketed broadcast vs one raw flat buffer, and vs per-tensor;
+and the filesystem method (write a version's safetensors shards, read them back) against
+the bucketed broadcast.
 
 Two processes on one machine, one gloo group (rank 0 = learner, rank 1 = a receiver that
 unflattens like a rollout worker). Prints each figure as a ratio against its baseline:
@@ -13,6 +15,7 @@ import multiprocessing as mp
 import socket
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))
 
 import torch
 
+from gspo_trainer.rollout import weight_files
 from gspo_trainer.rollout import weight_sync as ws
 
 REPEATS = 5
@@ -85,7 +89,23 @@ def run(total_mb: float, count: int, bucket_mb: float, repeats: int = REPEATS) -
     }
     proc.join(timeout=120)
     out["bytes"] = total
+    out["files"] = files_round_trip(tensors, bucket_mb, repeats)
     return out
+
+
+def files_round_trip(tensors: dict[str, torch.Tensor], bucket_mb: float, repeats: int) -> float:
+    """weightSync filesystem: rank 0 writes the version, a server reads every tensor back
+    (here the same process and disk; the page cache flatters the read)."""
+    times = []
+    with tempfile.TemporaryDirectory() as root:
+        for version in range(repeats):
+            start = time.perf_counter()
+            path, _ = weight_files.write_version(tensors.items(), Path(root), version,
+                                                 int(bucket_mb * 2**20))  # fmt: skip
+            for _ in weight_files.read_version(path):
+                pass
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def main() -> None:
@@ -103,6 +123,9 @@ def main() -> None:
         print(f"  {mode:<10} {r[mode] * 1e3:8.1f} ms  {gib / r[mode]:6.2f} GiB/s")
     print(f"bucketed / raw flat-buffer bandwidth: {r['raw'] / r['bucketed']:.2f}x (target >= 0.7)")
     print(f"bucketed vs per-tensor speed-up:      {r['per_tensor'] / r['bucketed']:.1f}x")
+    print(f"  {'files':<10} {r['files'] * 1e3:8.1f} ms  {gib / r['files']:6.2f} GiB/s  "
+          f"(write the shards, read them back)")  # fmt: skip
+    print(f"filesystem / bucketed broadcast time:  {r['files'] / r['bucketed']:.2f}x")
 
     small = run(args.mb / 64, args.tensors, args.bucket_mb, repeats=SMALL_REPEATS)
     print(f"small model ({small['bytes'] / 2**20:.1f} MiB, {args.tensors} tensors): "

@@ -261,6 +261,8 @@ def rollout_args(spec: GSPOJobSpec) -> list[str]:
         f"--gpu-memory-utilization={rollout.gpu_memory_utilization}",
         f"--tensor-parallel-size={rollout.tensor_parallel_size}",
     ]
+    if spec.weight_sync.method == "filesystem":
+        args.append(f"--weights-dir={ports.CHECKPOINT_DIR}/{ports.WEIGHTS_SUBDIR}")
     extra: dict[str, Any] = {}
     if model.revision:
         extra["revision"] = model.revision

@@ -203,6 +203,13 @@ def test_rollout_deployment_runs_the_server_with_the_spec_flags() -> None:
     assert c["command"] == ["gspo", "rollout-server"]
     assert "--tensor-parallel-size=2" in c["args"] and "--port=8000" in c["args"]
     assert "--engine-arg=enable_prefix_caching=true" in c["args"]
+    # weightSync filesystem: the server loads versions from the learner's volume, read-only
+    assert "--weights-dir=/checkpoints/weights" in c["args"]
+    mount = {m["name"]: m for m in c["volumeMounts"]}["checkpoints"]
+    assert mount == {"name": "checkpoints", "mountPath": "/checkpoints", "readOnly": True}
+    (plain,) = by_kind(rendered(CASES["example"]), "Deployment")  # the broadcast
+    (server,) = plain["spec"]["template"]["spec"]["containers"]
+    assert not any(a.startswith("--weights-dir") for a in server["args"])
     assert "--engine-arg=revision=main" in c["args"]
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"

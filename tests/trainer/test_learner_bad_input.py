@@ -51,10 +51,6 @@ BAD_INPUTS: dict[str, tuple[Callable[[Spec, Path], None], str]] = {
         lambda s, d: s["model"].update(name=str(d / "no-model")),
         "spec.model.name",
     ),
-    "weight sync through the filesystem": (
-        lambda s, d: s.update(weightSync={"method": "filesystem"}),
-        "spec.weightSync.method",
-    ),
     "more GPUs than present": (
         lambda s, d: s["learner"].update(gpusPerReplica=64),
         "spec.learner.gpusPerReplica",

@@ -154,6 +154,8 @@ def build_rollout(args: argparse.Namespace, spec: GSPOJobSpec) -> Any:
         backend="nccl" if has_gpu() and spec.rollout.gpus_per_replica > 0 else "gloo",
         bucket_mb=float(spec.weight_sync.bucket_size_mb),
         timeout_s=spec.weight_sync.timeout_seconds,
+        method=spec.weight_sync.method,
+        directory=str(Path(args.checkpoint_dir) / ports.WEIGHTS_SUBDIR),
     )
     client = RolloutClient(urls, os.environ.get(ports.ENV_SYNC_TOKEN) or None,
                            timeout_s=spec.rollout.request_timeout_seconds, sync=sync)  # fmt: skip

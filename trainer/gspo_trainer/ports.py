@@ -42,6 +42,9 @@ ENV_NPROC_PER_NODE = "GSPO_NPROC_PER_NODE"
 CONFIG_DIR = "/etc/gspo"  # ConfigMap mount; holds CONFIG_FILE, the whole GSPOJob manifest
 CONFIG_FILE = "gspojob.yaml"
 CHECKPOINT_DIR = "/checkpoints"  # checkpoint volume mount
+# weightSync.method filesystem: learner rank 0 writes each policy version under this
+# directory of the checkpoint volume; the rollout pods mount the volume at the same path.
+WEIGHTS_SUBDIR = "weights"
 # GSPO_ROLLOUT_URLS may name a headless Service instead of fixed servers:
 # "dns+http://HOST:PORT" means "every address HOST resolves to, re-resolved each step".
 ROLLOUT_DNS_SCHEME = "dns+http"

@@ -90,18 +90,9 @@ def check_hardware(spec: GSPOJobSpec, gpus: int | None = None) -> list[Problem]:
     return []
 
 
-def check_features(spec: GSPOJobSpec) -> list[Problem]:
-    """Parts of the spec this release of the learner does not implement yet."""
-    if spec.weight_sync.method != "broadcast":
-        return [Problem("spec.weightSync.method", f"{spec.weight_sync.method!r} is not "
-                        "available in this release; use broadcast")]  # fmt: skip
-    return []
-
-
 def preflight(spec: GSPOJobSpec, gpus: int | None = None) -> list[Problem]:
     """Every problem at once, cheapest first (`gpus`: this node's count; None: ask torch)."""
     return [
-        *check_features(spec),
         *check_hardware(spec, gpus),
         *check_reward(spec),
         *check_model(spec),

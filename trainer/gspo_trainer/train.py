@@ -244,6 +244,9 @@ def main(argv: list[str]) -> int:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         print(f"Starting {n_servers} rollout server(s) for {spec.model.name} ...", flush=True)
+        weights_dir = []  # where the servers load versions from, with weightSync filesystem
+        if spec.weight_sync.method == "filesystem":
+            weights_dir = ["--weights-dir", str(out / "checkpoints" / ports.WEIGHTS_SUBDIR)]
         for i in range(n_servers):
             port = free_port()
             proc = spawn(f"rollout-{i}", [
@@ -251,6 +254,7 @@ def main(argv: list[str]) -> int:
                 "--dtype", spec.model.dtype, "--max-model-len", str(spec.model.max_model_len),
                 "--max-num-seqs", str(spec.rollout.max_num_seqs),
                 *[f"--engine-arg={k}={json.dumps(v)}" for k, v in spec.rollout.engine_args.items()],
+                *weights_dir,
             ], base_env, out / "logs" / f"rollout-{i}.log")  # fmt: skip
             servers.append((proc, f"http://127.0.0.1:{port}"))
         wait_healthy(servers, SERVER_START_TIMEOUT_S)

@@ -54,6 +54,9 @@ class StandInEngine:
         self.weights_loaded += 1
         return {"version": 99, "bytes": 0, "tensors": 0}
 
+    async def load_weights_file(self, path: str, timeout_s: float) -> dict[str, int]:
+        raise AssertionError("not used here")
+
     async def shutdown(self) -> None:
         pass
 
@@ -107,6 +110,9 @@ class GlooEngine(StandInEngine):
 
     async def receive_weights(self, timeout_s: float) -> dict[str, int]:
         return await asyncio.to_thread(self.worker.gspo_receive_weights)
+
+    async def load_weights_file(self, path: str, timeout_s: float) -> dict[str, int]:
+        return await asyncio.to_thread(self.worker.gspo_load_weights_file, path)
 
 
 def free_port() -> int:

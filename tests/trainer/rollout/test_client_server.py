@@ -108,7 +108,9 @@ async def test_control_routes_need_the_token() -> None:
     runner, url = await _start(engine, initial_version=1)
     try:
         async with aiohttp.ClientSession() as http:
-            for path in ("/control/pause", "/control/sync/update", "/control/sync/init"):
+            paths = ("/control/pause", "/control/sync/update", "/control/sync/init",
+                     "/control/sync/load")  # fmt: skip
+            for path in paths:
                 for headers in ({}, {"Authorization": "Bearer wrong"}):
                     async with http.post(url + path, json={}, headers=headers) as resp:
                         assert resp.status == 401, path

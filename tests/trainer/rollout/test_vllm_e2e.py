@@ -107,13 +107,33 @@ def dense_dir(model_root: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def dense_pair(start_rollout: Any, dense_dir: Path) -> list[Any]:
-    return start_rollout(dense_dir, 2, "--initial-policy-version", "0")
+def weights_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The learner's weight directory (weightSync filesystem), shared with the servers."""
+    return tmp_path_factory.mktemp("weights")
 
 
-def test_moe_generation_logprobs_and_update(start_rollout: Any, model_root: Path) -> None:
+@pytest.fixture(scope="module")
+def dense_pair(start_rollout: Any, dense_dir: Path, weights_root: Path) -> list[Any]:
+    return start_rollout(dense_dir, 2, "--initial-policy-version", "0",
+                         "--weights-dir", str(weights_root))  # fmt: skip
+
+
+def sync_from_files(urls: list[str], model: Any, version: int, root: Path) -> Any:
+    async def run() -> Any:
+        sync = SyncOptions(master_addr="127.0.0.1", method="filesystem", directory=str(root),
+                           bucket_mb=0.05)  # fmt: skip
+        async with RolloutClient(urls, TOKEN, sync=sync) as client:
+            return await client.sync_weights(model.named_parameters(), version=version)
+
+    return asyncio.run(run())
+
+
+def test_moe_generation_logprobs_and_update(
+    start_rollout: Any, model_root: Path, tmp_path: Path
+) -> None:
     moe_dir = materialize("builtin:tiny-qwen3-moe", model_root)
-    (server,) = start_rollout(moe_dir, 1, "--initial-policy-version", "0")
+    (server,) = start_rollout(moe_dir, 1, "--initial-policy-version", "0",
+                              "--weights-dir", str(tmp_path))  # fmt: skip
     old, _ = build_tiny_model("builtin:tiny-qwen3-moe")
     new = with_experts_perturbed(old, std=0.3)  # only the experts differ
     first = generate([server.url], SAMPLE)
@@ -131,6 +151,12 @@ def test_moe_generation_logprobs_and_update(start_rollout: Any, model_root: Path
     check_batch(batch, SAMPLE, version=5)
     assert max_logprob_gap(new, batch) < LOGPROB_ATOL  # the experts' kernel sees the update
     assert max_logprob_gap(old, batch) > 0.05
+    # The same experts' reload, from safetensors on a shared volume (weightSync filesystem).
+    report = sync_from_files([server.url], old, 6, tmp_path)
+    assert report.servers == [server.url] and report.servers_failed == []
+    batch = generate([server.url], SAMPLE)
+    check_batch(batch, SAMPLE, version=6)
+    assert max_logprob_gap(old, batch) < LOGPROB_ATOL
     server.stop()
 
 
@@ -183,6 +209,23 @@ def test_one_broadcast_updates_both_servers(dense_pair: list[Any]) -> None:
     assert "gspo_rollout_policy_version 1.0" in metrics
     assert f"gspo_rollout_last_sync_bytes {float(report.bytes_total)}" in metrics
     assert "vllm:" in metrics  # the engine's own metrics are served too
+
+
+def test_versions_written_to_a_shared_volume_update_both_servers(
+    dense_pair: list[Any], weights_root: Path
+) -> None:
+    previous, _ = build_tiny_model("builtin:tiny-qwen3", seed=1)  # the broadcast's version
+    new, _ = build_tiny_model("builtin:tiny-qwen3", seed=2)
+    urls = [s.url for s in dense_pair]
+    report = sync_from_files(urls, new, 2, weights_root)
+    assert sorted(report.servers) == sorted(urls) and report.servers_failed == []
+    assert report.bytes_total == sum(p.numel() * 4 for p in new.parameters())
+    assert [p.name for p in weights_root.iterdir()] == ["v00000002"]
+    for url in urls:
+        batch = generate([url], GREEDY)
+        check_batch(batch, GREEDY, version=2)
+        assert max_logprob_gap(new, batch) < LOGPROB_ATOL
+        assert max_logprob_gap(previous, batch) > 0.05
 
 
 def test_server_killed_mid_batch_every_prompt_gets_its_group(dense_pair: list[Any]) -> None:

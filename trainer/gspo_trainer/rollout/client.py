@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -59,6 +60,10 @@ class SyncOptions:
     backend: str = "gloo"  # "nccl" when learner and servers have GPUs
     bucket_mb: float = 256.0
     timeout_s: float = 300.0
+    # "filesystem": write each version under `directory` (a volume the servers mount at
+    # their --weights-dir) and have them load it; no collective group is formed.
+    method: str = "broadcast"
+    directory: str | None = None
 
 
 @dataclass(frozen=True)
@@ -239,6 +244,8 @@ class RolloutClient:
         from gspo_trainer.rollout.weight_sync import checkpoint_named_tensors
 
         opts = self.sync_options
+        if opts.method == "filesystem":
+            return await self._sync_files(checkpoint_named_tensors(named_tensors), version)
         tensors = list(checkpoint_named_tensors(named_tensors))
         start = time.perf_counter()
         failed: list[str] = []
@@ -272,6 +279,43 @@ class RolloutClient:
             seconds=time.perf_counter() - start,
             broadcast_seconds=bcast_s,
             regrouped=regrouped or attempt > 1,
+        )
+
+    async def _sync_files(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> SyncReport:
+        """Write the version to the shared volume, then have every live server load it."""
+        from gspo_trainer.rollout import weight_files
+
+        opts = self.sync_options
+        assert opts is not None
+        if not opts.directory:
+            raise RolloutError("weightSync.method filesystem needs SyncOptions(directory=...)")
+        start = time.perf_counter()
+        path, bytes_total = await asyncio.to_thread(
+            weight_files.write_version, tensors, Path(opts.directory), version,
+            int(opts.bucket_mb * 2**20),
+        )  # fmt: skip
+        failed: list[str] = []
+        await self.refresh()
+        live = [s for s in self.servers.values() if s.alive]
+        if not live:
+            raise RolloutError(f"no live rollout server to sync: {self._describe()}")
+        t0 = time.perf_counter()
+        body = {"name": path.name, "version": version, "timeout_s": opts.timeout_s}
+        loaded = await self._control_all(live, "/control/sync/load", body, failed)
+        for server in live:
+            server.policy_version = version if server in loaded else None
+        self.policy_version = version
+        synced = [s.url for s in loaded]
+        return SyncReport(
+            version=version,
+            servers=synced,
+            servers_failed=[u for u in self.servers if u not in synced],
+            bytes_total=bytes_total,
+            seconds=time.perf_counter() - start,
+            broadcast_seconds=time.perf_counter() - t0,
+            regrouped=False,
         )
 
     async def _control_all(

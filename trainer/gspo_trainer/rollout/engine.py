@@ -50,6 +50,8 @@ class Engine(Protocol):
 
     async def receive_weights(self, timeout_s: float) -> dict[str, int]: ...
 
+    async def load_weights_file(self, path: str, timeout_s: float) -> dict[str, int]: ...
+
     async def shutdown(self) -> None: ...
 
 
@@ -139,6 +141,15 @@ class VLLMEngine:
             raise RuntimeError(f"workers received different versions: {results}")
         await self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
         return dict(first)
+
+    async def load_weights_file(self, path: str, timeout_s: float) -> dict[str, int]:
+        results = await self.llm.collective_rpc(
+            "gspo_load_weights_file", timeout=timeout_s, kwargs={"path": path}
+        )
+        if any(r != results[0] for r in results):
+            raise RuntimeError(f"workers loaded different weights from {path}: {results}")
+        await self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
+        return dict(results[0])
 
     async def shutdown(self) -> None:
         self.llm.shutdown()

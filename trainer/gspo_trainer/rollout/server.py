@@ -11,6 +11,8 @@ Routes (JSON bodies; `Authorization: Bearer <token>` on every /control route, an
     POST /control/resume
     POST /control/sync/init    join the learner's weight-sync group
     POST /control/sync/update  receive one bucketed broadcast, load it, bump the version
+    POST /control/sync/load    {"name": "v00000007", "version": 7}: load that version from
+                               --weights-dir (weightSync.method filesystem), bump the version
 
 A generation request is admitted whole under one policy version and the version cannot
 change while any admitted request runs, so no response mixes two versions.
@@ -28,6 +30,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -83,6 +86,7 @@ class ServerState:
         self.token = token
         self.require_token_for_generate = require_token_for_generate
         self.policy_version = version  # None: not synced, not ready
+        self.weights_dir: Path | None = None  # where /control/sync/load finds versions
         self.gate = DrainGate()
         self.sync_lock = asyncio.Lock()
         self.registry = CollectorRegistry()
@@ -335,31 +339,71 @@ async def sync_init(request: web.Request) -> web.Response:
 
 @_guarded
 async def sync_update(request: web.Request) -> web.Response:
-    state, engine = request.app[STATE_KEY], request.app[ENGINE_KEY]
+    engine = request.app[ENGINE_KEY]
     body = await _json(request)
     timeout_s = float(body.get("timeout_s", 600))
+
+    async def load() -> tuple[int, dict[str, int]]:
+        received = await engine.receive_weights(timeout_s)
+        return int(received["version"]), received
+
+    return await _swap_weights(request.app[STATE_KEY], load, timeout_s, "sync/update")
+
+
+@_guarded
+async def sync_load(request: web.Request) -> web.Response:
+    from gspo_trainer.rollout import weight_files
+
+    state, engine = request.app[STATE_KEY], request.app[ENGINE_KEY]
+    body = await _json(request)
+    if state.weights_dir is None:
+        return _error(409, "sync/load: this server was started without --weights-dir, so it "
+                      "cannot load weights from files; use the broadcast, or start it with "
+                      "--weights-dir on the learner's volume")  # fmt: skip
+    version = body.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        return _error(400, f"sync/load: version must be a non-negative integer, got {version!r}")
+    try:
+        path = weight_files.resolve(state.weights_dir, body.get("name"))  # type: ignore[arg-type]
+    except ValueError as exc:
+        return _error(400, f"sync/load: {exc}")
+    timeout_s = float(body.get("timeout_s", 600))
+
+    async def load() -> tuple[int, dict[str, int]]:
+        return version, await engine.load_weights_file(str(path), timeout_s)
+
+    return await _swap_weights(state, load, timeout_s, "sync/load")
+
+
+async def _swap_weights(
+    state: ServerState,
+    load: Callable[[], Awaitable[tuple[int, dict[str, int]]]],
+    timeout_s: float,
+    route: str,
+) -> web.Response:
+    """Load new weights with generation paused and drained; bump the version after."""
     async with state.sync_lock:
         was_paused = state.gate.paused
         try:
             await state.gate.pause(timeout_s)
             start = time.perf_counter()
-            received = await engine.receive_weights(timeout_s)
+            version, received = await load()
         except Exception as exc:
             log.exception("weight update failed")
             # Weights may be half loaded: this server must not serve until a full update.
             state.set_version(None)
-            return _error(500, f"sync/update failed, server marked not synced: {exc}")
+            return _error(500, f"{route} failed, server marked not synced: {exc}")
         finally:
             if not was_paused:
                 state.gate.resume()
         seconds = time.perf_counter() - start
-        state.set_version(int(received["version"]))
+        state.set_version(version)
         state.sync_seconds.set(seconds)
         state.sync_bytes.set(received["bytes"])
     log.info("Loaded policy version %s (%s bytes, %.2fs)", state.policy_version,
              received["bytes"], seconds)  # fmt: skip
-    return web.json_response({**received, "policy_version": state.policy_version,
-                              "seconds": seconds})  # fmt: skip
+    answer = {**received, "version": version, "policy_version": state.policy_version}
+    return web.json_response({**answer, "seconds": seconds})
 
 
 def build_app(
@@ -368,10 +412,12 @@ def build_app(
     token: str | None,
     require_token_for_generate: bool = False,
     initial_version: int | None = None,
+    weights_dir: Path | None = None,
 ) -> web.Application:
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[ENGINE_KEY] = engine
     app[STATE_KEY] = ServerState(token, require_token_for_generate, initial_version)
+    app[STATE_KEY].weights_dir = weights_dir
     app.router.add_post("/v1/generate", generate)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
@@ -380,6 +426,7 @@ def build_app(
     app.router.add_post("/control/resume", resume)
     app.router.add_post("/control/sync/init", sync_init)
     app.router.add_post("/control/sync/update", sync_update)
+    app.router.add_post("/control/sync/load", sync_load)
     return app
 
 
@@ -401,6 +448,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="serve the loaded weights as this version at once; without it the "
                         "server is not ready until the learner's first update")  # fmt: skip
     p.add_argument("--cache-dir", default=None, help="where builtin:* models are written")
+    p.add_argument("--weights-dir", type=Path, default=None,
+                   help="the learner's weight directory on a shared volume, for "
+                        "weightSync.method filesystem (/control/sync/load)")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -446,6 +496,7 @@ async def serve(args: argparse.Namespace) -> None:
         token=token,
         require_token_for_generate=args.require_token_for_generate,
         initial_version=args.initial_policy_version,
+        weights_dir=args.weights_dir,
     )
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()

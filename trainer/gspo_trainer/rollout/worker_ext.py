@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
-from gspo_trainer.rollout import weight_sync
+from gspo_trainer.rollout import weight_files, weight_sync
 
 
 def reload_weights(model_runner: Any, weights: Iterable[tuple[str, Any]]) -> None:
@@ -130,6 +131,19 @@ class WeightSyncExtension:
         for _ in stream:  # every bucket is a collective: take part even if the loader stopped
             pass
         return {"version": version, **counted}
+
+    def gspo_load_weights_file(self, path: str) -> dict[str, int]:
+        """Load one version written by `weight_files.write_version` in place."""
+        counted = {"tensors": 0, "bytes": 0}
+
+        def counting():  # type: ignore[no-untyped-def]
+            for name, t in weight_files.read_version(Path(path)):
+                counted["tensors"] += 1
+                counted["bytes"] += t.numel() * t.element_size()
+                yield name, t
+
+        reload_weights(self.model_runner, counting())  # type: ignore[attr-defined]
+        return counted
 
     def gspo_close_sync_group(self) -> None:
         self._gspo_group = None
