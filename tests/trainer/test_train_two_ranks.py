@@ -29,7 +29,10 @@ def test_two_rank_learner_group_stops_on_sigint_after_a_final_checkpoint(tmp_pat
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "gspo_operator.cli", "train", str(config), "--output-dir",
            str(out), "--max-steps", "500", "--no-progress"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=checkout_env(), cwd=REPO, text=True,
+    # Run from inside another torch.distributed group (as a pytest process that initialised
+    # one is): `gspo train` must still start a group of its own.
+    env = {**checkout_env(), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
     try:
         wait_for_steps(out / "checkpoints" / "history.jsonl", 3, proc, timeout_s=300)

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -70,6 +71,20 @@ def job_manifest(args: argparse.Namespace) -> dict[str, Any]:
         alg.pop("clipLow", None)  # the level's own default range
         alg.pop("clipHigh", None)
     return manifest
+
+
+# torch.distributed's group variables. Inherited (`gspo train` run from a job step under
+# torchrun, or a process that initialised a group), they would make the learner think it is
+# one rank of that group instead of starting its own.
+DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+             "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR",
+             "MASTER_PORT")  # fmt: skip
+
+
+def own_group_env(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` without any torch.distributed group it belongs to."""
+    return {k: v for k, v in env.items()
+            if k not in DIST_VARS and not k.startswith("TORCHELASTIC_")}  # fmt: skip
 
 
 @dataclass
@@ -224,7 +239,7 @@ def main(argv: list[str]) -> int:
     config.write_text(yaml.safe_dump(manifest, sort_keys=False))
 
     token = secrets.token_hex(16)
-    base_env = {**os.environ, "HF_HUB_OFFLINE": "1", "GSPO_CACHE": str(cache),
+    base_env = {**own_group_env(os.environ), "HF_HUB_OFFLINE": "1", "GSPO_CACHE": str(cache),
                 ports.ENV_SYNC_TOKEN: token}  # fmt: skip
     base_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     n_servers = max(1, args.rollout_servers or spec.rollout.replicas)
