@@ -269,22 +269,36 @@ class RolloutClient:
                 await self._control_all(
                     [s for s in paused if s.alive], "/control/resume", {}, failed
                 )
-        self.policy_version = version
         synced = [s.url for s in members if s.policy_version == version]
+        return self._synced(version, synced, bytes_total, start, bcast_s, regrouped or attempt > 1)
+
+    def _synced(
+        self,
+        version: int,
+        synced: list[str],
+        bytes_total: int,
+        start: float,
+        moved_s: float,
+        regrouped: bool,
+    ) -> SyncReport:
+        """Record `version` as the learner's and report who holds it."""
+        self.policy_version = version
         return SyncReport(
             version=version,
             servers=synced,
             servers_failed=[u for u in self.servers if u not in synced],
             bytes_total=bytes_total,
             seconds=time.perf_counter() - start,
-            broadcast_seconds=bcast_s,
-            regrouped=regrouped or attempt > 1,
+            broadcast_seconds=moved_s,
+            regrouped=regrouped,
         )
 
     async def _sync_files(
         self, tensors: Iterable[tuple[str, torch.Tensor]], version: int
     ) -> SyncReport:
-        """Write the version to the shared volume, then have every live server load it."""
+        """Write the version to the shared volume, then have every live server load it (each
+        pauses and drains its own generation around the load; the learner generates nothing
+        meanwhile, so no batch sees two versions)."""
         from gspo_trainer.rollout import weight_files
 
         opts = self.sync_options
@@ -306,17 +320,8 @@ class RolloutClient:
         loaded = await self._control_all(live, "/control/sync/load", body, failed)
         for server in live:
             server.policy_version = version if server in loaded else None
-        self.policy_version = version
         synced = [s.url for s in loaded]
-        return SyncReport(
-            version=version,
-            servers=synced,
-            servers_failed=[u for u in self.servers if u not in synced],
-            bytes_total=bytes_total,
-            seconds=time.perf_counter() - start,
-            broadcast_seconds=time.perf_counter() - t0,
-            regrouped=False,
-        )
+        return self._synced(version, synced, bytes_total, start, time.perf_counter() - t0, False)
 
     async def _control_all(
         self, servers: list[Server], path: str, body: dict[str, Any], failed: list[str]
