@@ -47,8 +47,9 @@ def spawn(
         cmd += ["--params-out", str(params_out)]
     if fsize_limit:
         cmd += ["--fsize-limit", str(fsize_limit)]
-    group = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in group}  # a group of its own
+    from gspo_trainer.train import own_group_env
+
+    env = own_group_env(os.environ)  # a group of its own
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     with open(log, "wb") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)

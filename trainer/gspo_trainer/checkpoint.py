@@ -267,8 +267,12 @@ def export_hf(named_tensors: list[tuple[str, Any]], model: Any, tokenizer: Any, 
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     state = {n: t.detach().clone() for n, t in named_tensors}
-    model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
+    try:
+        model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # give the space back
+        raise
     if out.exists():
         shutil.rmtree(out)
     os.rename(tmp, out)

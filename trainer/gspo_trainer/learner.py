@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -635,7 +634,6 @@ class Learner:
                     log.info("Exported the policy to %s", out)
                 except Exception:
                     log.exception("Exporting the policy to %s failed", out)
-                    shutil.rmtree(out.with_name(out.name + ".tmp"), ignore_errors=True)
                     ok = False
         if not self._all_ranks(ok):
             raise CheckpointError(

@@ -80,13 +80,19 @@ class DrainGate:
 
 
 class ServerState:
-    def __init__(self, token: str | None, require_token_for_generate: bool, version: int | None):
+    def __init__(
+        self,
+        token: str | None,
+        require_token_for_generate: bool,
+        version: int | None,
+        weights_dir: Path | None = None,
+    ):
         from prometheus_client import CollectorRegistry, Counter, Gauge
 
         self.token = token
         self.require_token_for_generate = require_token_for_generate
         self.policy_version = version  # None: not synced, not ready
-        self.weights_dir: Path | None = None  # where /control/sync/load finds versions
+        self.weights_dir = weights_dir  # where /control/sync/load finds versions
         self.gate = DrainGate()
         self.sync_lock = asyncio.Lock()
         self.registry = CollectorRegistry()
@@ -416,8 +422,7 @@ def build_app(
 ) -> web.Application:
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[ENGINE_KEY] = engine
-    app[STATE_KEY] = ServerState(token, require_token_for_generate, initial_version)
-    app[STATE_KEY].weights_dir = weights_dir
+    app[STATE_KEY] = ServerState(token, require_token_for_generate, initial_version, weights_dir)
     app.router.add_post("/v1/generate", generate)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)

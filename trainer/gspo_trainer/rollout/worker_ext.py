@@ -87,6 +87,16 @@ def _then_experts_step(method: Any) -> Any:
     return process_weights_after_loading
 
 
+def _counting(
+    tensors: Iterable[tuple[str, Any]], counted: dict[str, int]
+) -> Iterator[tuple[str, Any]]:
+    """`tensors` as they pass, adding each one's count and bytes into `counted`."""
+    for name, t in tensors:
+        counted["tensors"] += 1
+        counted["bytes"] += t.numel() * t.element_size()
+        yield name, t
+
+
 class WeightSyncExtension:
     _gspo_group: weight_sync.SyncGroup | None = None
     _gspo_store: Any = None
@@ -119,14 +129,7 @@ class WeightSyncExtension:
             raise RuntimeError("no sync group: call /control/sync/init before an update")
         version, tensors = weight_sync.receive_weights(self._gspo_group)
         counted = {"tensors": 0, "bytes": 0}
-
-        def counting():  # type: ignore[no-untyped-def]
-            for name, t in tensors:
-                counted["tensors"] += 1
-                counted["bytes"] += t.numel() * t.element_size()
-                yield name, t
-
-        stream = counting()
+        stream = _counting(tensors, counted)
         reload_weights(self.model_runner, stream)  # type: ignore[attr-defined]
         for _ in stream:  # every bucket is a collective: take part even if the loader stopped
             pass
@@ -135,14 +138,8 @@ class WeightSyncExtension:
     def gspo_load_weights_file(self, path: str) -> dict[str, int]:
         """Load one version written by `weight_files.write_version` in place."""
         counted = {"tensors": 0, "bytes": 0}
-
-        def counting():  # type: ignore[no-untyped-def]
-            for name, t in weight_files.read_version(Path(path)):
-                counted["tensors"] += 1
-                counted["bytes"] += t.numel() * t.element_size()
-                yield name, t
-
-        reload_weights(self.model_runner, counting())  # type: ignore[attr-defined]
+        stream = _counting(weight_files.read_version(Path(path)), counted)
+        reload_weights(self.model_runner, stream)  # type: ignore[attr-defined]
         return counted
 
     def gspo_close_sync_group(self) -> None:
