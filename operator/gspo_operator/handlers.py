@@ -1,7 +1,9 @@
 """kopf handlers: validate, render, create; then a timer that observes and applies `status`.
 
 Each handler is a few lines over the pure modules: `manifest.check_job` validates,
-`render.render_job` builds the children, `status.compute` decides, `kube` talks to the API.
+`render.render_job` builds the children (one JobSet runs the pods), `status.compute` decides,
+`kube` talks to the API. JobSet and the Job controller create, restart and stop the pods; the
+operator only creates the JobSet, suspends or resumes it, and reports.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import yaml
 
 from gspo_operator import names, render, status
 from gspo_operator.crd import PLURAL
-from gspo_operator.kube import JOB_API, Kube
-from gspo_operator.manifest import check_job
+from gspo_operator.kube import JOB_API, Created, Kube
+from gspo_operator.manifest import ClusterPolicy, check_job
 from gspo_operator.metrics import OperatorMetrics
 from gspo_operator.progress import fetch_progress
 from gspo_trainer import ports
@@ -26,6 +28,12 @@ from gspo_trainer.config import API_GROUP, API_VERSION, GSPOJobSpec
 from gspo_trainer.validation import SpecError, parse_spec
 
 DEFAULT_INTERVAL_S = 10.0
+# Kinds a cluster may lack: the job runs without them, and the operator says so once.
+OPTIONAL_KINDS = ("PodMonitor",)
+JOBSET_MISSING = (
+    "the cluster serves no jobset.x-k8s.io/v1alpha2 JobSet API, which runs this job's pods; "
+    "install JobSet v0.10 or later (see the chart's README) and the job starts by itself"
+)
 
 
 @dataclass
@@ -35,8 +43,15 @@ class Context:
     kube: Kube
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
     interval_s: float = DEFAULT_INTERVAL_S
+    policy: ClusterPolicy = field(default_factory=ClusterPolicy.from_env)
     phases: dict[tuple[str, str], str] = field(default_factory=dict)
     http: aiohttp.ClientSession | None = None
+    noted: set[str] = field(default_factory=set)  # cluster-wide notes already logged
+
+    def note_once(self, logger: Any, message: str) -> None:
+        if message not in self.noted:
+            self.noted.add(message)
+            logger.warning(message)
 
     def session(self) -> aiohttp.ClientSession:
         if self.http is None or self.http.closed:
@@ -53,15 +68,31 @@ def _post(body: Any, event: status.Event) -> None:
 
 
 def _desired(body: Any, spec: GSPOJobSpec, st: Any) -> list[dict[str, Any]]:
-    """Children to create now: no learner pods while suspended or finished."""
-    restarts = int(st.get("restarts") or 0)
-    objs = render.render_job(body, spec, token=secrets.token_urlsafe(32), restart=restarts)
-    if spec.run_policy.suspend or st.get("phase") in status.TERMINAL:
-        objs = [o for o in objs if o["kind"] != "Pod"]
-        for o in objs:
-            if o["kind"] == "Deployment":
-                o["spec"]["replicas"] = 0
+    """Children to create now: no JobSet for a finished job."""
+    objs = render.render_job(body, spec, token=secrets.token_urlsafe(32))
+    if st.get("phase") in status.TERMINAL:
+        objs = [o for o in objs if o["kind"] != "JobSet"]
     return objs
+
+
+async def _create(ctx: Context, body: Any, objs: list[dict[str, Any]], logger: Any) -> Created:
+    """Create what is missing; note kinds the cluster lacks instead of failing on them."""
+    created = await ctx.kube.create_all(objs, optional_kinds=(*OPTIONAL_KINDS, "JobSet"))
+    for what in created.made:
+        logger.info("Created %s", what)
+    for what in created.unserved:
+        kind = what.split()[0]
+        if kind == "JobSet":
+            ctx.note_once(logger, JOBSET_MISSING)
+        else:
+            message = (
+                f"{what} not created: the cluster does not serve the {kind} API (install the "
+                f"Prometheus Operator, or set spec.metrics.podMonitor: false); the job runs "
+                "without it"
+            )
+            ctx.note_once(logger, f"{kind} not served: the jobs run without it")
+            _post(body, status.Event("Normal", f"{kind}Skipped", message))
+    return created
 
 
 async def _accepted_spec(ctx: Context, memo: Any, namespace: str, job: str) -> GSPOJobSpec | None:
@@ -102,7 +133,7 @@ def register(registry: kopf.OperatorRegistry, ctx: Context) -> None:
     async def ensure(body, namespace, name, patch, memo, logger, reason, **_: Any) -> None:
         """Validate, then create every missing child (existing ones are left as they are)."""
         with ctx.metrics.reconcile():
-            spec, problems = check_job(body)
+            spec, problems = check_job(body, ctx.policy)
             if spec is None:
                 new_status, event = status.invalid_spec(body.get("status"), _now(), problems)
                 patch.status.update(new_status)
@@ -120,13 +151,13 @@ def register(registry: kopf.OperatorRegistry, ctx: Context) -> None:
     async def reconcile(body, meta, namespace, name, patch, memo, logger, **_: Any) -> None:
         """Observe the children and the learner, then apply what `status.compute` decides."""
         with ctx.metrics.reconcile():
-            spec, _problems = check_job(body)
+            spec, _problems = check_job(body, ctx.policy)
             previous = dict(body.get("status") or {})
             if spec is not None and _rejected_at_creation(previous):
                 # The manifest was fixed after an InvalidSpec failure: start it now.
                 await _create_children(ctx, body, spec, [], memo, patch, logger)
                 return
-            if spec is None or "Created" not in _true(previous):
+            if spec is None or not _has(previous, "Created"):
                 return  # invalid (nothing was created), or the create handler is not done
             accepted = await _accepted_spec(ctx, memo, namespace, name)
             if accepted is None:
@@ -135,7 +166,7 @@ def register(registry: kopf.OperatorRegistry, ctx: Context) -> None:
             await _apply_spec_change(ctx, body, memo, accepted, spec, refused, previous, patch)
             observed = await _observe(ctx, spec, namespace, name)
             outcome = status.compute(spec, observed, previous, _now(), meta.get("generation"))
-            await _act(ctx, body, spec, observed, outcome, logger)
+            await _act(ctx, body, spec, outcome, logger)
             for event in outcome.events:
                 _post(body, event)
                 logger.info("%s: %s", event.reason, event.message)
@@ -167,17 +198,17 @@ async def _create_children(
         st = status.accepted_change({"conditions": original.get("conditions")}, _now())
         st["conditions"] = [c for c in st["conditions"] if c["type"] == "InvalidSpec"]
     desired = _desired(body, spec, st)
-    made = await ctx.kube.create_all(desired)
-    for what in made:
-        logger.info("Created %s", what)
+    created = await _create(ctx, body, desired, logger)
     memo.accepted = spec
-    if made:
-        _post(body, status.Event("Normal", "Created", f"Created {len(made)} objects"))
+    if created.made:
+        _post(body, status.Event("Normal", "Created", f"Created {len(created.made)} objects"))
     if "Created" in _true(original) and not refused:
         # Resumed after a restart: the status belongs to the timer, which may have moved on
         # since `body` was read; a patch from this stale copy would undo its conditions.
         return
     new_status = status.created(st, _now(), len(desired))
+    if any(w.startswith("JobSet ") for w in created.unserved):
+        new_status = status.jobset_missing(new_status, _now(), JOBSET_MISSING)
     if refused:
         new_status, event = status.refused_change(new_status, _now(), refused)
         _post(body, event)
@@ -190,6 +221,10 @@ def _rejected_at_creation(st: dict[str, Any]) -> bool:
         c["type"] == "InvalidSpec" and c.get("reason") == "InvalidSpec" and c["status"] == "True"
         for c in st.get("conditions") or []
     )
+
+
+def _has(st: dict[str, Any], type_: str) -> bool:
+    return any(c.get("type") == type_ for c in st.get("conditions") or [])
 
 
 def _true(st: dict[str, Any]) -> set[str]:
@@ -217,7 +252,7 @@ async def _apply_spec_change(
         previous.update(status.accepted_change(previous, _now()))
     if spec == accepted:
         return
-    cm = render.render_job(body, spec, token="")[0]
+    cm = render.render_config_map_of(body, spec)
     meta = body["metadata"]
     await ctx.kube.patch(
         "v1",
@@ -230,56 +265,37 @@ async def _apply_spec_change(
 
 
 async def _observe(ctx: Context, spec: GSPOJobSpec, namespace: str, name: str) -> status.Observed:
-    """Two API requests: the learner pods and the rollout Deployment; then rank 0's progress."""
-    pods = await ctx.kube.list("v1", "Pod", namespace, names.label_selector(name, names.LEARNER))
+    """Two API requests: the JobSet and the job's pods; then learner rank 0's progress."""
+    jobset = await ctx.kube.get(render.JOBSET_API, "JobSet", namespace, names.jobset(name))
+    pods = await ctx.kube.list("v1", "Pod", namespace, names.label_selector(name))
     views = [status.PodView.from_pod(p) for p in pods]
-    dep = await ctx.kube.get("apps/v1", "Deployment", namespace, names.rollout_deployment(name))
-    rank0 = next((v for v in views if v.name == names.learner_pod(name, 0)), None)
-    progress = None
+    js = None if jobset is None else status.JobSetView.from_jobset(jobset)
+    observed = status.Observed(jobset=js, pods=views)
+    rank0 = next((p for p in observed.learners(js.restarts if js else 0) if p.index == 0), None)
     if rank0 is not None and rank0.phase == "Running" and rank0.ip:
         progress = await fetch_progress(ctx.session(), rank0.ip, spec.metrics.port)
-    return status.Observed(
-        learner_pods=views,
-        rollout_ready=int(((dep or {}).get("status") or {}).get("readyReplicas") or 0),
-        rollout_replicas=None if dep is None else dep["spec"].get("replicas"),
-        progress=progress,
-    )
+        observed = status.Observed(jobset=js, pods=views, progress=progress)
+    return observed
 
 
 async def _act(
-    ctx: Context,
-    body: Any,
-    spec: GSPOJobSpec,
-    observed: status.Observed,
-    out: status.Outcome,
-    logger: Any,
+    ctx: Context, body: Any, spec: GSPOJobSpec, out: status.Outcome, logger: Any
 ) -> None:
-    """Delete, create and scale what `out` asks for; every call tolerates a repeat."""
+    """Create, suspend, resume and delete what `out` asks for; every call tolerates a repeat."""
     kube = ctx.kube
     ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    for pod in out.delete_pods:
-        if await kube.delete("v1", "Pod", ns, pod):
-            logger.info("Deleted Pod %s", pod)
+    jobset = names.jobset(name)
     if out.ensure_children:
-        restarts = int(out.status.get("restarts") or 0)
-        have = {v.name for v in observed.learner_pods}
-        missing = [
-            o
-            for o in render.render_job(body, spec, token="", restart=restarts)
-            if (o["kind"] == "Pod" and o["metadata"]["name"] not in have)
-            or (o["kind"] == "Deployment" and observed.rollout_replicas is None)
-        ]
-        for what in await kube.create_all(missing):
-            logger.info("Created %s", what)
-    if out.rollout_replicas is not None and observed.rollout_replicas not in (
-        None,
-        out.rollout_replicas,
-    ):
-        dep = names.rollout_deployment(name)
+        created = await _create(ctx, body, render.render_job(body, spec, token=""), logger)
+        if any(w.startswith("JobSet ") for w in created.unserved):
+            out.status = status.jobset_missing(out.status, _now(), JOBSET_MISSING)
+    if out.suspend_jobset is not None:
         await kube.patch(
-            "apps/v1", "Deployment", ns, dep, {"spec": {"replicas": out.rollout_replicas}}
+            render.JOBSET_API, "JobSet", ns, jobset, {"spec": {"suspend": out.suspend_jobset}}
         )
-        logger.info("Scaled Deployment %s to %d", dep, out.rollout_replicas)
+        logger.info("%s JobSet %s", "Suspended" if out.suspend_jobset else "Resumed", jobset)
+    if out.delete_jobset and await kube.delete(render.JOBSET_API, "JobSet", ns, jobset):
+        logger.info("Deleted JobSet %s", jobset)
     if out.delete_job:
         await kube.delete(JOB_API, "GSPOJob", ns, name)
         logger.info("Deleted GSPOJob %s: ttlSecondsAfterFinished passed", name)

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from kubernetes import client, config
@@ -28,7 +29,8 @@ PLURALS = {
     "PersistentVolumeClaim": "persistentvolumeclaims",
     "Service": "services",
     "Pod": "pods",
-    "Deployment": "deployments",
+    "Job": "jobs",
+    "JobSet": "jobsets",
     "NetworkPolicy": "networkpolicies",
     "PodMonitor": "podmonitors",
     "GSPOJob": "gspojobs",
@@ -36,6 +38,14 @@ PLURALS = {
 JOB_API = f"{API_GROUP}/{API_VERSION}"
 MERGE_PATCH = "application/merge-patch+json"
 USER_AGENT = "gspo-operator"
+
+
+@dataclass
+class Created:
+    """What `create_all` did: 'Kind name' of each object made, and of each not served."""
+
+    made: list[str] = field(default_factory=list)
+    unserved: list[str] = field(default_factory=list)
 
 
 class ApiError(Exception):
@@ -129,12 +139,30 @@ class Kube:
             raise
         return True
 
-    async def create_all(self, objs: Iterable[Mapping[str, Any]]) -> list[str]:
-        """Create every object concurrently; the 'Kind name' of those that were new."""
-        objs = list(objs)
-        created = await asyncio.gather(*(self.create(o) for o in objs))
-        pairs = zip(objs, created, strict=True)
-        return [f"{o['kind']} {o['metadata']['name']}" for o, new in pairs if new]
+    async def create_all(
+        self, objs: Iterable[Mapping[str, Any]], optional_kinds: Iterable[str] = ()
+    ) -> Created:
+        """Create every object concurrently. Objects of `optional_kinds` whose API the cluster
+        does not serve (404 on create) are skipped and named in `unserved`."""
+        objs, optional = list(objs), set(optional_kinds)
+
+        async def one(obj: Mapping[str, Any]) -> bool | None:
+            try:
+                return await self.create(obj)
+            except ApiError as exc:
+                if exc.status == 404 and obj["kind"] in optional:
+                    return None
+                raise
+
+        results = await asyncio.gather(*(one(o) for o in objs))
+        out = Created()
+        for obj, result in zip(objs, results, strict=True):
+            what = f"{obj['kind']} {obj['metadata']['name']}"
+            if result is None:
+                out.unserved.append(what)
+            elif result:
+                out.made.append(what)
+        return out
 
     async def get(self, api_version: str, kind: str, namespace: str, name: str) -> Obj | None:
         try:

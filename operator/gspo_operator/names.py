@@ -1,7 +1,10 @@
 """Child object names and labels of a GSPOJob, defined once.
 
 Names are deterministic functions of the job name, so a restarted operator finds what it
-created before and creating again is a harmless "already exists".
+created before and creating again is a harmless "already exists". The pods themselves are
+created by JobSet and the Job controller; their names and host names follow JobSet's rules
+(`<jobset>-<replicatedJob>-<jobIndex>-<podIndex>`, jobset.x-k8s.io/v1alpha2), which this
+module states once so the learner's rendezvous address and the name checks agree with them.
 """
 
 from __future__ import annotations
@@ -10,19 +13,23 @@ import re
 
 from gspo_trainer.config import API_GROUP
 
-# The longest child name is "<job>-checkpoints" / "<job>-rollout-api" / "<job>-learner-NNN";
-# Service names and pod hostnames are DNS labels of at most 63 characters.
-MAX_JOB_NAME = 50
+# JobSet's webhook refuses a JobSet whose generated pod names `<jobset>-<replicatedJob>-
+# <jobIndex>-<podIndex>` exceed 63 characters less the 6 of the pods' random suffix ("-xxxxx").
+MAX_GENERATED_POD_NAME = 57
+DNS_LABEL_MAX = 63
 
 MANAGED_BY = "gspo-operator"
 APP_NAME = "gspo"
 JOB_LABEL = f"{API_GROUP}/job-name"
 ROLE_LABEL = f"{API_GROUP}/role"
-RESTART_ANNOTATION = f"{API_GROUP}/restart"  # learner group generation a pod belongs to
 SPEC_HASH_ANNOTATION = f"{API_GROUP}/spec-hash"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-POD_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
-POD_GROUP_COUNT_ANNOTATION = "kueue.x-k8s.io/pod-group-total-count"
+# What JobSet and the Job controller put on the pods they create.
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
+RESTART_ATTEMPT_LABEL = "jobset.sigs.k8s.io/restart-attempt"
+JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
+COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 
 LEARNER = "learner"
 ROLLOUT = "rollout"
@@ -36,16 +43,24 @@ def sync_token_secret(job: str) -> str:
     return f"{job}-sync-token"
 
 
-def learner_service(job: str) -> str:
-    return f"{job}-learner"
+def jobset(job: str) -> str:
+    return job
 
 
-def learner_pod(job: str, rank: int) -> str:
-    return f"{job}-learner-{rank}"
+def subdomain(job: str) -> str:
+    """JobSet's headless Service of the job's pods (JobSet names it after the JobSet)."""
+    return jobset(job)
 
 
-def rollout_deployment(job: str) -> str:
-    return f"{job}-rollout"
+def child_job(job: str, replicated_job: str, index: int) -> str:
+    """The Job JobSet creates for replica `index` of a replicated job."""
+    return f"{jobset(job)}-{replicated_job}-{index}"
+
+
+def learner_host(job: str, node_rank: int) -> str:
+    """Host name of learner pod `node_rank`: the Job controller names Indexed pods' hosts
+    `<job name>-<completion index>`, and the learner is one Indexed Job."""
+    return f"{child_job(job, LEARNER, 0)}-{node_rank}"
 
 
 def rollout_headless_service(job: str) -> str:
@@ -70,7 +85,7 @@ def pod_monitor(job: str) -> str:
 
 def master_addr(job: str, namespace: str) -> str:
     """Stable DNS name of learner rank 0 (hostname + subdomain of the headless Service)."""
-    return f"{learner_pod(job, 0)}.{learner_service(job)}.{namespace}.svc"
+    return f"{learner_host(job, 0)}.{subdomain(job)}.{namespace}.svc"
 
 
 def rollout_dns(job: str, namespace: str) -> str:
@@ -104,16 +119,36 @@ def labels(job: str, component: str) -> dict[str, str]:
 DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 
-def check_job_name(job: str) -> str | None:
+def longest_pod_name(job: str, learner_replicas: int, rollout_replicas: int) -> str:
+    """The longest `<jobset>-<replicatedJob>-<jobIndex>-<podIndex>` JobSet will generate."""
+    candidates = [f"{child_job(job, LEARNER, 0)}-{max(learner_replicas - 1, 0)}"]
+    if rollout_replicas > 0:
+        candidates.append(f"{child_job(job, ROLLOUT, rollout_replicas - 1)}-0")
+    return max(candidates, key=len)
+
+
+def max_job_name(learner_replicas: int, rollout_replicas: int) -> int:
+    """The longest GSPOJob name whose generated pod names JobSet accepts."""
+    return MAX_GENERATED_POD_NAME - (len(longest_pod_name("", learner_replicas, rollout_replicas)))
+
+
+def check_job_name(job: str, learner_replicas: int = 1, rollout_replicas: int = 1) -> str | None:
     """Why `job` cannot name a GSPOJob's children, or None when it can."""
     if not DNS_LABEL.match(job):
         return (
             f"name {job!r} must be lower-case letters, digits and '-', start with a letter and "
             "end with a letter or digit (it names Services, which are DNS labels)"
         )
-    if len(job) > MAX_JOB_NAME:
+    longest = longest_pod_name(job, learner_replicas, rollout_replicas)
+    if len(longest) > MAX_GENERATED_POD_NAME:
+        limit = max_job_name(learner_replicas, rollout_replicas)
         return (
-            f"name {job!r} has {len(job)} characters; GSPOJob names are limited to "
-            f"{MAX_JOB_NAME} so that child Service and pod host names fit in 63"
+            f"name {job!r} has {len(job)} characters; with {learner_replicas} learner pods and "
+            f"{rollout_replicas} rollout servers JobSet would name a pod {longest!r} "
+            f"({len(longest)} characters, JobSet allows {MAX_GENERATED_POD_NAME}); shorten the "
+            f"name to {limit} characters or fewer"
         )
+    for child in (rollout_api_service(job), checkpoint_claim(job), sync_token_secret(job)):
+        if len(child) > DNS_LABEL_MAX:
+            return f"name {job!r} makes the child name {child!r} longer than 63; shorten it"
     return None

@@ -23,12 +23,14 @@ RULES: list[Rule] = [
      "verbs": ["get", "list", "watch", "patch", "delete"]},
     {"apiGroups": [API_GROUP], "resources": ["gspojobs/status"],
      "verbs": ["get", "patch", "update"]},
-    # The children (kube.py): created once, observed, scaled, learner pods restarted.
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "delete", "get", "list"]},
+    # The children (kube.py): created once and observed; JobSet runs, restarts and stops the
+    # pods (the operator only reads them), the operator suspends/resumes or deletes the JobSet.
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
+    {"apiGroups": ["jobset.x-k8s.io"], "resources": ["jobsets"],
+     "verbs": ["create", "get", "patch", "delete"]},
     {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create", "get", "patch"]},
     {"apiGroups": [""], "resources": ["secrets", "services", "persistentvolumeclaims"],
      "verbs": ["create"]},
-    {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["create", "get", "patch"]},
     {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": ["create"]},
     {"apiGroups": ["monitoring.coreos.com"], "resources": ["podmonitors"], "verbs": ["create"]},
 ]  # fmt: skip

@@ -1,8 +1,12 @@
 """GSPOJob -> the Kubernetes objects it becomes. Pure: no API server, no kopf, no clock.
 
-`render_job` is what the operator creates and what `gspo render` prints. The pod contract
-(ports, environment, mounts, commands) comes from gspo_trainer.ports, the one place the
-learner and the rollout server read it from too.
+`render_job` is what the operator creates and what `gspo render` prints. The pods run under
+one JobSet (jobset.x-k8s.io/v1alpha2), the way Kubeflow Trainer v2 runs TrainJobs: the
+learner is one Indexed Job of `learner.replicas` pods, each rollout server a Job of its own,
+and JobSet's failurePolicy and successPolicy carry the job's restart and completion rules on
+a stock JobSet install (default feature gates). The pod contract (ports, environment, mounts,
+commands) comes from gspo_trainer.ports, the one place the learner and the rollout server
+read it from too.
 """
 
 from __future__ import annotations
@@ -16,10 +20,12 @@ import yaml
 
 from gspo_operator import names
 from gspo_trainer import ports
-from gspo_trainer.config import API_GROUP, API_VERSION, KIND, EnvVar, GSPOJobSpec
+from gspo_trainer.config import API_GROUP, API_VERSION, KIND, GSPOJobSpec, PodSettings
+from gspo_trainer.validation import GPU_RESOURCE
 
 Obj = dict[str, Any]
 
+JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 LEARNER_GRACE_SECONDS = ports.LEARNER_GRACE_SECONDS  # time for the final checkpoint
 ROLLOUT_GRACE_SECONDS = 30
 POD_UID = 10001  # the images' non-root user
@@ -30,20 +36,23 @@ TMP_DIR = "/tmp"
 SOCKET_IFNAME = "eth0"  # the pod network; never loopback
 # vLLM loads the model before /health answers; allow it up to 30 minutes.
 ROLLOUT_STARTUP_PERIOD_S, ROLLOUT_STARTUP_FAILURES = 10, 180
+MODEL_CACHE_VOLUME = "model-cache"
+# The Job controller's failure messages for a podFailurePolicy FailJob rule (kubernetes
+# pkg/controller/job/pod_failure_policy.go); JobSet's failurePolicy rules match them.
+DISRUPTED = {"type": "DisruptionTarget", "status": "True"}  # preemption, eviction, drain
+EXIT_2_MESSAGE = "failed with exit code 2 matching FailJob rule"
+DISRUPTION_MESSAGE = "has condition DisruptionTarget matching FailJob rule"
 PROMETHEUS_POD_LABELS = {"app.kubernetes.io/name": "prometheus"}  # prometheus-operator's label
 JOB_LABEL_META = "__meta_kubernetes_pod_label_" + "".join(
     c if c.isalnum() else "_" for c in names.JOB_LABEL
 )
 
 
-def render_job(
-    job: Mapping[str, Any], spec: GSPOJobSpec, *, token: str, restart: int = 0
-) -> list[Obj]:
+def render_job(job: Mapping[str, Any], spec: GSPOJobSpec, *, token: str) -> list[Obj]:
     """Every child object of `job` (a GSPOJob mapping with metadata name/namespace/uid).
 
     `token` fills the weight-sync Secret; the operator only ever creates that Secret, never
-    replaces it, so re-rendering with another token rotates nothing. `restart` is the learner
-    group's generation: each learner pod carries it, so pods of an older group are told apart.
+    replaces it, so re-rendering with another token rotates nothing.
     """
     meta = job["metadata"]
     ctx = _Ctx(
@@ -55,12 +64,10 @@ def render_job(
     out: list[Obj] = [
         render_config_map(ctx, job),
         render_secret(ctx, token),
-        render_learner_service(ctx),
-        *(render_learner_pod(ctx, rank, restart) for rank in range(spec.learner.replicas)),
         render_rollout_service(ctx, headless=True),
         render_rollout_service(ctx, headless=False),
-        render_rollout_deployment(ctx),
         render_network_policy(ctx),
+        render_jobset(ctx),
     ]
     if spec.checkpoint.claim_name is None:
         out.insert(2, render_checkpoint_claim(ctx))
@@ -73,13 +80,13 @@ class _Ctx:
     def __init__(self, job: str, namespace: str, owner: Obj | None, spec: GSPOJobSpec) -> None:
         self.job, self.namespace, self.owner, self.spec = job, namespace, owner, spec
 
-    def meta(self, name: str, component: str, **extra: Any) -> Obj:
+    def meta(self, name: str, component: str, owned: bool = True, **extra: Any) -> Obj:
         out: Obj = {
             "name": name,
             "namespace": self.namespace,
             "labels": names.labels(self.job, component),
         }
-        if self.owner is not None:
+        if self.owner is not None and owned:
             out["ownerReferences"] = [self.owner]
         out.update(extra)
         return out
@@ -114,7 +121,16 @@ def spec_hash(spec: GSPOJobSpec) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def render_config_map_of(job: Mapping[str, Any], spec: GSPOJobSpec) -> Obj:
+    """The job's ConfigMap alone (an accepted in-flight change rewrites it)."""
+    meta = job["metadata"]
+    ctx = _Ctx(meta["name"], meta.get("namespace") or "default", _owner(meta), spec)
+    return render_config_map(ctx, job)
+
+
 def render_config_map(ctx: _Ctx, job: Mapping[str, Any]) -> Obj:
+    """The validated spec the pods read. Env values from Secrets stay references: a Secret's
+    value never lands here."""
     manifest = job_manifest(job, ctx.spec)
     annotations = {names.SPEC_HASH_ANNOTATION: spec_hash(ctx.spec)}
     return {
@@ -135,54 +151,176 @@ def render_secret(ctx: _Ctx, token: str) -> Obj:
     }
 
 
+def checkpoint_access_modes(spec: GSPOJobSpec) -> list[str]:
+    """ReadWriteOnce when a single pod mounts the claim, which most default storage classes
+    offer; ReadWriteMany when several learner pods (or the rollout servers) share it."""
+    ckpt = spec.checkpoint
+    if ckpt.access_modes:
+        return list(ckpt.access_modes)
+    shared = spec.learner.replicas > 1 or spec.weight_sync.method == "filesystem"
+    return ["ReadWriteMany" if shared else "ReadWriteOnce"]
+
+
 def render_checkpoint_claim(ctx: _Ctx) -> Obj:
     ckpt = ctx.spec.checkpoint
     spec: Obj = {
-        # Every learner pod writes its own shards, from whichever node it runs on.
-        "accessModes": ["ReadWriteMany"],
+        "accessModes": checkpoint_access_modes(ctx.spec),
         "resources": {"requests": {"storage": str(ckpt.size)}},
     }
     if ckpt.storage_class_name:
         spec["storageClassName"] = ckpt.storage_class_name
-    return {
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
-        "metadata": ctx.meta(names.checkpoint_claim(ctx.job), "checkpoints"),
-        "spec": spec,
-    }
+    # A retained claim has no owner: deleting the job (or its TTL) leaves it and the export.
+    meta = ctx.meta(names.checkpoint_claim(ctx.job), "checkpoints", owned=not ckpt.retain_claim)
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": spec}
 
 
-def render_learner_service(ctx: _Ctx) -> Obj:
+def failure_rules(spec: GSPOJobSpec) -> list[Obj]:
+    """JobSet failurePolicy rules, first match wins (see docs/operator.md).
+
+    The learner Job has backoffLimit 0 and a podFailurePolicy that fails it on exit code 2
+    and on disruption; JobSet tells the cases apart by the Job's failure reason and message.
+    """
+    learner, rollout = [names.LEARNER], [names.ROLLOUT]
+    restart = "RestartJob" if spec.run_policy.restart_scope == "learner" else "RestartJobSet"
+    rules = [
+        {
+            "name": "LearnerInvalidConfig",
+            "action": "FailJobSet",
+            "onJobFailureReasons": ["PodFailurePolicy"],
+            "onJobFailureMessagePatterns": [EXIT_2_MESSAGE],
+            "targetReplicatedJobs": learner,
+        },
+        {
+            "name": "LearnerDisrupted",
+            "action": "RestartJobSetAndIgnoreMaxRestarts",
+            "onJobFailureReasons": ["PodFailurePolicy"],
+            "onJobFailureMessagePatterns": [DISRUPTION_MESSAGE],
+            "targetReplicatedJobs": learner,
+        },
+        {"name": "LearnerFailed", "action": restart, "targetReplicatedJobs": learner},
+    ]
+    if spec.rollout.replicas > 0:
+        rules.append(
+            {
+                "name": "RolloutOutOfRetries",
+                "action": "FailJobSet",
+                "targetReplicatedJobs": rollout,
+            }
+        )
+    return rules
+
+
+def render_jobset(ctx: _Ctx) -> Obj:
+    spec, job = ctx.spec, ctx.job
+    learner_job = _job_template(
+        ctx,
+        names.LEARNER,
+        render_learner_pod_template(ctx),
+        pods=spec.learner.replicas,
+        backoff_limit=0,  # a failed learner pod fails the Job; JobSet restarts the group
+        pod_failure_rules=[
+            {
+                "action": "FailJob",
+                "onExitCodes": {"containerName": names.LEARNER, "operator": "In", "values": [2]},
+            },
+            {"action": "FailJob", "onPodConditions": [DISRUPTED]},
+        ],
+    )
+    replicated = [{"name": names.LEARNER, "replicas": 1, "template": learner_job}]
+    if spec.rollout.replicas > 0:
+        rollout_job = _job_template(
+            ctx,
+            names.ROLLOUT,
+            render_rollout_pod_template(ctx),
+            pods=1,
+            backoff_limit=spec.rollout.backoff_limit,  # replaces a failed server alone
+            pod_failure_rules=[{"action": "Ignore", "onPodConditions": [DISRUPTED]}],
+        )
+        replicated.append(
+            {"name": names.ROLLOUT, "replicas": spec.rollout.replicas, "template": rollout_job}
+        )
+    meta = ctx.meta(names.jobset(job), "jobset")
+    queue = spec.run_policy.scheduling.queue
+    if queue:
+        meta["labels"][names.QUEUE_LABEL] = queue  # Kueue admits the JobSet as one workload
     return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": ctx.meta(names.learner_service(ctx.job), names.LEARNER),
+        "apiVersion": JOBSET_API,
+        "kind": "JobSet",
+        "metadata": meta,
         "spec": {
-            "clusterIP": "None",
-            "publishNotReadyAddresses": True,  # rank 0 must resolve before anyone is ready
-            "selector": names.selector(ctx.job, names.LEARNER),
-            "ports": [
-                _service_port("rendezvous", ports.RENDEZVOUS_PORT),
-                _service_port("weight-sync", ports.WEIGHT_SYNC_PORT),
-                _service_port("metrics", ctx.spec.metrics.port),
-            ],
+            "suspend": spec.run_policy.suspend,
+            "network": {
+                "enableDNSHostnames": True,
+                "subdomain": names.subdomain(job),
+                "publishNotReadyAddresses": True,  # rank 0 must resolve before it is ready
+            },
+            "successPolicy": {"operator": "All", "targetReplicatedJobs": [names.LEARNER]},
+            "failurePolicy": {
+                "maxRestarts": spec.run_policy.backoff_limit,
+                "rules": failure_rules(spec),
+            },
+            "replicatedJobs": replicated,
         },
     }
 
 
-def render_learner_pod(ctx: _Ctx, rank: int, restart: int = 0) -> Obj:
+def _job_template(
+    ctx: _Ctx,
+    role: str,
+    pod_template: Obj,
+    *,
+    pods: int,
+    backoff_limit: int,
+    pod_failure_rules: list[Obj],
+) -> Obj:
+    return {
+        "metadata": {"labels": names.labels(ctx.job, role)},
+        "spec": {
+            "completionMode": "Indexed",
+            "parallelism": pods,
+            "completions": pods,
+            "backoffLimit": backoff_limit,
+            "podFailurePolicy": {"rules": pod_failure_rules},
+            "template": pod_template,
+        },
+    }
+
+
+def _pod_template(ctx: _Ctx, role: str, pods: PodSettings, pod_spec: Obj) -> Obj:
+    labels = {**pods.labels, **names.labels(ctx.job, role)}  # ours win: selectors use them
+    meta: Obj = {"labels": labels}
+    if pods.annotations:
+        meta["annotations"] = dict(pods.annotations)
+    if pods.service_account_name:
+        pod_spec["serviceAccountName"] = pods.service_account_name
+    else:
+        # The pods find each other by DNS and never call the Kubernetes API.
+        pod_spec["automountServiceAccountToken"] = False
+    if pods.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in pods.image_pull_secrets]
+    pod_spec.update(_scheduling(ctx.spec))
+    return {"metadata": meta, "spec": pod_spec}
+
+
+def render_learner_pod_template(ctx: _Ctx) -> Obj:
     spec, job, ns = ctx.spec, ctx.job, ctx.namespace
     learner = spec.learner
     config_path = f"{ports.CONFIG_DIR}/{ports.CONFIG_FILE}"
+    rank_ref = f"metadata.annotations['{names.COMPLETION_INDEX_ANNOTATION}']"
     env = [
         *_writable_env(),
-        *_user_env(learner.env),
+        # Overridable by the user's env (listed after): which interface NCCL and gloo use.
+        _env("NCCL_SOCKET_IFNAME", SOCKET_IFNAME),
+        _env("GLOO_SOCKET_IFNAME", SOCKET_IFNAME),
+        *_model_env(spec),
+        *_user_env(learner),
         _env(ports.ENV_CONFIG_PATH, config_path),
         _env(ports.ENV_JOB_NAME, job),
         _env("MASTER_ADDR", names.master_addr(job, ns)),
         _env("MASTER_PORT", str(ports.RENDEZVOUS_PORT)),
         _env(ports.ENV_NNODES, str(learner.replicas)),
-        _env(ports.ENV_NODE_RANK, str(rank)),
+        # The Indexed Job's completion index is the pod's node rank.
+        {"name": ports.ENV_NODE_RANK, "valueFrom": {"fieldRef": {"fieldPath": rank_ref}}},
         _env(ports.ENV_NPROC_PER_NODE, str(max(1, learner.gpus_per_replica))),
         {"name": ports.ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         _env(ports.ENV_CHECKPOINT_DIR, ports.CHECKPOINT_DIR),
@@ -191,10 +329,8 @@ def render_learner_pod(ctx: _Ctx, rank: int, restart: int = 0) -> Obj:
             f"{ports.ROLLOUT_DNS_SCHEME}://{names.rollout_dns(job, ns)}:{ports.ROLLOUT_HTTP_PORT}",
         ),
         _token_env(job),
-        _env("NCCL_SOCKET_IFNAME", SOCKET_IFNAME),
-        _env("GLOO_SOCKET_IFNAME", SOCKET_IFNAME),
     ]
-    container = {
+    container: Obj = {
         "name": names.LEARNER,
         "image": learner.image,
         "command": [*ports.LEARNER_COMMAND, "--config", config_path],
@@ -204,8 +340,9 @@ def render_learner_pod(ctx: _Ctx, rank: int, restart: int = 0) -> Obj:
             _container_port("weight-sync", ports.WEIGHT_SYNC_PORT),
             _container_port("metrics", spec.metrics.port),
         ],
+        # Every learner pod serves /healthz (rank 0 also /metrics and /progress).
         "readinessProbe": {
-            "httpGet": {"path": "/progress", "port": "metrics"},
+            "httpGet": {"path": ports.HEALTH_PATH, "port": "metrics"},
             "periodSeconds": 10,
             "failureThreshold": 3,
         },
@@ -215,27 +352,20 @@ def render_learner_pod(ctx: _Ctx, rank: int, restart: int = 0) -> Obj:
             {"name": "checkpoints", "mountPath": ports.CHECKPOINT_DIR},
             {"name": "dshm", "mountPath": "/dev/shm"},
             *_writable_mounts(),
+            *_model_mounts(spec),
+            *_user_mounts(learner),
         ],
+        # The learner's last lines (e.g. which field of the spec is wrong) become the pod's
+        # termination message, which the operator copies into the job's conditions.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": _container_security(),
     }
-    labels = {}
-    annotations = {names.RESTART_ANNOTATION: str(restart)}
-    queue = spec.run_policy.scheduling.queue
-    if queue:
-        # Kueue's plain-pod groups: the learner group is admitted as a whole or not at all.
-        labels = {names.QUEUE_LABEL: queue, names.POD_GROUP_LABEL: names.learner_service(job)}
-        annotations[names.POD_GROUP_COUNT_ANNOTATION] = str(learner.replicas)
-    meta = ctx.meta(names.learner_pod(job, rank), names.LEARNER, annotations=annotations)
-    meta["labels"].update(labels)
-    pod_spec = {
-        "hostname": names.learner_pod(job, rank),
-        "subdomain": names.learner_service(job),
-        # The operator restarts the whole group from the latest checkpoint, never one rank.
-        "restartPolicy": "Never",
+    if learner.env_from:
+        container["envFrom"] = [dict(e) for e in learner.env_from]
+    pod_spec: Obj = {
+        "restartPolicy": "Never",  # a failed rank fails the Job; JobSet restarts the group
         "terminationGracePeriodSeconds": LEARNER_GRACE_SECONDS,
         "enableServiceLinks": False,
-        # The learner finds rollout servers by DNS and never calls the Kubernetes API.
-        "automountServiceAccountToken": False,
         "securityContext": _pod_security(),
         "containers": [container],
         "volumes": [
@@ -243,10 +373,11 @@ def render_learner_pod(ctx: _Ctx, rank: int, restart: int = 0) -> Obj:
             {"name": "checkpoints", "persistentVolumeClaim": {"claimName": _claim(ctx)}},
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(learner.shm_size)}},
             *_writable_volumes(),
+            *_model_volumes(spec),
+            *_user_volumes(learner),
         ],
-        **_scheduling(spec),
     }
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+    return _pod_template(ctx, names.LEARNER, learner, pod_spec)
 
 
 def rollout_args(spec: GSPOJobSpec) -> list[str]:
@@ -277,7 +408,7 @@ def rollout_args(spec: GSPOJobSpec) -> list[str]:
     return args
 
 
-def render_rollout_deployment(ctx: _Ctx, replicas: int | None = None) -> Obj:
+def render_rollout_pod_template(ctx: _Ctx) -> Obj:
     spec, job = ctx.spec, ctx.job
     rollout = spec.rollout
     container: Obj = {
@@ -287,7 +418,8 @@ def render_rollout_deployment(ctx: _Ctx, replicas: int | None = None) -> Obj:
         "args": rollout_args(spec),
         "env": [
             *_writable_env(),
-            *_user_env(rollout.env),
+            *_model_env(spec),
+            *_user_env(rollout),
             _env(ports.ENV_JOB_NAME, job),
             _token_env(job),
         ],
@@ -306,42 +438,38 @@ def render_rollout_deployment(ctx: _Ctx, replicas: int | None = None) -> Obj:
             "failureThreshold": 4,
         },
         "resources": _resources(rollout.resources.model_dump(), rollout.gpus_per_replica),
-        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, *_writable_mounts()],
+        "volumeMounts": [
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            *_writable_mounts(),
+            *_model_mounts(spec),
+            *_user_mounts(rollout),
+        ],
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": _container_security(),
     }
-    volumes: list[Obj] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}, *_writable_volumes()]
+    if rollout.env_from:
+        container["envFrom"] = [dict(e) for e in rollout.env_from]
+    volumes: list[Obj] = [
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        *_writable_volumes(),
+        *_model_volumes(spec),
+        *_user_volumes(rollout),
+    ]
     if spec.weight_sync.method == "filesystem":
         container["volumeMounts"].append(
             {"name": "checkpoints", "mountPath": ports.CHECKPOINT_DIR, "readOnly": True}
         )
         volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": _claim(ctx)}})
-    pod_labels = names.labels(job, names.ROLLOUT)
-    meta = ctx.meta(names.rollout_deployment(job), names.ROLLOUT)
-    queue = spec.run_policy.scheduling.queue
-    if queue:
-        meta["labels"][names.QUEUE_LABEL] = queue
-        pod_labels = {**pod_labels, names.QUEUE_LABEL: queue}
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": meta,
-        "spec": {
-            "replicas": rollout.replicas if replicas is None else replicas,
-            "selector": {"matchLabels": names.selector(job, names.ROLLOUT)},
-            "template": {
-                "metadata": {"labels": pod_labels},
-                "spec": {
-                    "terminationGracePeriodSeconds": ROLLOUT_GRACE_SECONDS,
-                    "enableServiceLinks": False,
-                    "automountServiceAccountToken": False,
-                    "securityContext": _pod_security(),
-                    "containers": [container],
-                    "volumes": volumes,
-                    **_scheduling(spec),
-                },
-            },
-        },
+    pod_spec: Obj = {
+        # podFailurePolicy needs Never: a crashed server becomes a new pod of the same Job.
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": ROLLOUT_GRACE_SECONDS,
+        "enableServiceLinks": False,
+        "securityContext": _pod_security(),
+        "containers": [container],
+        "volumes": volumes,
     }
+    return _pod_template(ctx, names.ROLLOUT, rollout, pod_spec)
 
 
 def render_rollout_service(ctx: _Ctx, *, headless: bool) -> Obj:
@@ -421,9 +549,51 @@ def _env(name: str, value: str) -> Obj:
     return {"name": name, "value": value}
 
 
-def _user_env(env: list[EnvVar]) -> list[Obj]:
-    # Listed first: Kubernetes takes the last duplicate, so the pod contract always wins.
-    return [_env(e.name, e.value) for e in env]
+def _user_env(pods: PodSettings) -> list[Obj]:
+    # Listed before the pod contract: Kubernetes takes the last duplicate, so it always wins.
+    return [e.model_dump(by_alias=True, exclude_none=True) for e in pods.env]
+
+
+def _user_mounts(pods: PodSettings) -> list[Obj]:
+    return [m.model_dump(by_alias=True, exclude_defaults=True) for m in pods.volume_mounts]
+
+
+def _user_volumes(pods: PodSettings) -> list[Obj]:
+    return [v.model_dump(by_alias=True, exclude_none=True) for v in pods.volumes]
+
+
+def _model_env(spec: GSPOJobSpec) -> list[Obj]:
+    """Hugging Face Hub access: online unless asked (built-in models never download)."""
+    model = spec.model
+    out = []
+    if model.offline or model.name.startswith("builtin:"):
+        out.append(_env("HF_HUB_OFFLINE", "1"))
+    if model.cache is not None:
+        out.append(_env("HF_HOME", model.cache.mount_path))
+    if model.hf_token_secret is not None:
+        ref = {"name": model.hf_token_secret.name, "key": model.hf_token_secret.key}
+        out.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
+    return out
+
+
+def _model_mounts(spec: GSPOJobSpec) -> list[Obj]:
+    cache = spec.model.cache
+    if cache is None:
+        return []
+    mount: Obj = {"name": MODEL_CACHE_VOLUME, "mountPath": cache.mount_path}
+    if cache.read_only:
+        mount["readOnly"] = True
+    return [mount]
+
+
+def _model_volumes(spec: GSPOJobSpec) -> list[Obj]:
+    cache = spec.model.cache
+    if cache is None:
+        return []
+    claim: Obj = {"claimName": cache.claim_name}
+    if cache.read_only:
+        claim["readOnly"] = True
+    return [{"name": MODEL_CACHE_VOLUME, "persistentVolumeClaim": claim}]
 
 
 def _token_env(job: str) -> Obj:
@@ -444,11 +614,13 @@ def _claim(ctx: _Ctx) -> str:
 
 
 def _resources(resources: Mapping[str, Mapping[str, Any]], gpus: int) -> Obj:
+    """The user's requests and limits, GPUs from gpusPerReplica in both (the API server
+    requires an extended resource's request to equal its limit)."""
     out: Obj = {}
     for section in ("requests", "limits"):
         values = {k: str(v) for k, v in resources.get(section, {}).items()}
-        if gpus > 0 and section == "limits":
-            values["nvidia.com/gpu"] = str(gpus)
+        if gpus > 0:
+            values[GPU_RESOURCE] = str(gpus)
         if values:
             out[section] = values
     return out

@@ -1,8 +1,9 @@
-"""Observed children + learner progress -> the GSPOJob's status and what to do next. Pure.
+"""Observed JobSet, pods and learner progress -> the GSPOJob's status and what to do. Pure.
 
-`compute` holds the whole lifecycle and failure policy (see docs/operator.md): it reads
-plain data and returns the new status, the Events to post and the actions to take, so every
-transition is tested as a table without an API server or a clock.
+JobSet carries the failure policy (restarts, what fails the job) and the Job controller the
+pods; `compute` reads what they report, adds the operator's own rules (suspend, deadline,
+TTL) and returns the new status, the Events to post and the actions to take (see
+docs/operator.md), so every transition is tested as a table without an API server or a clock.
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ from gspo_trainer.progress import LearnerProgress
 from gspo_trainer.validation import Problem
 
 TERMINAL = ("Succeeded", "Failed")
-# Fields that change in flight; any other spec change is refused while the job exists.
+# Fields that change in flight; any other spec change is refused while the job exists. The
+# JobSet's own spec is immutable but for suspend, so these are the operator's to apply.
 MUTABLE_FIELDS = (
-    "rollout.replicas",
     "runPolicy.suspend",
-    "runPolicy.backoffLimit",
     "runPolicy.activeDeadlineSeconds",
     "runPolicy.ttlSecondsAfterFinished",
 )
@@ -30,44 +30,102 @@ MUTABLE_FIELDS = (
 
 @dataclass(frozen=True)
 class PodView:
-    """What the status needs from one learner pod."""
+    """What the status needs from one pod of the job (created by JobSet's Jobs)."""
 
     name: str
+    role: str = names.LEARNER
     phase: str = "Pending"  # Pending | Running | Succeeded | Failed | Unknown
     ready: bool = False
-    restart: int = 0  # the learner group generation the pod belongs to
+    restart_attempt: int = 0  # JobSet's restart-attempt label: the group generation
+    index: int = 0  # the Indexed Job's completion index (the learner pod's node rank)
     deleting: bool = False
     ip: str | None = None
-    message: str = ""
+    exit_code: int | None = None
+    message: str = ""  # why it ended, or why it cannot start
 
     @classmethod
     def from_pod(cls, pod: Mapping[str, Any]) -> PodView:
         meta, status = pod.get("metadata", {}), pod.get("status") or {}
-        conditions = {c.get("type"): c.get("status") for c in status.get("conditions") or []}
-        terminated = [
-            cs.get("state", {}).get("terminated") or {}
-            for cs in status.get("containerStatuses") or []
-        ]
-        message = status.get("message") or "; ".join(
-            f"{t.get('reason', 'Error')} (exit code {t.get('exitCode')})" for t in terminated if t
-        )
+        labels, annotations = meta.get("labels") or {}, meta.get("annotations") or {}
+        conditions = {c.get("type"): c for c in status.get("conditions") or []}
+        exit_code, message = None, status.get("message") or ""
+        for cs in status.get("containerStatuses") or []:
+            state = cs.get("state") or {}
+            if state.get("terminated"):
+                term = state["terminated"]
+                exit_code = term.get("exitCode")
+                said = (term.get("message") or "").strip()
+                message = message or (
+                    f"{term.get('reason', 'Error')} (exit code {exit_code})"
+                    + (f": {said[-MESSAGE_CHARS:]}" if said else "")
+                )
+            elif (state.get("waiting") or {}).get("message"):
+                waiting = state["waiting"]
+                message = message or f"{waiting.get('reason')}: {waiting['message']}"
+        scheduled = conditions.get("PodScheduled") or {}
+        if not message and scheduled.get("status") == "False":
+            message = f"{scheduled.get('reason')}: {scheduled.get('message')}"
         return cls(
             name=meta.get("name", ""),
+            role=labels.get(names.ROLE_LABEL, names.LEARNER),
             phase=status.get("phase") or "Pending",
-            ready=conditions.get("Ready") == "True",
-            restart=int((meta.get("annotations") or {}).get(names.RESTART_ANNOTATION, 0)),
+            ready=(conditions.get("Ready") or {}).get("status") == "True",
+            restart_attempt=int(labels.get(names.RESTART_ATTEMPT_LABEL, 0)),
+            index=int(annotations.get(names.COMPLETION_INDEX_ANNOTATION, 0)),
             deleting=bool(meta.get("deletionTimestamp")),
             ip=status.get("podIP"),
+            exit_code=exit_code,
             message=message,
         )
 
 
+MESSAGE_CHARS = 600  # of a pod's termination message, copied into the job's conditions
+
+
+@dataclass(frozen=True)
+class JobSetView:
+    """What the status needs from the job's JobSet."""
+
+    suspended: bool = False  # spec.suspend
+    restarts: int = 0
+    conditions: dict[str, tuple[bool, str, str]] = field(default_factory=dict)
+
+    @classmethod
+    def from_jobset(cls, jobset: Mapping[str, Any]) -> JobSetView:
+        status = jobset.get("status") or {}
+        return cls(
+            suspended=bool((jobset.get("spec") or {}).get("suspend")),
+            restarts=int(status.get("restarts") or 0),
+            conditions={
+                c["type"]: (c.get("status") == "True", c.get("reason", ""), c.get("message", ""))
+                for c in status.get("conditions") or []
+            },
+        )
+
+    def true(self, type_: str) -> tuple[str, str] | None:
+        """(reason, message) of a condition that is True, else None."""
+        status, reason, message = self.conditions.get(type_, (False, "", ""))
+        return (reason, message) if status else None
+
+
 @dataclass(frozen=True)
 class Observed:
-    learner_pods: list[PodView] = field(default_factory=list)
-    rollout_ready: int = 0
-    rollout_replicas: int | None = None  # the Deployment's spec.replicas; None when absent
+    jobset: JobSetView | None = None  # None: the JobSet does not exist (yet, or any more)
+    pods: list[PodView] = field(default_factory=list)
     progress: LearnerProgress | None = None
+
+    def learners(self, attempt: int) -> list[PodView]:
+        return [
+            p
+            for p in self.pods
+            if p.role == names.LEARNER and p.restart_attempt == attempt and not p.deleting
+        ]
+
+    def rollout_ready(self) -> int:
+        return sum(
+            p.role == names.ROLLOUT and p.ready and p.phase == "Running" and not p.deleting
+            for p in self.pods
+        )
 
 
 @dataclass(frozen=True)
@@ -82,8 +140,8 @@ class Outcome:
     status: dict[str, Any]
     events: list[Event] = field(default_factory=list)
     ensure_children: bool = False  # create whatever child is missing (existing ones stay)
-    delete_pods: list[str] = field(default_factory=list)  # learner pods to delete (SIGTERM)
-    rollout_replicas: int | None = None  # scale the rollout Deployment to this
+    suspend_jobset: bool | None = None  # set the JobSet's spec.suspend to this
+    delete_jobset: bool = False  # stop every pod now (deadline exceeded)
     delete_job: bool = False  # ttlSecondsAfterFinished has passed
 
 
@@ -98,87 +156,86 @@ def compute(
     prev = dict(previous or {})
     st = _Status(prev, now)
     st.set(observedGeneration=generation)
-    restarts = int(prev.get("restarts") or 0)
-    policy = spec.run_policy
-    pods = observed.learner_pods
-    current = [p for p in pods if p.restart == restarts and not p.deleting]
-    stale = [p.name for p in pods if p.restart < restarts]
-    alive = [p.name for p in pods if not p.deleting and p.phase in ("Pending", "Running")]
+    policy, js = spec.run_policy, observed.jobset
     _record_progress(st, observed.progress)
     desired = spec.rollout.replicas
-    st.set(rolloutReady=f"{observed.rollout_ready}/{desired}")
+    ready_servers = observed.rollout_ready()
+    st.set(rolloutReady=f"{ready_servers}/{desired}")
 
     phase = prev.get("phase")
     if phase in TERMINAL:
-        out = Outcome(st.done(), delete_pods=alive, rollout_replicas=0)
+        out = Outcome(st.done())
         done = prev.get("completionTime")
         ttl = policy.ttl_seconds_after_finished
         if ttl is not None and done and now >= _parse(done) + timedelta(seconds=ttl):
             out.delete_job = True
         return out
+    if js is None:
+        st.phase("Pending", "Normal", "Pending", "creating the JobSet")
+        st.condition("Running", False, "JobSetMissing", "the job's JobSet does not exist yet")
+        return Outcome(st.done(), st.events, ensure_children=not policy.suspend)
 
     if policy.suspend:
         st.phase(
             "Suspended",
             "Normal",
             "Suspended",
-            "Learner pods stop after a final checkpoint; rollout scaled to 0",
+            "JobSet suspended: learner pods stop after a final checkpoint, servers stop",
         )
         st.condition("Suspended", True, "Suspended", "runPolicy.suspend is true")
         st.condition("Running", False, "Suspended", "the job is suspended")
-        return Outcome(st.done(), st.events, delete_pods=alive, rollout_replicas=0)
-    if phase == "Suspended":
-        st.condition("Suspended", False, "Resumed", "resuming from the latest checkpoint")
-        st.set(startTime=st.now)  # the deadline counts running time since the resume
+        return Outcome(st.done(), st.events, suspend_jobset=True if not js.suspended else None)
+    resume = None
+    queue = policy.scheduling.queue
+    if js.suspended and queue and phase != "Suspended":
+        # Kueue owns a queued JobSet's suspend: it unsuspends the JobSet once it admits the
+        # whole workload. The operator never does, or it would bypass the queue.
+        message = f"waiting for Kueue to admit the JobSet (LocalQueue {queue})"
+        st.phase("Pending", "Normal", "Queued", message)
+        st.condition("Running", False, "Queued", message)
+        return Outcome(st.done(), st.events)
+    if js.suspended:
+        resume = False
+        if phase == "Suspended":
+            st.condition("Suspended", False, "Resumed", "resuming from the latest checkpoint")
+            st.set(startTime=st.now)  # the deadline counts running time since the resume
 
     start = _parse(st.get("startTime") or st.now)
     st.set(startTime=st.get("startTime") or st.now)
     deadline = policy.active_deadline_seconds
     if deadline is not None and now >= start + timedelta(seconds=deadline):
-        return _finish(
+        out = _finish(
             st,
             "Failed",
             "DeadlineExceeded",
             f"ran longer than runPolicy.activeDeadlineSeconds={deadline}",
-            alive,
         )
-
-    failed = [p for p in current if p.phase == "Failed"]
-    if failed:
-        why = "; ".join(
-            f"pod {p.name} failed" + (f": {p.message}" if p.message else "") for p in failed
-        )
-        if restarts >= policy.backoff_limit:
-            return _finish(
-                st,
-                "Failed",
-                "BackoffLimitExceeded",
-                f"{why}; runPolicy.backoffLimit={policy.backoff_limit} restarts already used",
-                alive,
-            )
-        restarts += 1
-        st.set(restarts=restarts)
-        message = (
-            f"{why}; restarting the learner group from the latest checkpoint "
-            f"(restart {restarts} of {policy.backoff_limit})"
-        )
-        st.events.append(Event("Warning", "LearnerRestart", message))
-        st.phase("Restarting", "Warning", "Restarting", message, event=False)
-        st.condition("Restarting", True, "LearnerPodFailed", message)
-        st.condition("Running", False, "Restarting", message)
-        st.condition("LearnerReady", False, "Restarting", message)
-        return Outcome(st.done(), st.events, delete_pods=[p.name for p in pods if not p.deleting])
-
-    replicas = spec.learner.replicas
-    if len(current) == replicas and all(p.phase == "Succeeded" for p in current):
+        out.delete_jobset = True
+        return out
+    if (failed := js.true("Failed")) is not None:
+        reason, message = _failure(spec, observed, js, *failed)
+        return _finish(st, "Failed", reason, message)
+    if js.true("Completed") is not None:
         return _finish(
             st,
             "Succeeded",
             "Completed",
             f"every learner pod exited 0 at step {st.get('step') or 0}",
-            [],
         )
 
+    restarts = js.restarts
+    if restarts > int(prev.get("restarts") or 0):
+        why = _why_failed(observed, restarts - 1) or "a learner pod failed"
+        message = (
+            f"{why}; JobSet restarted the job's pods from the latest checkpoint "
+            f"(restart {restarts}, runPolicy.backoffLimit={policy.backoff_limit})"
+        )
+        st.events.append(Event("Warning", "LearnerRestart", message))
+        st.condition("Restarting", True, "LearnerPodFailed", message)
+    st.set(restarts=restarts)
+
+    replicas = spec.learner.replicas
+    current = observed.learners(restarts)
     ready = sum(p.ready and p.phase == "Running" for p in current)
     running = len(current) == replicas and all(p.phase == "Running" for p in current)
     st.condition(
@@ -187,13 +244,12 @@ def compute(
         "PodsReady" if ready == replicas else "PodsNotReady",
         f"{ready}/{replicas} learner pods ready",
     )
-    rollout_ok = desired > 0 and observed.rollout_ready >= desired
+    rollout_ok = desired > 0 and ready_servers >= desired
     st.condition(
         "RolloutReady",
         rollout_ok,
         "ServersReady" if rollout_ok else "ServersNotReady",
-        f"{observed.rollout_ready}/{desired} rollout servers ready "
-        "(ready means holding synced weights)",
+        f"{ready_servers}/{desired} rollout servers ready (ready means holding synced weights)",
     )
     version = st.get("policyVersion") or 0
     st.condition(
@@ -204,20 +260,54 @@ def compute(
         if version
         else "no weights synced to the rollout servers yet",
     )
-    if stale or (phase == "Restarting" and not running):
+    if running:
+        st.phase("Running", "Normal", "Running", f"{replicas} learner pods running")
+        st.condition("Running", True, "LearnerRunning", f"{replicas} learner pods running")
+        if st.condition_of("Restarting"):
+            st.condition("Restarting", False, "Recovered", f"learner group {restarts} running")
+    elif st.condition_of("Restarting"):
         message = f"waiting for the learner group (restart {restarts}) to run again"
         st.phase("Restarting", "Warning", "Restarting", message, event=False)
         st.condition("Running", False, "Restarting", message)
-    elif running:
-        st.phase("Running", "Normal", "Running", f"{replicas} learner pods running")
-        st.condition("Running", True, "LearnerRunning", f"{replicas} learner pods running")
-        if phase == "Restarting" or "Restarting" in st.types():
-            st.condition("Restarting", False, "Recovered", f"learner group {restarts} running")
     else:
-        st.phase("Pending", "Normal", "Pending", f"{len(current)}/{replicas} learner pods exist")
-        st.condition("Running", False, "PodsPending", "waiting for learner pods to run")
-    return Outcome(
-        st.done(), st.events, ensure_children=True, delete_pods=stale, rollout_replicas=desired
+        waiting = next((p for p in current if p.phase == "Pending" and p.message), None)
+        why = f"; {waiting.name}: {waiting.message}" if waiting else ""
+        message = (
+            f"{sum(p.phase == 'Running' for p in current)}/{replicas} learner pods running{why}"
+        )
+        st.phase("Pending", "Normal", "Pending", message)
+        st.condition("Running", False, "PodsPending", message)
+    return Outcome(st.done(), st.events, suspend_jobset=resume)
+
+
+def _failure(
+    spec: GSPOJobSpec, observed: Observed, js: JobSetView, reason: str, message: str
+) -> tuple[str, str]:
+    """Reason and message of a failed JobSet, with the pod's own words where there are any."""
+    pods = [p for p in observed.pods if p.phase == "Failed" and p.message]
+    invalid = next((p for p in pods if p.role == names.LEARNER and p.exit_code == 2), None)
+    if invalid is not None:
+        return "InvalidConfig", (
+            f"learner pod {invalid.name} refused its configuration (exit code 2, not retried): "
+            f"{invalid.message}"
+        )
+    why = _why_failed(observed, js.restarts)
+    if js.restarts >= spec.run_policy.backoff_limit and "Restart" in reason + message:
+        reason = "BackoffLimitExceeded"
+    elif any(p.role == names.ROLLOUT for p in pods) and not why:
+        reason = "RolloutFailed"
+    text = f"JobSet: {message}" + (f"; {why}" if why else "")
+    return reason or "JobSetFailed", text
+
+
+def _why_failed(observed: Observed, attempt: int) -> str:
+    failed = [
+        p
+        for p in observed.pods
+        if p.role == names.LEARNER and p.restart_attempt == attempt and p.phase == "Failed"
+    ]
+    return "; ".join(
+        f"pod {p.name} failed" + (f": {p.message}" if p.message else "") for p in failed
     )
 
 
@@ -228,6 +318,15 @@ def created(previous: Mapping[str, Any] | None, now: datetime, count: int) -> di
     if not st.get("phase"):
         st.phase("Pending", "Normal", "Pending", "children created")
     st.set(startTime=st.get("startTime") or st.now)
+    return st.done()
+
+
+def jobset_missing(previous: Mapping[str, Any], now: datetime, message: str) -> dict[str, Any]:
+    """Pending, with the fix named, while the cluster serves no JobSet API."""
+    st = _Status(dict(previous), now)
+    st.phase("Pending", "Warning", "JobSetMissing", message, event=False)
+    st.condition("Created", False, "JobSetMissing", message)
+    st.condition("Running", False, "JobSetMissing", message)
     return st.done()
 
 
@@ -284,12 +383,12 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: node}
 
 
-def _finish(st: _Status, phase: str, reason: str, message: str, alive: list[str]) -> Outcome:
+def _finish(st: _Status, phase: str, reason: str, message: str) -> Outcome:
     st.phase(phase, "Normal" if phase == "Succeeded" else "Warning", reason, message)
     st.condition(phase, True, reason, message)
     st.condition("Running", False, reason, message)
     st.set(completionTime=st.now)
-    return Outcome(st.done(), st.events, delete_pods=alive, rollout_replicas=0)
+    return Outcome(st.done(), st.events)
 
 
 def _record_progress(st: _Status, progress: LearnerProgress | None) -> None:

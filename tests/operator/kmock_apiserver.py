@@ -138,9 +138,13 @@ class ApiServer(kmock.KubernetesScaffold):
     _changed: asyncio.Condition | None = attrs.field(default=None, init=False)
     _kinds: dict[Key, tuple[str, bool, bool]] = attrs.field(factory=dict, init=False)
 
+    def served_resources(self) -> list[tuple[str, str, str, str, bool, bool, list[str]]]:
+        """The kinds this API server serves (a subclass adds its own)."""
+        return RESOURCES
+
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        for group, version, plural, kind, namespaced, status, short in RESOURCES:
+        for group, version, plural, kind, namespaced, status, short in self.served_resources():
             self._kinds[(group, version, plural)] = (kind, namespaced, status)
             self.resources[f"{group}/{version}/{plural}" if group else f"v1/{plural}"] = (
                 kmock.ResourceInfo(
@@ -280,7 +284,8 @@ class ApiServer(kmock.KubernetesScaffold):
         self._emit(key, "MODIFIED", new)
         return new
 
-    def _delete(self, key: Key, namespace: str, name: str) -> Obj:
+    def _delete(self, key: Key, namespace: str, name: str, options: Obj | None = None) -> Obj:
+        """DELETE with `options` (a DeleteOptions body; a subclass reads gracePeriodSeconds)."""
         obj = self.objects.get((key, namespace, name))
         if obj is None:
             raise kmock.KubernetesObjectNotFoundError()
@@ -366,7 +371,7 @@ class ApiServer(kmock.KubernetesScaffold):
                         reason="NotFound",
                         message=f'{key[2]} "{request.name}" not found',
                     )
-                return aiohttp.web.json_response(self._delete(*scope))
+                return aiohttp.web.json_response(self._delete(*scope, request.data or None))
         raise kmock.KubernetesError(status=405, reason="MethodNotAllowed")
 
     def _matching(self, key: Key, ns: str, params: Any) -> list[Obj]:

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from gspo_operator import status
-from gspo_operator.status import Observed, PodView, compute
+from gspo_operator.status import JobSetView, Observed, PodView, compute
 from gspo_trainer.progress import LearnerProgress
 from gspo_trainer.validation import parse_spec
 
@@ -26,11 +26,40 @@ def spec(**run_policy):
     return parse_spec(raw)
 
 
-def pods(*phases: str, restart: int = 0, ready: bool = True) -> list[PodView]:
+def pods(*phases: str, attempt: int = 0, ready: bool = True) -> list[PodView]:
+    """Learner pods of JobSet restart attempt `attempt`, node ranks in order."""
     return [
-        PodView(f"{JOB}-learner-{i}", phase=p, ready=ready and p == "Running", restart=restart)
+        PodView(
+            f"{JOB}-learner-0-{i}-abcde",
+            phase=p,
+            ready=ready and p == "Running",
+            restart_attempt=attempt,
+            index=i,
+        )
         for i, p in enumerate(phases)
     ]
+
+
+def servers(ready: int, attempt: int = 0) -> list[PodView]:
+    return [
+        PodView(f"{JOB}-rollout-{i}-0-abcde", role="rollout", phase="Running", ready=True,
+                restart_attempt=attempt)
+        for i in range(ready)
+    ]  # fmt: skip
+
+
+def js(restarts: int = 0, suspended: bool = False, **conditions: tuple[str, str]) -> JobSetView:
+    """A JobSet's status: conditions given as Type=(reason, message) are True."""
+    return JobSetView(
+        suspended=suspended,
+        restarts=restarts,
+        conditions={t: (True, r, m) for t, (r, m) in conditions.items()},
+    )
+
+
+def observed(*pod_lists: list[PodView], jobset: JobSetView | None = None, progress=None):
+    everything = [p for group in pod_lists for p in group]
+    return Observed(jobset=jobset or js(), pods=everything, progress=progress)
 
 
 def cond(st: dict, type_: str) -> dict:
@@ -38,26 +67,34 @@ def cond(st: dict, type_: str) -> dict:
     return found
 
 
-def step(s, observed, prev, now=NOW):
-    return compute(s, observed, prev, now, generation=1)
+def step(s, obs, prev, now=NOW):
+    return compute(s, obs, prev, now, generation=1)
 
 
-def test_pending_until_every_learner_pod_runs() -> None:
-    out = step(spec(), Observed(pods("Running", "Pending")), None)
+def test_pending_until_every_learner_pod_runs_with_the_reason_shown() -> None:
+    waiting = PodView(f"{JOB}-learner-0-1-abcde", index=1, message="Unschedulable: 0/1 nodes are "
+                      "available: 1 Insufficient nvidia.com/gpu.")  # fmt: skip
+    out = step(spec(), observed([pods("Running")[0], waiting]), None)
     assert out.status["phase"] == "Pending"
-    assert out.ensure_children and out.delete_pods == []
+    assert not out.ensure_children and out.suspend_jobset is None
     assert cond(out.status, "LearnerReady")["status"] == "False"
+    assert "Insufficient nvidia.com/gpu" in cond(out.status, "Running")["message"]
     assert out.status["rolloutReady"] == "0/4"
     assert out.events[0].reason == "Pending"
+
+
+def test_a_missing_jobset_is_created() -> None:
+    out = step(spec(), Observed(jobset=None), None)
+    assert out.ensure_children and out.status["phase"] == "Pending"
+    assert cond(out.status, "Running")["reason"] == "JobSetMissing"
+    assert not step(spec(suspend=True), Observed(jobset=None), None).ensure_children
 
 
 def test_running_with_progress_written_to_status() -> None:
     progress = LearnerProgress(step=12, reward=0.41234, last_checkpoint="step-000010",
                                policy_version=12, phase="Running")  # fmt: skip
-    prev = step(spec(), Observed(pods("Pending", "Pending")), None).status
-    out = step(
-        spec(), Observed(pods("Running", "Running"), rollout_ready=3, progress=progress), prev
-    )
+    prev = step(spec(), observed(pods("Pending", "Pending")), None).status
+    out = step(spec(), observed(pods("Running", "Running"), servers(3), progress=progress), prev)
     st = out.status
     assert st["phase"] == "Running"
     assert (st["step"], st["reward"], st["lastCheckpoint"], st["policyVersion"]) == (
@@ -68,68 +105,80 @@ def test_running_with_progress_written_to_status() -> None:
     assert cond(st, "WeightsSynced")["status"] == "True"
     assert cond(st, "Running")["status"] == "True"
     assert [e.reason for e in out.events] == ["Running"]
-    assert out.rollout_replicas == 4
+
+
+def test_every_learner_pod_counts_towards_ready() -> None:
+    """Rank 1 is ready too (every pod serves /healthz): LearnerReady needs all of them."""
+    one_ready = [*pods("Running"), *pods("Running", "Running", ready=False)[1:]]
+    out = step(spec(), observed(one_ready), None)
+    assert cond(out.status, "LearnerReady")["message"] == "1/2 learner pods ready"
+    out = step(spec(), observed(pods("Running", "Running")), out.status)
+    assert cond(out.status, "LearnerReady")["status"] == "True"
 
 
 def test_unchanged_observation_gives_an_identical_status() -> None:
     """The timer patches only when the status changed: a steady job must compute equal dicts."""
-    obs = Observed(pods("Running", "Running"), rollout_ready=4)
+    obs = observed(pods("Running", "Running"), servers(4))
     first = step(spec(), obs, None).status
     again = step(spec(), obs, copy.deepcopy(first), NOW + timedelta(minutes=5))
     assert again.status == first
     assert again.events == []
 
 
-def test_learner_failure_restarts_the_whole_group() -> None:
-    prev = step(spec(), Observed(pods("Running", "Running")), None).status
-    failed = [
-        pods("Running")[0],
-        PodView(f"{JOB}-learner-1", phase="Failed", message="OOMKilled (exit code 137)"),
-    ]
-    out = step(spec(backoffLimit=2), Observed(failed), prev)
-    assert out.status["phase"] == "Restarting"
-    assert out.status["restarts"] == 1
-    assert sorted(out.delete_pods) == [f"{JOB}-learner-0", f"{JOB}-learner-1"]
-    assert not out.ensure_children
+def test_a_jobset_restart_is_reported_with_the_failed_pods_words() -> None:
+    prev = step(spec(), observed(pods("Running", "Running")), None).status
+    failed = PodView(f"{JOB}-learner-0-1-abcde", phase="Failed", index=1, exit_code=137,
+                     message="OOMKilled (exit code 137)")  # fmt: skip
+    new_group = pods("Pending", "Pending", attempt=1)
+    out = step(spec(backoffLimit=2), observed([failed], new_group, jobset=js(restarts=1)), prev)
+    assert out.status["phase"] == "Restarting" and out.status["restarts"] == 1
     assert "OOMKilled" in cond(out.status, "Restarting")["message"]
     assert [e.reason for e in out.events] == ["LearnerRestart"]
-
-    # Old pods terminating: still Restarting, recreate the missing ones of generation 1.
-    old = [PodView(p.name, phase="Running", restart=0, deleting=True) for p in failed]
-    out2 = step(spec(backoffLimit=2), Observed(old), out.status)
-    assert out2.status["phase"] == "Restarting" and out2.ensure_children
-    assert out2.status["restarts"] == 1
-
-    # The new group runs: back to Running, Restarting condition cleared.
-    out3 = step(spec(backoffLimit=2), Observed(pods("Running", "Running", restart=1)), out2.status)
-    assert out3.status["phase"] == "Running"
-    assert cond(out3.status, "Restarting")["status"] == "False"
+    # Pods of the old attempt do not count; the new group runs: Running, Restarting cleared.
+    out2 = step(
+        spec(backoffLimit=2),
+        observed([failed], pods("Running", "Running", attempt=1), jobset=js(restarts=1)),
+        out.status,
+    )
+    assert out2.status["phase"] == "Running"
+    assert cond(out2.status, "Restarting")["status"] == "False"
+    assert out2.events[0].reason == "Running"
 
 
-def test_backoff_limit_exhausted_fails_the_job() -> None:
-    prev = {"phase": "Running", "restarts": 2, "startTime": "2026-01-01T11:00:00Z"}
-    out = step(spec(backoffLimit=2), Observed(pods("Failed", "Running", restart=2)), prev)
+def test_learner_exit_2_fails_the_job_with_the_learners_message() -> None:
+    prev = {"phase": "Running", "startTime": "2026-01-01T11:00:00Z"}
+    bad = PodView(f"{JOB}-learner-0-0-abcde", phase="Failed", exit_code=2,
+                  message="Error (exit code 2): gspo learner: spec.data.source: /data/x.jsonl "
+                  "does not exist")  # fmt: skip
+    failed = js(Failed=("FailurePolicyRuleMatched", "LearnerInvalidConfig matched"))
+    out = step(spec(), observed([bad], jobset=failed), prev)
     assert out.status["phase"] == "Failed"
-    assert cond(out.status, "Failed")["reason"] == "BackoffLimitExceeded"
+    c = cond(out.status, "Failed")
+    assert c["reason"] == "InvalidConfig"
+    assert "spec.data.source" in c["message"] and "not retried" in c["message"]
     assert out.status["completionTime"] == "2026-01-01T12:00:00Z"
-    assert out.delete_pods == [f"{JOB}-learner-1"]  # the still-running rank stops
-    assert out.rollout_replicas == 0
 
 
-def test_failures_of_an_older_group_do_not_count_again() -> None:
-    prev = {"phase": "Restarting", "restarts": 1, "startTime": "2026-01-01T11:00:00Z"}
-    observed = Observed([*pods("Failed", "Failed", restart=0)])
-    out = step(spec(backoffLimit=1), observed, prev)
-    assert out.status["phase"] == "Restarting" and out.status["restarts"] == 1
-    assert sorted(out.delete_pods) == [f"{JOB}-learner-0", f"{JOB}-learner-1"]
+def test_max_restarts_exhausted_fails_the_job() -> None:
+    prev = {"phase": "Running", "restarts": 2, "startTime": "2026-01-01T11:00:00Z"}
+    failed_pod = PodView(f"{JOB}-learner-0-0-abcde", phase="Failed", exit_code=1,
+                         restart_attempt=2, message="Error (exit code 1)")  # fmt: skip
+    failed = js(restarts=2, Failed=("ReachedMaxRestarts", "jobset failed due to reaching max "
+                                    "number of restarts"))  # fmt: skip
+    out = step(spec(backoffLimit=2), observed([failed_pod], jobset=failed), prev)
+    assert out.status["phase"] == "Failed"
+    c = cond(out.status, "Failed")
+    assert c["reason"] == "BackoffLimitExceeded"
+    assert "exit code 1" in c["message"] and "max number of restarts" in c["message"]
 
 
-def test_succeeded_when_every_learner_pod_exits_zero_then_ttl_deletes() -> None:
+def test_succeeded_when_the_jobset_completes_then_ttl_deletes() -> None:
     prev = {"phase": "Running", "startTime": "2026-01-01T11:00:00Z", "step": 1000}
-    out = step(spec(ttlSecondsAfterFinished=60), Observed(pods("Succeeded", "Succeeded")), prev)
+    done = js(Completed=("AllJobsCompleted", "jobset completed successfully"))
+    out = step(spec(ttlSecondsAfterFinished=60), observed(jobset=done), prev)
     assert out.status["phase"] == "Succeeded"
-    assert cond(out.status, "Succeeded")["status"] == "True"
-    assert out.rollout_replicas == 0 and not out.delete_job
+    assert cond(out.status, "Succeeded")["message"] == "every learner pod exited 0 at step 1000"
+    assert not out.delete_job
     later = step(
         spec(ttlSecondsAfterFinished=60), Observed(), out.status, NOW + timedelta(seconds=59)
     )
@@ -140,64 +189,80 @@ def test_succeeded_when_every_learner_pod_exits_zero_then_ttl_deletes() -> None:
     assert later.delete_job and later.status["phase"] == "Succeeded"
 
 
-def test_active_deadline_fails_the_job() -> None:
+def test_active_deadline_fails_the_job_and_stops_its_pods() -> None:
     prev = {"phase": "Running", "startTime": "2026-01-01T11:00:00Z"}
-    out = step(spec(activeDeadlineSeconds=3600), Observed(pods("Running", "Running")), prev)
+    out = step(spec(activeDeadlineSeconds=3600), observed(pods("Running", "Running")), prev)
     assert out.status["phase"] == "Failed"
     assert cond(out.status, "Failed")["reason"] == "DeadlineExceeded"
-    assert sorted(out.delete_pods) == [f"{JOB}-learner-0", f"{JOB}-learner-1"]
-    fine = step(spec(activeDeadlineSeconds=3601), Observed(pods("Running", "Running")), prev)
-    assert fine.status["phase"] == "Running"
+    assert out.delete_jobset
+    fine = step(spec(activeDeadlineSeconds=3601), observed(pods("Running", "Running")), prev)
+    assert fine.status["phase"] == "Running" and not fine.delete_jobset
 
 
-def test_suspend_stops_pods_and_resume_continues() -> None:
-    prev = step(spec(), Observed(pods("Running", "Running"), rollout_ready=4), None).status
-    out = step(spec(suspend=True), Observed(pods("Running", "Running")), prev)
+def test_suspend_suspends_the_jobset_and_resume_continues() -> None:
+    prev = step(spec(), observed(pods("Running", "Running"), servers(4)), None).status
+    assert prev["phase"] == "Running"
+    out = step(spec(suspend=True), observed(pods("Running", "Running")), prev)
     assert out.status["phase"] == "Suspended"
-    assert sorted(out.delete_pods) == [f"{JOB}-learner-0", f"{JOB}-learner-1"]
-    assert out.rollout_replicas == 0 and not out.ensure_children
+    assert out.suspend_jobset is True and not out.ensure_children
     assert cond(out.status, "Suspended")["status"] == "True"
-    gone = step(spec(suspend=True), Observed(), out.status)
-    assert gone.status["phase"] == "Suspended" and gone.delete_pods == []
-    resumed = step(spec(), Observed(), gone.status, NOW + timedelta(hours=1))
-    assert resumed.ensure_children and resumed.rollout_replicas == 4
+    gone = step(spec(suspend=True), observed(jobset=js(suspended=True)), out.status)
+    assert gone.status["phase"] == "Suspended" and gone.suspend_jobset is None
+    resumed = step(
+        spec(), observed(jobset=js(suspended=True)), gone.status, NOW + timedelta(hours=1)
+    )
+    assert resumed.suspend_jobset is False
     assert resumed.status["phase"] == "Pending"
     assert cond(resumed.status, "Suspended")["status"] == "False"
     assert resumed.status["startTime"] == "2026-01-01T13:00:00Z"
 
 
 def test_condition_transition_time_changes_only_on_flip() -> None:
-    first = step(spec(), Observed(pods("Running", "Pending")), None, NOW).status
+    first = step(spec(), observed(pods("Running", "Pending")), None, NOW).status
     t0 = cond(first, "LearnerReady")["lastTransitionTime"]
     same = step(
-        spec(), Observed(pods("Running", "Pending")), first, NOW + timedelta(minutes=1)
+        spec(), observed(pods("Running", "Pending")), first, NOW + timedelta(minutes=1)
     ).status
     assert cond(same, "LearnerReady")["lastTransitionTime"] == t0
     flip = step(
-        spec(), Observed(pods("Running", "Running")), same, NOW + timedelta(minutes=2)
+        spec(), observed(pods("Running", "Running")), same, NOW + timedelta(minutes=2)
     ).status
     assert cond(flip, "LearnerReady")["lastTransitionTime"] == "2026-01-01T12:02:00Z"
 
 
-def test_pod_view_reads_a_failed_pod() -> None:
+def test_pod_view_reads_what_jobset_and_the_kubelet_wrote() -> None:
     pod = {
-        "metadata": {"name": "j-learner-0", "annotations": {"gspo.dev/restart": "2"}},
+        "metadata": {
+            "name": "j-learner-0-1-abcde",
+            "labels": {"gspo.dev/role": "learner", "jobset.sigs.k8s.io/restart-attempt": "2"},
+            "annotations": {"batch.kubernetes.io/job-completion-index": "1"},
+        },
         "status": {
             "phase": "Failed",
             "podIP": "10.0.0.5",
-            "containerStatuses": [{"state": {"terminated": {"reason": "Error", "exitCode": 1}}}],
+            "containerStatuses": [
+                {"state": {"terminated": {"reason": "Error", "exitCode": 2,
+                                          "message": "gspo learner: spec.x: bad\n"}}}
+            ],
         },
-    }
+    }  # fmt: skip
     view = PodView.from_pod(pod)
-    assert (view.phase, view.restart, view.ip, view.ready) == ("Failed", 2, "10.0.0.5", False)
-    assert view.message == "Error (exit code 1)"
+    assert (view.phase, view.restart_attempt, view.index, view.ip) == ("Failed", 2, 1, "10.0.0.5")
+    assert view.exit_code == 2
+    assert view.message == "Error (exit code 2): gspo learner: spec.x: bad"
+    waiting = PodView.from_pod(
+        {"status": {"phase": "Pending", "containerStatuses": [{"state": {"waiting": {
+            "reason": "CreateContainerConfigError", "message": 'secret "hf" not found'}}}]}}
+    )  # fmt: skip
+    assert waiting.message == 'CreateContainerConfigError: secret "hf" not found'
 
 
 @pytest.mark.parametrize(
     ("change", "refused"),
     [
-        ({"rollout": {"replicas": 8}}, []),
-        ({"runPolicy": {"suspend": True, "backoffLimit": 9}}, []),
+        ({"runPolicy": {"suspend": True, "activeDeadlineSeconds": 9}}, []),
+        ({"rollout": {"replicas": 8}}, ["rollout.replicas"]),
+        ({"runPolicy": {"backoffLimit": 9}}, ["runPolicy.backoffLimit"]),
         ({"algorithm": {"learningRate": 2e-6}}, ["algorithm.learningRate"]),
         ({"learner": {"replicas": 4}}, ["learner.replicas"]),
     ],
@@ -222,3 +287,12 @@ def test_invalid_and_refused_statuses_name_the_field() -> None:
     assert st["phase"] == "Running"
     assert "spec.learner.replicas" in cond(st, "InvalidSpec")["message"]
     assert cond(status.accepted_change(st, NOW), "InvalidSpec")["status"] == "False"
+
+
+def test_a_queued_jobset_waits_for_kueue_and_is_never_unsuspended_by_the_operator() -> None:
+    """The example names a Kueue queue: Kueue, not the operator, unsuspends its JobSet."""
+    out = step(spec(), observed(jobset=js(suspended=True)), None)
+    assert out.status["phase"] == "Pending" and out.suspend_jobset is None
+    assert "gpu-team" in cond(out.status, "Running")["message"]
+    unqueued = spec(scheduling={})
+    assert step(unqueued, observed(jobset=js(suspended=True)), None).suspend_jobset is False

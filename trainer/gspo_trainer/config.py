@@ -64,6 +64,23 @@ class Section(BaseModel):
     )
 
 
+class SecretKeySelector(Section):
+    name: str = Field(..., min_length=1, description="Secret name (in the job's namespace).")
+    key: str = Field(..., min_length=1, description="Key within the Secret.")
+
+
+class ModelCache(Section):
+    claim_name: str = Field(
+        ..., min_length=1, description="Existing PersistentVolumeClaim holding the model cache."
+    )
+    mount_path: str = Field(
+        "/models", pattern=r"^/", description="Where pods mount it; HF_HOME points there."
+    )
+    read_only: bool = Field(
+        False, description="Mount it read-only (a cache filled beforehand, shared by many jobs)."
+    )
+
+
 class MoEConfig(Section):
     router_aux_loss_coef: float = Field(
         0.001,
@@ -97,6 +114,21 @@ class ModelConfig(Section):
     moe: MoEConfig | None = Field(
         default_factory=MoEConfig,
         description="Mixture-of-experts settings; ignored for dense models.",
+    )
+    offline: bool = Field(
+        False,
+        description=(
+            "Never contact the Hugging Face Hub (HF_HUB_OFFLINE=1 on every pod): the model must "
+            "be a local path or already in the model cache. Built-in models never download."
+        ),
+    )
+    hf_token_secret: SecretKeySelector | None = Field(
+        None,
+        description="Secret key with a Hugging Face token (HF_TOKEN), for gated or private models.",
+    )
+    cache: ModelCache | None = Field(
+        None,
+        description="A volume that keeps downloaded models between pods and runs (HF_HOME).",
     )
 
 
@@ -184,12 +216,89 @@ class ResourceRequirements(Section):
     limits: dict[str, Quantity] = Field(default_factory=dict)
 
 
+_FREE = {"x-kubernetes-preserve-unknown-fields": True}
+
+
 class EnvVar(Section):
+    """An environment variable, as in a container: a value, or valueFrom a Secret/ConfigMap."""
+
     name: str = Field(..., min_length=1)
-    value: str = ""
+    value: str | None = None
+    value_from: dict[str, Any] | None = Field(
+        None,
+        description="secretKeyRef, configMapKeyRef or fieldRef, as in a container's env.",
+        json_schema_extra=_FREE,
+    )
 
 
-class LearnerConfig(Section):
+class VolumeMount(Section):
+    name: str = Field(..., min_length=1, description="A volume of the same pod settings.")
+    mount_path: str = Field(..., pattern=r"^/", description="Absolute path in the container.")
+    read_only: bool = False
+    sub_path: str | None = None
+
+
+# Volume sources a GSPOJob pod may use; hostPath only where the operator's values allow it.
+VOLUME_SOURCES = (
+    "persistentVolumeClaim",
+    "configMap",
+    "secret",
+    "emptyDir",
+    "csi",
+    "nfs",
+    "projected",
+    "ephemeral",
+    "hostPath",
+)
+
+
+class Volume(Section):
+    """A pod volume: a name and exactly one source, each as in a PodSpec."""
+
+    name: str = Field(..., min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    persistent_volume_claim: dict[str, Any] | None = Field(None, json_schema_extra=_FREE)
+    config_map: dict[str, Any] | None = Field(None, json_schema_extra=_FREE)
+    secret: dict[str, Any] | None = Field(None, json_schema_extra=_FREE)
+    empty_dir: dict[str, Any] | None = Field(None, json_schema_extra=_FREE)
+    csi: dict[str, Any] | None = Field(None, json_schema_extra=_FREE)
+    nfs: dict[str, Any] | None = Field(None, json_schema_extra=_FREE)
+    projected: dict[str, Any] | None = Field(None, json_schema_extra=_FREE)
+    ephemeral: dict[str, Any] | None = Field(None, json_schema_extra=_FREE)
+    host_path: dict[str, Any] | None = Field(None, json_schema_extra=_FREE)
+
+    def sources(self) -> list[str]:
+        """The camelCase names of the sources set (exactly one is valid)."""
+        data = self.model_dump(by_alias=True, exclude_none=True)
+        return [k for k in VOLUME_SOURCES if k in data]
+
+
+class PodSettings(Section):
+    """What users configure on a role's pods (learner or rollout), beside the fixed contract."""
+
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        description="Extra environment variables (value, or valueFrom a Secret or ConfigMap).",
+    )
+    env_from: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="configMapRef / secretRef sources of environment variables, as in a container.",
+        json_schema_extra={"items": {"type": "object", **_FREE}},
+    )
+    volumes: list[Volume] = Field(default_factory=list, description="Extra pod volumes.")
+    volume_mounts: list[VolumeMount] = Field(
+        default_factory=list, description="Where the container mounts them."
+    )
+    service_account_name: str | None = Field(
+        None, description="ServiceAccount of the pods (its token is mounted only when set)."
+    )
+    image_pull_secrets: list[str] = Field(
+        default_factory=list, description="Names of Secrets used to pull the image."
+    )
+    labels: dict[str, str] = Field(default_factory=dict, description="Extra pod labels.")
+    annotations: dict[str, str] = Field(default_factory=dict, description="Extra pod annotations.")
+
+
+class LearnerConfig(PodSettings):
     replicas: int = Field(2, ge=1, description="Learner pods (nodes); one process per GPU each.")
     gpus_per_replica: int = Field(8, ge=0, description="GPUs per learner pod; 0 runs on CPU.")
     zero_stage: Literal[0, 1, 2, 3] = Field(3, description="DeepSpeed ZeRO stage.")
@@ -199,17 +308,23 @@ class LearnerConfig(Section):
     )
     image: str = Field("ghcr.io/gspo-dev/gspo-learner:0.1.0", description="Learner image.")
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
-    env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables.")
     shm_size: Quantity = Field("64Gi", description="Size of the memory-backed /dev/shm.")
 
 
-class RolloutConfig(Section):
+class RolloutConfig(PodSettings):
     replicas: int = Field(4, ge=0, description="vLLM rollout servers.")
     gpus_per_replica: int = Field(2, ge=0, description="GPUs per server; 0 runs on CPU.")
     tensor_parallel_size: int = Field(2, ge=1, description="vLLM tensor parallel size.")
     image: str = Field("ghcr.io/gspo-dev/gspo-rollout:0.1.0", description="Rollout image.")
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
-    env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables.")
+    backoff_limit: int = Field(
+        20,
+        ge=0,
+        description=(
+            "Replacements of each server's pod (its Job's backoffLimit) before the job fails; "
+            "a replaced server is synced before it serves, the learner keeps going."
+        ),
+    )
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM memory share.")
     max_num_seqs: int = Field(256, ge=1, description="vLLM concurrent sequences per server.")
     request_timeout_seconds: float = Field(
@@ -235,12 +350,35 @@ class WeightSyncConfig(Section):
     timeout_seconds: float = Field(600.0, gt=0, description="A sync slower than this fails.")
 
 
+AccessMode = Literal["ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod"]
+
+
 class CheckpointConfig(Section):
     claim_name: str | None = Field(
         None, description="Existing PersistentVolumeClaim; otherwise the operator creates one."
     )
-    size: Quantity = Field("1Ti", description="Size of the created claim.")
+    size: Quantity = Field(
+        "100Gi",
+        description=(
+            "Size of the created claim. Plan for `keep` checkpoints of about 16 bytes per "
+            "parameter (bf16 weights, fp32 master weights and Adam moments) plus one export."
+        ),
+    )
     storage_class_name: str | None = Field(None, description="Storage class of the created claim.")
+    access_modes: list[AccessMode] | None = Field(
+        None,
+        description=(
+            "Access modes of the created claim; by default ReadWriteOnce when one pod mounts it "
+            "(one learner pod, no filesystem weight sync), else ReadWriteMany."
+        ),
+    )
+    retain_claim: bool = Field(
+        False,
+        description=(
+            "Keep the created claim (checkpoints and the exported model) when the job is "
+            "deleted, ttlSecondsAfterFinished included; it is then yours to delete."
+        ),
+    )
     every_steps: int = Field(50, ge=1, description="Checkpoint every N steps.")
     keep: int = Field(3, ge=1, description="Complete checkpoints kept; older ones are deleted.")
     export_hf: bool = Field(True, description="Export the final policy as HF safetensors.")
@@ -268,7 +406,23 @@ class SchedulingConfig(Section):
 
 
 class RunPolicy(Section):
-    backoff_limit: int = Field(3, ge=0, description="Learner restarts before the job fails.")
+    backoff_limit: int = Field(
+        3,
+        ge=0,
+        description=(
+            "Restarts of the job's pods after a learner failure before the job fails (JobSet's "
+            "failurePolicy.maxRestarts); disruptions such as preemption are not counted."
+        ),
+    )
+    restart_scope: Literal["all", "learner"] = Field(
+        "all",
+        description=(
+            "all: a learner failure restarts learner and rollout servers together (stock "
+            "JobSet); learner: only the learner group restarts and servers stay warm (needs "
+            "JobSet's alpha RestartJob feature gate; the operator refuses it unless told the "
+            "cluster has it)."
+        ),
+    )
     active_deadline_seconds: int | None = Field(
         None, ge=1, description="Fail the job after this long running."
     )
@@ -281,7 +435,15 @@ class RunPolicy(Section):
 
 class MetricsConfig(Section):
     enabled: bool = Field(True, description="Serve Prometheus metrics from every pod.")
-    port: int = Field(9090, ge=1, le=65535, description="Metrics port.")
+    port: int = Field(
+        9090,
+        ge=1,
+        le=65535,
+        description=(
+            "Learner status port: /metrics, /progress (rank 0) and the /healthz readiness "
+            "probe every learner pod serves."
+        ),
+    )
     pod_monitor: bool = Field(True, description="Create a PodMonitor for the Prometheus Operator.")
     interval: str = Field("30s", pattern=r"^[0-9]+(ms|s|m|h)$", description="Scrape interval.")
 

@@ -181,11 +181,18 @@ async def run(args: argparse.Namespace, spec: GSPOJobSpec) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, request_stop)
     server = None
-    if rank == 0 and spec.metrics.enabled:
-        server = serve_status(learner.metrics, learner.progress, args.metrics_host,
-                              spec.metrics.port)  # fmt: skip
-        log.info("Metrics on http://%s:%d/metrics, progress on /progress",
-                 args.metrics_host, spec.metrics.port)  # fmt: skip
+    if rank == 0:
+        metrics = learner.metrics if spec.metrics.enabled else None
+        server = serve_status(metrics, learner.progress, args.metrics_host, spec.metrics.port)
+        log.info("Status on http://%s:%d (/progress, /healthz%s)", args.metrics_host,
+                 spec.metrics.port, ", /metrics" if metrics else "")  # fmt: skip
+    elif int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        # The first process of every other pod answers the pod's readiness probe. Several
+        # "nodes" on one host (a test) share the port: the first one's answer serves them all.
+        try:
+            server = serve_status(None, None, args.metrics_host, spec.metrics.port)
+        except OSError as exc:
+            log.info("Health endpoint not started (%s); another process serves it", exc)
     try:
         code = await learner.run()
     except Exception as exc:

@@ -7,6 +7,9 @@ ROLLOUT_HTTP_PORT = 8000  # rollout server: generation, health, control, /metric
 RENDEZVOUS_PORT = 29500  # torch.distributed rendezvous of the learner group (MASTER_PORT)
 WEIGHT_SYNC_PORT = 29600  # torch.distributed group of learner rank 0 and the rollout workers
 LEARNER_METRICS_PORT = 9090  # learner /metrics and /progress (spec.metrics.port overrides)
+# Every learner pod answers this on the metrics port (its readiness probe); rank 0 also
+# serves /metrics (when metrics are enabled) and /progress (always: the operator reads it).
+HEALTH_PATH = "/healthz"
 OPERATOR_METRICS_PORT = 8080  # operator /metrics
 OPERATOR_HEALTH_PORT = 8081  # operator liveness (/healthz)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from gspo_trainer.config import BUILTIN_MODELS, GSPOJobSpec
+from gspo_trainer.config import BUILTIN_MODELS, GSPOJobSpec, PodSettings
 from gspo_trainer.ports import RESERVED_PORTS
 
 
@@ -180,9 +180,106 @@ def check_spec(spec: GSPOJobSpec, *, prefix: str = "spec") -> list[Problem]:
             "checkpoint.storageClassName",
             "is ignored when checkpoint.claimName names an existing claim; remove one of them",
         )
+    for role, pods in (("learner", learner), ("rollout", rollout)):
+        out.extend(check_pod_settings(pods, f"{prefix}.{role}"))
+        for section in ("requests", "limits"):
+            gpus = getattr(pods.resources, section).get(GPU_RESOURCE)
+            if gpus is not None and str(gpus) != str(pods.gpus_per_replica):
+                bad(
+                    f"{role}.resources.{section}[{GPU_RESOURCE}]",
+                    f"{gpus} disagrees with {role}.gpusPerReplica={pods.gpus_per_replica}; GPUs "
+                    f"are stated once: remove this entry (the operator sets requests and limits "
+                    "from gpusPerReplica) or make them equal",
+                )
+    if ckpt.claim_name and (ckpt.access_modes or ckpt.retain_claim):
+        bad(
+            "checkpoint.claimName",
+            "names an existing claim, so accessModes and retainClaim (settings of a claim the "
+            "operator creates) do not apply; remove them",
+        )
     if spec.metrics.port in RESERVED_PORTS:
         bad(
             "metrics.port",
             f"{spec.metrics.port} is used by {RESERVED_PORTS[spec.metrics.port]}; pick another",
         )
+    return out
+
+
+GPU_RESOURCE = "nvidia.com/gpu"
+# Volumes and mount paths of the pod contract (render.py); user volumes may not reuse them.
+RESERVED_VOLUMES = ("config", "checkpoints", "dshm", "home", "tmp", "model-cache")
+RESERVED_MOUNT_PATHS = ("/etc/gspo", "/checkpoints", "/dev/shm", "/home/gspo", "/tmp")
+ENV_SOURCES = ("secretKeyRef", "configMapKeyRef", "fieldRef", "resourceFieldRef")
+
+
+def check_pod_settings(pods: PodSettings, path: str) -> list[Problem]:
+    """Volumes, mounts and env of one role's pods, as the API server would check the pod."""
+    out: list[Problem] = []
+    names = [v.name for v in pods.volumes]
+    for i, volume in enumerate(pods.volumes):
+        where = f"{path}.volumes[{i}]"
+        sources = volume.sources()
+        if len(sources) != 1:
+            got = ", ".join(sources) or "none"
+            out.append(
+                Problem(
+                    where,
+                    f"needs exactly one volume source (got {got}); allowed: "
+                    "persistentVolumeClaim, configMap, secret, emptyDir, csi, "
+                    "nfs, projected, ephemeral, hostPath",
+                )
+            )
+        if volume.name in RESERVED_VOLUMES:
+            out.append(
+                Problem(
+                    f"{where}.name", f"{volume.name!r} is a volume the operator adds; rename it"
+                )
+            )
+        if names.count(volume.name) > 1 and names.index(volume.name) != i:
+            out.append(Problem(f"{where}.name", f"{volume.name!r} is used twice; names are unique"))
+    paths = [m.mount_path.rstrip("/") or "/" for m in pods.volume_mounts]
+    for i, mount in enumerate(pods.volume_mounts):
+        where = f"{path}.volumeMounts[{i}]"
+        if mount.name not in names:
+            known = ", ".join(names) or "none declared"
+            out.append(
+                Problem(
+                    f"{where}.name",
+                    f"{mount.name!r} is not one of {path}.volumes "
+                    f"({known}); declare the volume there",
+                )
+            )
+        mount_path = paths[i]
+        if mount_path in RESERVED_MOUNT_PATHS:
+            out.append(
+                Problem(
+                    f"{where}.mountPath",
+                    f"{mount_path} is mounted by the operator; mount somewhere else",
+                )
+            )
+        elif paths.index(mount_path) != i:
+            out.append(Problem(f"{where}.mountPath", f"{mount_path} is mounted twice"))
+    for i, env in enumerate(pods.env):
+        where = f"{path}.env[{i}]"
+        if env.value is not None and env.value_from is not None:
+            out.append(Problem(where, "sets both value and valueFrom; keep one"))
+        if env.value_from is not None:
+            keys = [k for k in env.value_from if k in ENV_SOURCES]
+            if len(keys) != 1 or len(env.value_from) != 1:
+                out.append(
+                    Problem(
+                        f"{where}.valueFrom",
+                        "needs exactly one of "
+                        f"{', '.join(ENV_SOURCES)} (got {sorted(env.value_from)})",
+                    )
+                )
+    for i, source in enumerate(pods.env_from):
+        keys = [k for k in source if k in ("configMapRef", "secretRef")]
+        if len(keys) != 1 or not (source[keys[0]] or {}).get("name"):
+            out.append(
+                Problem(
+                    f"{path}.envFrom[{i}]",
+                    "needs one configMapRef or secretRef with a name, and an optional prefix",
+                )
+            )
     return out

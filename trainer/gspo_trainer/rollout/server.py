@@ -518,6 +518,8 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    asyncio.run(serve(parse_args(argv)))
+    args = parse_args(argv)
+    if args.model.startswith("builtin:"):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # built on the spot, never downloaded
+    asyncio.run(serve(args))
     return 0
