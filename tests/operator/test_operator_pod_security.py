@@ -40,14 +40,13 @@ def _objects(doc: dict) -> list[dict]:
 
 
 def pod_specs(doc: dict) -> list[tuple[str, dict]]:
-    """(what, pod spec) of every pod the job makes: learner pods and the rollout template."""
+    """(what, pod spec) of every pod the job makes: the JobSet's learner and rollout templates."""
     out = []
     for obj in _objects(doc):
-        if obj["kind"] == "Pod":
-            out.append((obj["metadata"]["name"], obj["spec"]))
-        elif obj["kind"] == "Deployment":
-            out.append((obj["metadata"]["name"], obj["spec"]["template"]["spec"]))
-    assert len(out) >= 2
+        if obj["kind"] == "JobSet":
+            for rjob in obj["spec"]["replicatedJobs"]:
+                out.append((rjob["name"], rjob["template"]["spec"]["template"]["spec"]))
+    assert len(out) == 2
     return out
 
 
@@ -89,8 +88,8 @@ def test_root_filesystem_is_read_only_with_writable_caches(case: str) -> None:
 def test_a_users_cache_env_overrides_the_default() -> None:
     doc = yaml.safe_load(yaml.safe_dump(MINIMAL))
     doc["spec"]["rollout"] = {"env": [{"name": "XDG_CACHE_HOME", "value": "/models/cache"}]}
-    (dep,) = [o for o in _objects(doc) if o["kind"] == "Deployment"]
-    env = dep["spec"]["template"]["spec"]["containers"][0]["env"]
+    (rollout,) = [spec for what, spec in pod_specs(doc) if what == "rollout"]
+    env = rollout["containers"][0]["env"]
     last = {e["name"]: e.get("value") for e in env}  # Kubernetes keeps the last duplicate
     assert last["XDG_CACHE_HOME"] == "/models/cache"
 
@@ -100,6 +99,17 @@ def test_no_service_account_token_is_mounted(case: str) -> None:
     # The learner finds rollout servers by DNS (rollout/discovery.py); no pod calls the API.
     for what, pod in pod_specs(JOBS[case]):
         assert pod["automountServiceAccountToken"] is False, what
+        assert "serviceAccountName" not in pod, what
+
+
+def test_a_named_service_account_gets_its_token() -> None:
+    """A user who names a service account (e.g. for workload identity) wants its token."""
+    doc = yaml.safe_load(yaml.safe_dump(MINIMAL))
+    doc["spec"]["learner"] = {"serviceAccountName": "trainer"}
+    learner = dict(pod_specs(doc))["learner"]
+    assert learner["serviceAccountName"] == "trainer"
+    assert "automountServiceAccountToken" not in learner
+    assert dict(pod_specs(doc))["rollout"]["automountServiceAccountToken"] is False
 
 
 def test_the_trainer_never_talks_to_the_kubernetes_api() -> None:
