@@ -1,9 +1,10 @@
 """Operator throughput: N GSPOJobs applied at once, until every one has all its children and
 status Running, against the same number of raw API requests to the same server.
 
-The API server is the test stand-in (tests/operator/kmock_apiserver.py) in this process; a
-simulated kubelet marks learner pods Running/Ready and rollout Deployments ready as they
-appear (directly in the store, so it makes no API requests). The baseline replays as many
+The API server is the test stand-in (tests/cluster/apiserver.py) in this process, with the
+JobSet and Job controller stand-ins making each job's pods from its JobSet; a simulated
+kubelet marks pods Running/Ready as they appear (directly in the store, so it makes no API
+requests). The baseline replays as many
 raw requests as the operator made (creates of small ConfigMaps, all in flight at once through
 the same client stack), so the ratio is the operator's own overhead: kopf's watch, handlers,
 status patches and timers.
@@ -20,25 +21,21 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / p) for p in ("operator", "trainer", "tests/operator", "tests")]
+sys.path[:0] = [
+    str(ROOT / p) for p in ("operator", "trainer", "tests/operator", "tests/cluster", "tests")
+]
 
 NS = "default"
 
 
 async def kubelet(api, stop: asyncio.Event) -> None:
-    """Start every learner pod and ready every rollout Deployment, as a cluster would."""
+    """Start every pod JobSet's Jobs create and make it Ready, as a cluster would."""
     while not stop.is_set():
         for pod in api.list_kind("Pod", NS):
             if pod.get("status", {}).get("phase") == "Pending":
                 ready = [{"type": "Ready", "status": "True"}]
                 name = pod["metadata"]["name"]
                 await api.patch_status("Pod", NS, name, {"phase": "Running", "conditions": ready})
-        for dep in api.list_kind("Deployment", NS):
-            want = dep["spec"]["replicas"]
-            if (dep.get("status") or {}).get("readyReplicas") != want:
-                await api.patch_status(
-                    "Deployment", NS, dep["metadata"]["name"], {"readyReplicas": want}
-                )
         await asyncio.sleep(0.05)
 
 
@@ -50,14 +47,11 @@ def running(api, jobs: int) -> int:
 
 async def bench(args: argparse.Namespace) -> None:
     import aiohttp
-    import kmock
-    from kmock_apiserver import ApiServer
-    from operator_harness import operator, tiny_job
+    from operator_harness import api_server, operator, tiny_job
 
     from gspo_operator.kube import Kube
 
-    async with ApiServer() as api, kmock.Server(api) as http:
-        api.base_url = str(http.url).rstrip("/")
+    async with api_server() as api:
         user = Kube.for_host(api.base_url)
         stop = asyncio.Event()
         fake_kubelet = asyncio.create_task(kubelet(api, stop))
@@ -76,8 +70,8 @@ async def bench(args: argparse.Namespace) -> None:
             while running(api, args.jobs) < args.jobs:
                 await asyncio.sleep(0.05)
             operator_s = time.perf_counter() - start
-            children = len(api.list_kind("Pod", NS)) + len(api.list_kind("Deployment", NS))
-            assert children == args.jobs * 3, children
+            jobsets = len(api.list_kind("JobSet", NS))
+            assert jobsets == args.jobs, jobsets
             requests = api.served - served_before
             sample = ctx.metrics.registry.get_sample_value
             reconciles = sum(

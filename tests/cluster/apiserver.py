@@ -47,9 +47,10 @@ def _now() -> str:
 @attrs.define(kw_only=True)
 class ClusterApiServer(ApiServer):
     admission: list[Admit] = attrs.field(factory=list)
+    without: set[str] = attrs.field(factory=set)  # kinds this cluster does not serve
 
     def served_resources(self) -> list[tuple[str, str, str, str, bool, bool, list[str]]]:
-        return CLUSTER_RESOURCES
+        return [r for r in CLUSTER_RESOURCES if r[3] not in self.without]
 
     def _store_new(self, key: Key, namespace: str, body: Obj) -> Obj:
         obj = copy.deepcopy(body)
@@ -109,7 +110,9 @@ class ClusterApiServer(ApiServer):
             raise kmock.KubernetesObjectNotFoundError()
         return await self._update(self._key_of(obj), namespace, name, patch, None)
 
-    async def delete(self, kind: str, namespace: str, name: str, grace_s: int | None = None) -> None:
+    async def delete(
+        self, kind: str, namespace: str, name: str, grace_s: int | None = None
+    ) -> None:
         """DELETE through the store (graceful for pods); nothing when already gone."""
         obj = self.get(kind, namespace, name)
         if obj is not None:

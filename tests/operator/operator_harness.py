@@ -1,4 +1,7 @@
-"""Harness of the operator tests: the API stand-in, a running operator, a fake kubelet."""
+"""Harness of the operator tests: the API stand-in with JobSet's and the Job controller's
+stand-ins running (tests/cluster), a running operator, and a hand-driven node: pods are
+created by the controllers from the operator's JobSet, and a test sets their status the way
+a kubelet would (`kubelet`). tests/cluster runs the same with a kubelet that runs the pods."""
 
 from __future__ import annotations
 
@@ -11,7 +14,10 @@ from typing import Any
 import aiohttp.web
 import kmock
 import pytest
-from kmock_apiserver import ApiServer
+from apiserver import ClusterApiServer
+from job_controller import JobController, admit_job
+from jobset_controller import JobSetController
+from jobset_webhook import admit
 
 from gspo_operator.handlers import Context
 from gspo_operator.kube import Kube
@@ -57,17 +63,41 @@ def tiny_job(name: str = "tiny", progress_port: int = 9090, **sections: dict) ->
 
 
 @contextlib.asynccontextmanager
-async def api_server() -> AsyncIterator[ApiServer]:
-    """The kmock API stand-in, served over HTTP; on exit, every request it got is checked
-    against rbac.RULES."""
-    async with ApiServer() as server, kmock.Server(server) as http:
+async def api_server(without: tuple[str, ...] = ()) -> AsyncIterator[ClusterApiServer]:
+    """The API stand-in over HTTP with JobSet's webhook and the JobSet and Job controllers
+    running; `without` names kinds the cluster does not serve (e.g. "PodMonitor"). On exit,
+    every request the operator made is checked against rbac.RULES."""
+    server = ClusterApiServer(admission=[admit, admit_job], without=set(without))
+    async with server, kmock.Server(server) as http:
         server.base_url = str(http.url).rstrip("/")
-        yield server
+        stop = asyncio.Event()
+        controllers = [JobSetController(server), JobController(server)]
+        tasks = [asyncio.create_task(_keep_running(c, stop)) for c in controllers]
+        try:
+            yield server
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)
+        for c in controllers:
+            assert not c.errors, c.errors
         assert_rbac_covers(server)
 
 
+async def _keep_running(controller: Any, stop: asyncio.Event) -> None:
+    """Run a cluster controller until `stop`. A stopping kopf operator cancels tasks of the
+    loop it did not start (here: an operator killed mid-run, tests/operator/operator_restarts);
+    a cluster's controllers do not die with an operator, so the loop goes on."""
+    while not stop.is_set():
+        try:
+            await controller.run(stop)
+        except asyncio.CancelledError:
+            if stop.is_set():
+                return
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+
+
 @pytest.fixture
-async def api() -> AsyncIterator[ApiServer]:
+async def api() -> AsyncIterator[ClusterApiServer]:
     async with api_server() as server:
         yield server
 
@@ -75,7 +105,7 @@ async def api() -> AsyncIterator[ApiServer]:
 VERBS = {"POST": "create", "DELETE": "delete", "PATCH": "patch", "PUT": "update"}
 
 
-def assert_rbac_covers(server: ApiServer) -> None:
+def assert_rbac_covers(server: ClusterApiServer) -> None:
     """Every API request the operator (kopf or kube.py) made is allowed by rbac.RULES."""
     from gspo_operator.kube import USER_AGENT
     from gspo_operator.rbac import RULES, allows
@@ -136,7 +166,7 @@ async def progress() -> AsyncIterator[Progress]:
 
 @contextlib.asynccontextmanager
 async def operator(
-    api: ApiServer, interval_s: float = 0.2, liveness_port: int | None = None
+    api: ClusterApiServer, interval_s: float = 0.2, liveness_port: int | None = None
 ) -> AsyncIterator[Context]:
     """Run the real operator (kopf tasks) against `api` until the block ends."""
     import kopf
@@ -192,26 +222,52 @@ async def eventually(check: Callable[[], Any], timeout_s: float = 20.0, what: st
     raise AssertionError(f"timed out waiting for {what or check}: last {last!r}")
 
 
+def pods_of(api: ClusterApiServer, role: str, attempt: int | None = None) -> list[dict]:
+    """The job's pods of one role (of one JobSet restart attempt), by completion index."""
+    out = [
+        p
+        for p in api.list_kind("Pod", NS)
+        if (p["metadata"].get("labels") or {}).get("gspo.dev/role") == role
+        and not p["metadata"].get("deletionTimestamp")
+        and (
+            attempt is None
+            or p["metadata"]["labels"].get("jobset.sigs.k8s.io/restart-attempt") == str(attempt)
+        )
+    ]
+    return sorted(out, key=lambda p: p["metadata"]["name"])
+
+
 async def kubelet(
-    api: ApiServer, pod: str, phase: str, *, ready: bool | None = None, exit_code: int | None = None
+    api: ClusterApiServer,
+    pod: str,
+    phase: str,
+    *,
+    ready: bool | None = None,
+    exit_code: int | None = None,
+    message: str = "",
 ) -> None:
-    """Patch a pod's status the way the kubelet would."""
+    """Patch a pod's status the way the kubelet would (container state, Ready, exit code)."""
     ready = phase == "Running" if ready is None else ready
+    obj = api.get("Pod", NS, pod)
+    assert obj is not None, f"no pod {pod}"
+    container = obj["spec"]["containers"][0]["name"]
     status: dict[str, Any] = {
         "phase": phase,
         "podIP": "127.0.0.1",
         "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
     }
     if exit_code is not None:
-        status["containerStatuses"] = [
-            {
-                "name": "learner",
-                "state": {
-                    "terminated": {
-                        "exitCode": exit_code,
-                        "reason": "Completed" if exit_code == 0 else "Error",
-                    }
-                },
-            }
-        ]
+        terminated = {
+            "exitCode": exit_code,
+            "reason": "Completed" if exit_code == 0 else "Error",
+            "message": message,
+        }
+        status["containerStatuses"] = [{"name": container, "state": {"terminated": terminated}}]
     await api.patch_status("Pod", NS, pod, status)
+
+
+async def run_all(api: ClusterApiServer) -> None:
+    """Every pod of the job Running and Ready (the learner's and the servers')."""
+    for pod in api.list_kind("Pod", NS):
+        if pod["status"].get("phase") != "Running" and not pod["metadata"].get("deletionTimestamp"):
+            await kubelet(api, pod["metadata"]["name"], "Running")

@@ -1,11 +1,11 @@
 """One job's life with the operator stopped and restarted at random moments (seeded).
 
-The real operator (kopf tasks, `gspo_operator.run.serve`) runs against the API stand-in while
-a simulated kubelet starts learner pods, marks rollout servers ready, advances the learner's
-/progress and finally exits every learner pod 0. The operator is stopped and started again
-`restarts` times along the way. `check_children` then says what went wrong, if anything:
-duplicate or missing children, children without the job as owner, a wrong terminal status,
-or learner restarts that the operator restarts alone caused. Used by
+The real operator (kopf tasks, `gspo_operator.run.serve`) runs against the API stand-in, with
+JobSet's and the Job controller's stand-ins making the pods, while a simulated kubelet runs
+them, advances the learner's /progress and finally exits every learner pod 0. The operator
+is stopped and started again `restarts` times along the way. `check_children` then says what
+went wrong, if anything: duplicate or missing children, children without the job as owner, a
+wrong terminal status, or learner restarts that the operator restarts alone caused. Used by
 tests/operator/test_operator_restarts.py and bench/faults.py's `operator-restarts`.
 """
 
@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kmock_apiserver import ApiServer
+from apiserver import ClusterApiServer as ApiServer
 from operator_harness import NS, Progress, api_server, kubelet, progress_server, tiny_job
 
 from gspo_operator import names
@@ -36,8 +36,7 @@ CHILD_KINDS = (
     "Secret",
     "PersistentVolumeClaim",
     "Service",
-    "Pod",
-    "Deployment",
+    "JobSet",
     "NetworkPolicy",
     "PodMonitor",
 )
@@ -87,19 +86,12 @@ async def simulate_kubelet(api: ApiServer, prog: Progress, steps: int, done: asy
     """Pods start, servers turn ready, the learner advances one step a tick, then exits 0."""
     replicas = 2
     while not done.is_set():
-        pods = [p for p in api.list_kind("Pod", NS) if _is_learner(p)]
-        for pod in pods:
+        for pod in api.list_kind("Pod", NS):
             if pod["status"].get("phase") == "Pending" and not pod["metadata"].get(
                 "deletionTimestamp"
             ):
                 await kubelet(api, pod["metadata"]["name"], "Running")
-        dep = api.get("Deployment", NS, names.rollout_deployment(JOB))
-        if dep is not None:
-            want = dep["spec"].get("replicas") or 0
-            if (dep.get("status") or {}).get("readyReplicas") != want:
-                await api.patch_status(
-                    "Deployment", NS, dep["metadata"]["name"], {"readyReplicas": want}
-                )
+        pods = [p for p in api.list_kind("Pod", NS) if _is_learner(p)]
         running = [p for p in pods if p["status"].get("phase") == "Running"]
         if len(running) == replicas:
             step = prog.value.step + 1
@@ -224,6 +216,10 @@ def check_children(api: ApiServer, doc: dict[str, Any], trial: Trial) -> None:
         trial.problems.append("no completionTime")
     if trial.learner_restarts:
         trial.problems.append(f"{trial.learner_restarts} learner restarts")
-    dep = api.get("Deployment", NS, names.rollout_deployment(JOB))
-    if dep is not None and dep["spec"].get("replicas") != 0:
-        trial.problems.append("the rollout Deployment was not scaled to 0")
+    servers = [
+        o["metadata"]["name"]
+        for o in api.list_kind("Pod", NS)
+        if (o["metadata"].get("labels") or {}).get(names.ROLE_LABEL) == names.ROLLOUT
+    ]
+    if servers:
+        trial.problems.append(f"rollout pods left after the end: {servers}")

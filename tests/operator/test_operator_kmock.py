@@ -1,4 +1,5 @@
-"""The operator (real kopf tasks) against the API stand-in, with a simulated kubelet."""
+"""The operator (real kopf tasks) against the API stand-in, with JobSet's and the Job
+controller's stand-ins creating the pods from its JobSet, and pod status set by hand."""
 
 from __future__ import annotations
 
@@ -6,19 +7,27 @@ import asyncio
 import copy
 
 import aiohttp
-from operator_harness import NS, eventually, free_port, kubelet, tiny_job
+from operator_harness import (
+    NS,
+    api_server,
+    eventually,
+    free_port,
+    kubelet,
+    pods_of,
+    run_all,
+    tiny_job,
+)
 
 from gspo_trainer.progress import LearnerProgress
 
 JOB = "tiny"
-LEARNERS = [f"{JOB}-learner-0", f"{JOB}-learner-1"]
+# The operator's children (JobSet's headless Service "tiny" is the JobSet's, not the job's).
 CHILD_KINDS = {
     "ConfigMap": 1,
     "Secret": 1,
     "PersistentVolumeClaim": 1,
-    "Service": 3,
-    "Pod": 2,
-    "Deployment": 1,
+    "Service": 2,
+    "JobSet": 1,
     "NetworkPolicy": 1,
     "PodMonitor": 1,
 }
@@ -36,10 +45,24 @@ def cond(api, type_: str) -> dict | None:
 
 
 def children(api) -> dict[str, list[dict]]:
+    """The operator's children: objects it created (labelled with the job, owned by it)."""
     out: dict[str, list[dict]] = {}
     for kind in CHILD_KINDS:
-        out[kind] = api.list_kind(kind, NS)
+        out[kind] = [
+            o
+            for o in api.list_kind(kind, NS)
+            if (o["metadata"].get("labels") or {}).get("app.kubernetes.io/managed-by")
+            == "gspo-operator"
+        ]
     return out
+
+
+def learners(api, attempt: int | None = None) -> list[dict]:
+    return pods_of(api, "learner", attempt)
+
+
+def names_of(pods: list[dict]) -> list[str]:
+    return [p["metadata"]["name"] for p in pods]
 
 
 def events(api) -> list[tuple[str, str]]:
@@ -81,11 +104,11 @@ async def patch_spec(api, patch: dict) -> None:
     await call(api, "PATCH", url, json={"spec": patch}, headers=headers)
 
 
-async def start_running(api, progress) -> None:
-    await eventually(lambda: api.get("Deployment", NS, f"{JOB}-rollout"), what="Deployment")
-    for pod in LEARNERS:
-        await kubelet(api, pod, "Running")
-    await api.patch_status("Deployment", NS, f"{JOB}-rollout", {"readyReplicas": 2})
+async def start_running(api, attempt: int = 0) -> None:
+    """Once JobSet's Jobs made the pods (2 learners, 2 servers), run them all."""
+    await eventually(lambda: len(learners(api, attempt)) == 2, what=f"learner pods ({attempt})")
+    await eventually(lambda: len(pods_of(api, "rollout")) == 2, what="rollout pods")
+    await run_all(api)
     await eventually(lambda: job_status(api).get("phase") == "Running", what="phase Running")
 
 
@@ -94,7 +117,7 @@ async def test_create_runs_and_reports_progress(api, run_operator, progress) -> 
     async with run_operator(api, liveness_port=health) as ctx:
         assert await liveness(health) == 200  # the probe the chart points at
         await create(api, tiny_job(progress_port=progress.port))
-        await eventually(lambda: len(api.list_kind("Pod", NS)) == 2, what="learner pods")
+        await eventually(lambda: len(learners(api)) == 2, what="learner pods")
         await eventually(lambda: job_status(api).get("phase") == "Pending", what="Pending")
         kids = children(api)
         assert {k: len(v) for k, v in kids.items()} == CHILD_KINDS
@@ -103,11 +126,18 @@ async def test_create_runs_and_reports_progress(api, run_operator, progress) -> 
             for obj in objs:
                 assert obj["metadata"]["ownerReferences"][0]["uid"] == uid
         assert cond(api, "Created")["status"] == "True"
+        # JobSet made the Jobs, the Job controller the pods: rank 0's host name is the
+        # learner's MASTER_ADDR host.
+        assert {j["metadata"]["name"] for j in api.list_kind("Job", NS)} == {
+            f"{JOB}-learner-0", f"{JOB}-rollout-0", f"{JOB}-rollout-1"
+        }  # fmt: skip
+        hosts = sorted(p["spec"]["hostname"] for p in learners(api))
+        assert hosts == [f"{JOB}-learner-0-0", f"{JOB}-learner-0-1"]
 
         progress.value = LearnerProgress(
             phase="Running", step=7, reward=0.5, last_checkpoint="step-000005", policy_version=7
         )
-        await start_running(api, progress)
+        await start_running(api)
         st = await eventually(lambda: job_status(api).get("step") == 7 and job_status(api))
         assert st["rolloutReady"] == "2/2" and st["reward"] == 0.5
         assert st["lastCheckpoint"] == "step-000005" and st["policyVersion"] == 7
@@ -123,13 +153,11 @@ async def test_create_runs_and_reports_progress(api, run_operator, progress) -> 
             > 0
         )
 
-        # Succeeded: every learner pod exits 0; the rollout fleet is scaled to zero.
-        for pod in LEARNERS:
+        # Succeeded: every learner pod exits 0; JobSet completes and stops the servers.
+        for pod in names_of(learners(api)):
             await kubelet(api, pod, "Succeeded", exit_code=0)
         await eventually(lambda: job_status(api).get("phase") == "Succeeded", what="Succeeded")
-        await eventually(
-            lambda: api.get("Deployment", NS, f"{JOB}-rollout")["spec"]["replicas"] == 0
-        )
+        await eventually(lambda: not pods_of(api, "rollout"), what="servers stopped")
         assert job_status(api)["completionTime"]
 
 
@@ -146,113 +174,109 @@ async def test_invalid_spec_fails_without_children(api, run_operator) -> None:
         # Fixing the manifest starts the job.
         await patch_spec(api, {"algorithm": {"groupSize": 4}})
         await eventually(lambda: job_status(api).get("phase") == "Pending", what="started")
-        await eventually(lambda: len(api.list_kind("Pod", NS)) == 2, what="learner pods")
+        await eventually(lambda: len(learners(api)) == 2, what="learner pods")
         assert cond(api, "InvalidSpec")["status"] == "False"
         assert cond(api, "Failed") is None and "completionTime" not in job_status(api)
 
 
-async def test_learner_failure_restarts_group_then_backoff_fails(
+async def test_learner_failure_restarts_the_jobset_then_max_restarts_fails(
     api, run_operator, progress
 ) -> None:
     async with run_operator(api):
         await create(api, tiny_job(progress_port=progress.port))
-        await eventually(lambda: len(api.list_kind("Pod", NS)) == 2)
-        await start_running(api, progress)
-        first_uids = {p["metadata"]["uid"] for p in api.list_kind("Pod", NS)}
+        await start_running(api)
+        first = set(names_of(learners(api)))
 
-        await kubelet(api, LEARNERS[1], "Failed", exit_code=137)
+        await kubelet(api, names_of(learners(api))[1], "Failed", exit_code=137, message="OOM")
         await eventually(lambda: job_status(api).get("restarts") == 1, what="a restart")
-
-        def regrouped():
-            pods = api.list_kind("Pod", NS)
-            uids = {p["metadata"]["uid"] for p in pods}
-            gens = {p["metadata"]["annotations"]["gspo.dev/restart"] for p in pods}
-            return len(pods) == 2 and not uids & first_uids and gens == {"1"}
-
-        await eventually(regrouped, what="both learner pods replaced")
+        await eventually(lambda: len(learners(api, 1)) == 2, what="a new learner group")
+        assert not first & set(names_of(learners(api, 1)))
         assert job_status(api)["phase"] == "Restarting"
+        assert "OOM" in cond(api, "Restarting")["message"]
         await has_event(api, "Warning", "LearnerRestart")
-        await start_running(api, progress)
-        assert cond(api, "Restarting")["status"] == "False"
+        await start_running(api, attempt=1)
+        await eventually(lambda: cond(api, "Restarting")["status"] == "False", what="recovered")
 
-        await kubelet(api, LEARNERS[0], "Failed", exit_code=1)
+        await kubelet(api, names_of(learners(api, 1))[0], "Failed", exit_code=1)
         await eventually(lambda: job_status(api).get("phase") == "Failed", what="Failed")
         assert cond(api, "Failed")["reason"] == "BackoffLimitExceeded"
-        await eventually(
-            lambda: not [p for p in api.list_kind("Pod", NS) if p["status"]["phase"] == "Running"]
-        )
+        running = lambda: [p for p in learners(api, 1) if p["status"]["phase"] == "Running"]  # noqa: E731
+        await eventually(lambda: not running(), what="the learner group stopped")
 
 
-async def test_rollout_pod_failure_does_not_restart_the_learner(
+async def test_learner_exit_2_fails_at_once_with_the_learners_words(
     api, run_operator, progress
 ) -> None:
     async with run_operator(api):
         await create(api, tiny_job(progress_port=progress.port))
-        await eventually(lambda: len(api.list_kind("Pod", NS)) == 2)
-        await start_running(api, progress)
-        uids = {p["metadata"]["uid"] for p in api.list_kind("Pod", NS)}
-        await api.patch_status("Deployment", NS, f"{JOB}-rollout", {"readyReplicas": 1})
+        await start_running(api)
+        words = "gspo learner: spec.data.source: /data/x.jsonl does not exist"
+        await kubelet(api, names_of(learners(api))[0], "Failed", exit_code=2, message=words)
+        await eventually(lambda: job_status(api).get("phase") == "Failed", what="Failed")
+        failed = cond(api, "Failed")
+        assert failed["reason"] == "InvalidConfig" and words in failed["message"]
+        assert job_status(api)["restarts"] == 0  # not retried
+
+
+async def test_rollout_pod_failure_replaces_the_server_alone(api, run_operator, progress) -> None:
+    async with run_operator(api):
+        await create(api, tiny_job(progress_port=progress.port))
+        await start_running(api)
+        learner_names = names_of(learners(api))
+        (victim, _other) = names_of(pods_of(api, "rollout"))
+        await kubelet(api, victim, "Failed", exit_code=1)
         await eventually(lambda: job_status(api).get("rolloutReady") == "1/2")
         assert cond(api, "RolloutReady")["status"] == "False"
+        await eventually(lambda: len(pods_of(api, "rollout")) == 3, what="a replacement")
+        assert names_of(learners(api)) == learner_names
         assert job_status(api)["phase"] == "Running" and job_status(api)["restarts"] == 0
-        assert {p["metadata"]["uid"] for p in api.list_kind("Pod", NS)} == uids
+        await run_all(api)
+        await eventually(lambda: job_status(api).get("rolloutReady") == "2/2", what="replaced")
 
 
 async def test_suspend_and_resume(api, run_operator, progress) -> None:
     async with run_operator(api):
         await create(api, tiny_job(progress_port=progress.port))
-        await eventually(lambda: len(api.list_kind("Pod", NS)) == 2)
-        await start_running(api, progress)
+        await start_running(api)
         await patch_spec(api, {"runPolicy": {"suspend": True}})
         await eventually(lambda: job_status(api).get("phase") == "Suspended", what="Suspended")
-        await eventually(lambda: not api.list_kind("Pod", NS), what="learner pods gone")
-        dep = lambda: api.get("Deployment", NS, f"{JOB}-rollout")["spec"]["replicas"]  # noqa: E731
-        await eventually(lambda: dep() == 0)
+        await eventually(lambda: not api.list_kind("Pod", NS), what="every pod gone")
+        assert api.get("JobSet", NS, JOB)["spec"]["suspend"] is True
         await patch_spec(api, {"runPolicy": {"suspend": False}})
-        await eventually(lambda: len(api.list_kind("Pod", NS)) == 2, what="pods recreated")
-        await eventually(lambda: dep() == 2)
+        await eventually(lambda: len(learners(api)) == 2, what="pods recreated")
         await eventually(lambda: cond(api, "Suspended")["status"] == "False", what="resumed")
-        await start_running(api, progress)
+        await start_running(api)
 
 
-async def test_scale_in_place_and_refuse_immutable_changes(api, run_operator, progress) -> None:
+async def test_refuse_changes_a_jobset_cannot_take(api, run_operator, progress) -> None:
     async with run_operator(api):
         await create(api, tiny_job(progress_port=progress.port))
-        await eventually(lambda: len(api.list_kind("Pod", NS)) == 2)
-        await start_running(api, progress)
-        await patch_spec(api, {"rollout": {"replicas": 3}})
-        dep = lambda: api.get("Deployment", NS, f"{JOB}-rollout")["spec"]["replicas"]  # noqa: E731
-        await eventually(lambda: dep() == 3, what="rollout scaled to 3")
-        cm = api.get("ConfigMap", NS, f"{JOB}-config")
-        assert "replicas: 3" in cm["data"]["gspojob.yaml"]
-
-        await patch_spec(api, {"algorithm": {"learningRate": 0.5}})
+        await start_running(api)
+        await patch_spec(api, {"algorithm": {"learningRate": 0.5}, "rollout": {"replicas": 3}})
         refused = await eventually(lambda: cond(api, "InvalidSpec"), what="refusal")
         assert refused["reason"] == "SpecChangeRefused"
         assert "spec.algorithm.learningRate" in refused["message"]
+        assert "spec.rollout.replicas" in refused["message"]
         assert (
             "learningRate: 1.0e-06"
             in api.get("ConfigMap", NS, f"{JOB}-config")["data"]["gspojob.yaml"]
         )
         assert job_status(api)["phase"] == "Running"
         await has_event(api, "Warning", "SpecChangeRefused")
-        await patch_spec(api, {"algorithm": {"learningRate": 1e-6}})
+        await patch_spec(api, {"algorithm": {"learningRate": 1e-6}, "rollout": {"replicas": 2}})
         await eventually(lambda: cond(api, "InvalidSpec")["status"] == "False", what="accepted")
 
 
 async def test_restarting_the_operator_duplicates_nothing(api, run_operator, progress) -> None:
     async with run_operator(api):
         await create(api, tiny_job(progress_port=progress.port))
-        await eventually(lambda: len(api.list_kind("Pod", NS)) == 2)
+        await eventually(lambda: len(learners(api)) == 2)
         await eventually(lambda: job_status(api).get("phase") == "Pending")
     before = {k: sorted(o["metadata"]["uid"] for o in v) for k, v in children(api).items()}
     secret = copy.deepcopy(api.get("Secret", NS, f"{JOB}-sync-token"))
-    # While the operator is away, a learner pod disappears and the others start.
-    await api.patch_status("Pod", NS, LEARNERS[0], {"phase": "Running"})
+    # While the operator is away, the pods start.
+    await run_all(api)
     async with run_operator(api):
-        await kubelet(api, LEARNERS[1], "Running")
-        await eventually(lambda: job_status(api).get("phase") == "Pending")
-        await kubelet(api, LEARNERS[0], "Running")
         await eventually(lambda: job_status(api).get("phase") == "Running", what="Running")
         after = {k: sorted(o["metadata"]["uid"] for o in v) for k, v in children(api).items()}
         assert after == before
@@ -260,6 +284,22 @@ async def test_restarting_the_operator_duplicates_nothing(api, run_operator, pro
         # Deleting the job leaves no orphans (ownerReferences; the stand-in runs the GC).
         await call(api, "DELETE", f"/apis/gspo.dev/v1alpha1/namespaces/{NS}/gspojobs/{JOB}")
         await eventually(lambda: all(not v for v in children(api).values()), what="no orphans")
+        await eventually(lambda: not api.list_kind("Pod", NS), what="no pods")
+
+
+async def test_a_jobset_deleted_by_hand_is_recreated(api, run_operator, progress) -> None:
+    async with run_operator(api):
+        await create(api, tiny_job(progress_port=progress.port))
+        await start_running(api)
+        uid = api.get("JobSet", NS, JOB)["metadata"]["uid"]
+        await api.delete("JobSet", NS, JOB)
+        await eventually(
+            lambda: (
+                (api.get("JobSet", NS, JOB) or {}).get("metadata", {}).get("uid") not in (None, uid)
+            ),
+            what="a new JobSet",
+        )
+        await start_running(api)
 
 
 async def test_deadline_fails_and_ttl_deletes(api, run_operator, progress) -> None:
@@ -277,3 +317,24 @@ async def test_deadline_fails_and_ttl_deletes(api, run_operator, progress) -> No
             what="ttl deletion",
         )
         await eventually(lambda: all(not v for v in children(api).values()), what="no orphans")
+
+
+async def test_a_cluster_without_the_prometheus_operator_still_runs_jobs(
+    run_operator, progress
+) -> None:
+    async with api_server(without=("PodMonitor",)) as api, run_operator(api):
+        await create(api, tiny_job(progress_port=progress.port))
+        await start_running(api)
+        await has_event(api, "Normal", "PodMonitorSkipped")
+        assert cond(api, "Created")["status"] == "True"
+
+
+async def test_a_cluster_without_jobset_says_how_to_fix_it(run_operator, progress) -> None:
+    async with api_server(without=("JobSet", "Job")) as api, run_operator(api):
+        await create(api, tiny_job(progress_port=progress.port))
+        created = await eventually(
+            lambda: (c := cond(api, "Created")) and c["status"] == "False" and c, what="condition"
+        )
+        assert created["reason"] == "JobSetMissing" and "install JobSet" in created["message"]
+        assert job_status(api)["phase"] == "Pending"
+        assert api.get("ConfigMap", NS, f"{JOB}-config") is not None

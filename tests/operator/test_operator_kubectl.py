@@ -73,12 +73,17 @@ async def test_kubectl_apply_get_wait_describe_delete(api, run_operator, tmp_pat
         assert header.split() == ["NAME", "PHASE", "STEP", "REWARD", "ROLLOUT", "READY", "AGE"]
         assert row.split()[:2] == [JOB, "Pending"]
 
-        # The kubelet starts the learner pods; the rollout servers become ready.
+        # JobSet's Jobs made the pods; the kubelet starts them and the servers become ready.
+        await eventually(lambda: len(api.list_kind("Pod", NS)) == 6, what="6 pods")
         pods = await kubectl("get", "pods", "-l", f"gspo.dev/job-name={JOB}", "-o", "name")
-        assert sorted(pods.split()) == [f"pod/{JOB}-learner-0", f"pod/{JOB}-learner-1"]
-        for name in pods.split():
+        pods = sorted(pods.split())
+        assert [p.rsplit("-", 1)[0] for p in pods] == [
+            f"pod/{JOB}-learner-0-0",
+            f"pod/{JOB}-learner-0-1",
+            *(f"pod/{JOB}-rollout-{i}-0" for i in range(4)),
+        ]
+        for name in pods:
             await kubelet(api, name.removeprefix("pod/"), "Running")
-        await api.patch_status("Deployment", NS, f"{JOB}-rollout", {"readyReplicas": 4})
         await kubectl("wait", "--for=condition=Running", f"gspojob/{JOB}", "--timeout=30s")
         await kubectl(
             "wait", "--for=jsonpath={.status.rolloutReady}=4/4", f"gspojob/{JOB}", "--timeout=30s"
@@ -90,11 +95,12 @@ async def test_kubectl_apply_get_wait_describe_delete(api, run_operator, tmp_pat
         assert "Rollout Ready:" in out and "LearnerReady" in out
         assert "Created" in out.split("Events:")[-1]
         out = await kubectl(
-            "get", "deploy,svc,cm,pvc,networkpolicy", "-l", f"gspo.dev/job-name={JOB}"
+            "get", "jobset,jobs,svc,cm,pvc,networkpolicy", "-l", f"gspo.dev/job-name={JOB}"
         )
         for name in (
-            f"{JOB}-rollout",
-            f"{JOB}-learner",
+            f"jobset.jobset.x-k8s.io/{JOB}",
+            f"job.batch/{JOB}-learner-0",
+            f"job.batch/{JOB}-rollout-3",
             f"{JOB}-rollout-api",
             f"{JOB}-config",
             f"{JOB}-checkpoints",
@@ -102,8 +108,8 @@ async def test_kubectl_apply_get_wait_describe_delete(api, run_operator, tmp_pat
         ):
             assert name in out
 
-        # A learner pod fails: the whole group restarts from the latest checkpoint.
-        await kubelet(api, f"{JOB}-learner-1", "Failed", exit_code=1)
+        # A learner pod fails: JobSet restarts the job's pods from the latest checkpoint.
+        await kubelet(api, pods[1].removeprefix("pod/"), "Failed", exit_code=1)
         await kubectl(
             "wait", "--for=jsonpath={.status.restarts}=1", f"gspojob/{JOB}", "--timeout=30s"
         )

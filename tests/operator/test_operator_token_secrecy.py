@@ -8,7 +8,7 @@ import logging
 
 from operator_harness import NS, eventually, kubelet, tiny_job
 from prometheus_client import generate_latest
-from test_operator_kmock import LEARNERS, create, job_status, start_running
+from test_operator_kmock import create, job_status, learners, names_of, start_running
 
 from gspo_operator import names
 from gspo_trainer.progress import LearnerProgress
@@ -23,23 +23,16 @@ def _token(api) -> str:
     return base64.b64decode(secret["data"]["token"]).decode()
 
 
-def _generation(api) -> list[str]:
-    pods = api.list_kind("Pod", NS)
-    return [p["metadata"]["annotations"][names.RESTART_ANNOTATION] for p in pods]
-
-
 async def test_sync_token_never_leaves_its_secret(api, run_operator, progress, caplog) -> None:
     caplog.set_level(logging.DEBUG)  # the most the operator ever says
     async with run_operator(api) as ctx:
         await create(api, tiny_job(progress_port=progress.port))
-        await eventually(lambda: len(api.list_kind("Pod", NS)) == 2, what="learner pods")
         progress.value = LearnerProgress(phase="Running", step=3, policy_version=3)
-        await start_running(api, progress)
-        await kubelet(api, LEARNERS[1], "Failed", exit_code=137)  # one group restart
+        await start_running(api)
+        await kubelet(api, names_of(learners(api))[1], "Failed", exit_code=137)  # a restart
         await eventually(lambda: job_status(api).get("restarts") == 1, what="a restart")
-        await eventually(lambda: _generation(api) == ["1", "1"], what="a new learner group")
-        await start_running(api, progress)
-        for pod in LEARNERS:
+        await start_running(api, attempt=1)
+        for pod in names_of(learners(api, 1)):
             await kubelet(api, pod, "Succeeded", exit_code=0)
         await eventually(lambda: job_status(api).get("phase") == "Succeeded", what="Succeeded")
         metrics = generate_latest(ctx.metrics.registry).decode()
@@ -59,5 +52,5 @@ async def test_sync_token_never_leaves_its_secret(api, run_operator, progress, c
     assert api.list_kind("Event", NS) and "gspo_operator_jobs" in metrics
     for where, text in places.items():
         assert token not in text, f"the sync token appears in the operator's {where}"
-    others = api.list_kind("ConfigMap", NS) + api.list_kind("Deployment", NS)
+    others = api.list_kind("ConfigMap", NS) + api.list_kind("JobSet", NS) + api.list_kind("Job", NS)
     assert all(token not in json.dumps(o) for o in others)

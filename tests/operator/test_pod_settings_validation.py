@@ -15,9 +15,10 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = yaml.safe_load((REPO / "examples/gspojob.yaml").read_text())
 
 
-def problems(
-    policy: ClusterPolicy = ClusterPolicy(), name: str | None = None, **sections
-) -> list[str]:
+STOCK = ClusterPolicy()
+
+
+def problems(policy: ClusterPolicy = STOCK, name: str | None = None, **sections) -> list[str]:
     doc = copy.deepcopy(EXAMPLE)
     if name is not None:
         doc["metadata"]["name"] = name
