@@ -10,6 +10,7 @@ responses form `miniBatches` contiguous mini-batches, one optimizer update each.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
@@ -196,6 +197,31 @@ class Learner:
         self.state.phase = "Succeeded"
         return 0
 
+    async def _await_fleet(self) -> None:
+        """Every rank: sync servers that appeared or returned, and wait (up to
+        rollout.requestTimeoutSeconds) while no server can serve the current policy."""
+        limit_s = self.spec.rollout.request_timeout_seconds
+        waited_s, delay_s = 0.0, 0.5
+        state = getattr(self.rollout, "fleet_state", None)
+        while True:
+            added = await self._discovered()
+            ready, stale = (await state()) if self.rank == 0 and state is not None else (1, 0)
+            if self._any_rank(added or stale > 0):
+                await self.sync(self.state.policy_version)
+                if self.rank == 0 and state is not None:
+                    ready, stale = await state()
+            if not self._any_rank(ready == 0):
+                return
+            if waited_s >= limit_s:
+                raise RuntimeError(
+                    f"no rollout server could serve policy version {self.state.policy_version} "
+                    f"for {waited_s:.0f} s (rollout.requestTimeoutSeconds)"
+                )
+            if waited_s == 0:
+                log.warning("No rollout server can serve; waiting up to %.0f s", limit_s)
+            await asyncio.sleep(delay_s)
+            waited_s, delay_s = waited_s + delay_s, min(delay_s * 2, 10.0)
+
     async def _discovered(self) -> bool:
         """Rank 0 re-resolves the fleet; True on every rank when servers were added."""
         added = False
@@ -247,15 +273,22 @@ class Learner:
             stop_token_ids=(self.eos_id,),
         )  # fmt: skip
 
-    async def collect(self, step: int) -> tuple[dict[str, Any], dict[str, float]]:
-        """Rank 0: rollouts and rewards. Returns the payload every rank needs, and timings."""
-        alg = self.spec.algorithm
-        examples = self.stream.next_batch(alg.prompts_per_step)
+    async def collect(
+        self, step: int, examples: list[Any]
+    ) -> tuple[dict[str, Any], dict[str, float]]:
+        """Rank 0: rollouts and rewards. Returns the payload every rank needs, and timings;
+        the payload is {"retry": True} when no rollout server was left to serve it."""
+        from gspo_trainer.rollout.client import RolloutError
+
         if self.rank != 0:
             return {}, {}
         prompts = [self.tokenizer(e.prompt, add_special_tokens=False).input_ids for e in examples]
         t0 = time.perf_counter()
-        batch = await self.rollout.generate(prompts, self.sampling(step))
+        try:
+            batch = await self.rollout.generate(prompts, self.sampling(step))
+        except RolloutError as exc:
+            log.warning("Step %d: %s; waiting for a rollout server", step, exc)
+            return {"retry": True}, {}
         t1 = time.perf_counter()
         completions = [c for group in batch.groups for c in group]
         scored = [
@@ -337,12 +370,16 @@ class Learner:
         from gspo_trainer.moe import expert_load, router_aux_loss, routing_drift, top_k_experts
 
         alg, t_step = self.spec.algorithm, time.perf_counter()
-        # --- fleet: a server that appeared gets the current weights first ---------------
-        if await self._discovered():
-            await self.sync(self.state.policy_version)
         # --- rollout and reward (rank 0), then every rank gets the batch ---------------
-        payload, timings = await self.collect(step)
-        payload = self._broadcast(payload)
+        # A server that appeared gets the current weights first; with none left to serve,
+        # every rank waits for one to return (and syncs it) and the batch is drawn again.
+        examples = self.stream.next_batch(alg.prompts_per_step)
+        while True:
+            await self._await_fleet()
+            payload, timings = await self.collect(step, examples)
+            payload = self._broadcast(payload)
+            if not payload.get("retry"):
+                break
         G = alg.group_size
         packed = pack(payload["prompts"], payload["responses"], payload["engine_logps"],
                       payload["rewards"], G, self.pad_id)  # fmt: skip

@@ -162,6 +162,15 @@ class RolloutClient:
         except (aiohttp.ClientError, TimeoutError, ValueError):
             server.alive = False
 
+    async def fleet_state(self) -> tuple[int, int]:
+        """(servers that can serve the current version, live servers that need a sync first).
+
+        Probes only the servers not known to be alive, so a healthy fleet costs nothing."""
+        await self.refresh(only_down=True)
+        ready = sum(self._eligible(s) for s in self.servers.values())
+        stale = sum(s.alive and not self._eligible(s) for s in self.servers.values())
+        return ready, stale
+
     def _eligible(self, server: Server) -> bool:
         if not server.alive or server.policy_version is None:
             return False

@@ -87,6 +87,9 @@ class FleetDiscovery:
     async def generate(self, prompts: Any, params: Any) -> Any:
         return await self.client.generate(prompts, params)
 
+    async def fleet_state(self) -> tuple[int, int]:
+        return await self.client.fleet_state()
+
     async def sync_weights(self, named_tensors: Any, version: int) -> Any:
         return await self.client.sync_weights(named_tensors, version)
 
