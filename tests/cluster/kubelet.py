@@ -84,8 +84,9 @@ Modelled:
 Not modelled: cgroups (no cpu/memory limit enforcement, no OOMKilled), images (the image
 field is ignored: the host's filesystem is every container's root and is writable;
 readOnlyRootFilesystem, capabilities and seccomp are not applied), a PID namespace (the
-main process is not PID 1; the container's other processes are killed through its process
-group once it exits; a child that calls setsid escapes), kube-proxy (a ClusterIP Service
+main process is not PID 1; once it exits, the container's other processes are killed: its
+process group, and those that called setsid, found by an environment variable every process
+of the container inherits), kube-proxy (a ClusterIP Service
 name resolves straight to the ready pods' IPs and port/targetPort mapping does not happen),
 service-link and KUBERNETES_SERVICE_* variables, a service-account token mount,
 hostNetwork/hostPID/hostIPC, hostPort, NetworkPolicy, sidecar (restartPolicy Always) init
