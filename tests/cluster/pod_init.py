@@ -116,8 +116,13 @@ def main(spec_path: str) -> None:
             expose = spec.get("expose")
             if expose:
                 _expose(expose["blocked"], expose["children"], expose["staging"])
-            for m in spec["mounts"]:
-                _bind(m["source"], m["target"], bool(m.get("readOnly")))
+            # Every source is opened before the first mount: a volume mounted over a parent of
+            # the node's own directories (an emptyDir at /tmp, where the pod directories may
+            # live) would otherwise hide the sources of the mounts after it.
+            sources = [os.open(m["source"], os.O_PATH | os.O_CLOEXEC) for m in spec["mounts"]]
+            for m, fd in zip(spec["mounts"], sources, strict=True):
+                _bind(f"/proc/self/fd/{fd}", m["target"], bool(m.get("readOnly")))
+                os.close(fd)
             _sethostname(spec["hostname"])
         _become(spec)
         os.chdir(spec.get("workingDir") or "/")

@@ -6,60 +6,17 @@ Set GSPO_KUBECTL_TRANSCRIPT=FILE to keep the session's transcript (docs/operator
 
 from __future__ import annotations
 
-import asyncio
 import os
-import shutil
 from pathlib import Path
 
 import pytest
-import yaml
+from kubectl import KUBECTL, Kubectl
 from operator_harness import NS, eventually, kubelet
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = "qwen3-30b-a3b-math"
-KUBECTL = shutil.which("kubectl")
 
 pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed")
-
-
-class Kubectl:
-    def __init__(self, url: str, home: Path) -> None:
-        self.config = home / "kubeconfig"
-        self.config.write_text(
-            yaml.safe_dump(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Config",
-                    "current-context": "stand-in",
-                    "clusters": [{"name": "stand-in", "cluster": {"server": url}}],
-                    "users": [{"name": "user", "user": {}}],
-                    "contexts": [
-                        {
-                            "name": "stand-in",
-                            "context": {"cluster": "stand-in", "user": "user", "namespace": NS},
-                        }
-                    ],
-                }
-            )
-        )
-        self.transcript: list[str] = []
-
-    async def __call__(self, *args: str, ok: bool = True) -> str:
-        env = {**os.environ, "KUBECONFIG": str(self.config), "HOME": str(self.config.parent)}
-        proc = await asyncio.create_subprocess_exec(
-            KUBECTL,
-            *args,
-            env=env,
-            cwd=REPO,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-        )
-        out, _ = await asyncio.wait_for(proc.communicate(), 60)
-        text = out.decode()
-        self.transcript.append(f"$ kubectl {' '.join(args)}\n{text}")
-        if ok:
-            assert proc.returncode == 0, text
-        return text
 
 
 async def test_kubectl_apply_get_wait_describe_delete(api, run_operator, tmp_path) -> None:

@@ -110,6 +110,10 @@ def materialize(
     tmp = root_path / f".{target.name}.{os.getpid()}.tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     model, tokenizer = build_tiny_model(name, seed=seed, alphabet=alphabet)
+    # transformers writes a model only on torch.distributed rank 0 once a group exists; every
+    # learner pod builds its own copy on its own disk (a cluster's pods share no home), so
+    # every rank must write one.
+    model.should_save_on_this_rank = lambda is_main_process: True
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     try:

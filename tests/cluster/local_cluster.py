@@ -1,0 +1,132 @@
+"""The local cluster: the operator's rendered objects run, not imagined, on one machine.
+
+`local_cluster(workdir)` starts, in this process and event loop:
+- the API: kmock with kube-apiserver's store semantics (`apiserver.ClusterApiServer`), with
+  JobSet's webhook and the API server's Job checks as admission, served over HTTP so the real
+  `kubectl` drives it (`LocalCluster.kubectl`);
+- the controllers a JobSet cluster runs: JobSet's (`jobset_controller`) and the Job
+  controller (`job_controller`), written from those projects' sources;
+- one node (`kubelet.ProcessKubelet`): every pod runs its container's command as a real
+  process, in its own network namespace (own address and ports, names from a hosts file) and
+  mount namespace (its volumes at their mount paths, PVCs as shared directories under
+  `workdir/pvc`), probes executed against it, graceful deletion with SIGTERM;
+- the operator: the real kopf handlers (`gspo_operator.run.serve`).
+
+What each piece models and what it does not is in its own docstring. The image field is
+ignored: every container runs this checkout's `gspo` (the venv beside the running Python),
+with the environment the project's images set (`IMAGE_ENV`).
+
+By hand: `make cluster` (= `python tests/cluster/run.py examples/local-cluster.yaml`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kubectl import Kubectl
+from kubelet import ProcessKubelet
+from operator_harness import NS, api_server, operator
+
+from gspo_operator.handlers import Context
+
+# What docker/learner.Dockerfile and docker/rollout.Dockerfile set with ENV.
+IMAGE_ENV = {"PYTHONUNBUFFERED": "1", "DS_BUILD_OPS": "0"}
+
+
+@dataclass
+class LocalCluster:
+    api: Any  # apiserver.ClusterApiServer
+    node: ProcessKubelet
+    operator: Context
+    kubectl: Kubectl
+    workdir: Path
+    phases: list[tuple[str, float]] = field(default_factory=list)  # (what, seconds)
+    _t0: float = field(default_factory=time.monotonic)
+
+    def mark(self, what: str) -> None:
+        """Record (and print) how long the phase that just ended took."""
+        now = time.monotonic()
+        self.phases.append((what, now - self._t0))
+        print(f"[local cluster] {what}: {now - self._t0:.1f} s", flush=True)
+        self._t0 = now
+
+    def job(self, name: str) -> dict[str, Any]:
+        return self.api.get("GSPOJob", NS, name) or {}
+
+    def status(self, name: str) -> dict[str, Any]:
+        return self.job(name).get("status") or {}
+
+    def condition(self, name: str, type_: str) -> dict[str, Any]:
+        for c in self.status(name).get("conditions") or []:
+            if c["type"] == type_:
+                return c
+        return {}
+
+    def pods(self, job: str, role: str, *, running: bool = False) -> list[dict[str, Any]]:
+        """The job's pods of `role` (not terminating), oldest first."""
+        out = [
+            p
+            for p in self.api.list_kind("Pod", NS)
+            if (p["metadata"].get("labels") or {}).get("gspo.dev/job-name") == job
+            and p["metadata"]["labels"].get("gspo.dev/role") == role
+            and not p["metadata"].get("deletionTimestamp")
+            and (not running or (p.get("status") or {}).get("phase") == "Running")
+        ]
+        return sorted(out, key=lambda p: p["metadata"]["creationTimestamp"])
+
+    def claim_dir(self, claim: str) -> Path:
+        """The directory that backs PersistentVolumeClaim `claim` on this node."""
+        return self.workdir / "pvc" / NS / claim
+
+    def log(self, pod: str, container: str) -> str:
+        path = self.node.log_path(NS, pod, container)
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def logs_tail(self, job: str, lines: int = 30) -> str:
+        """The last lines of every pod's log that ever ran for `job` (for failure messages)."""
+        out = []
+        for path in sorted((self.workdir / "logs").glob(f"{NS}_{job}-*")):
+            text = path.read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"--- {path.name}\n" + "\n".join(text))
+        return "\n".join(out)
+
+    async def wait(self, check: Any, timeout_s: float, what: str, job: str = "") -> Any:
+        """Poll `check()` until truthy; on timeout fail with the job's status and pod logs."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            found = check()
+            if found:
+                return found
+            await asyncio.sleep(0.2)
+        detail = f"\nstatus: {self.status(job)}\n{self.logs_tail(job)}" if job else ""
+        raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}{detail}")
+
+
+@contextlib.asynccontextmanager
+async def local_cluster(
+    workdir: Path, *, interval_s: float = 1.0, probe_period_scale: float = 0.3
+) -> AsyncIterator[LocalCluster]:
+    """API, controllers, a process node and the operator, until the block ends."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    async with api_server() as api:
+        node = ProcessKubelet(
+            api, workdir, image_env=IMAGE_ENV, probe_period_scale=probe_period_scale
+        )
+        stop = asyncio.Event()
+        node_task = asyncio.create_task(node.run(stop))
+        try:
+            async with operator(api, interval_s=interval_s) as ctx:
+                yield LocalCluster(api, node, ctx, Kubectl(api.base_url, workdir), workdir)
+        finally:
+            stop.set()
+            await asyncio.wait([node_task], timeout=30)
+            await node.close()
+            if node_task.done() and not node_task.cancelled() and node_task.exception():
+                raise node_task.exception()  # type: ignore[misc]
