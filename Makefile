@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 
-.PHONY: venv tools test lint fast train crd clean
+.PHONY: venv tools test lint fast train cluster crd clean
 
 venv: $(STAMP) tools
 
@@ -58,6 +58,12 @@ fast: venv
 
 train: venv
 	$(BIN)/gspo train
+
+# The local cluster (root: network namespaces): API stand-in, JobSet and Job controllers, a
+# node that runs pods as processes, the operator; applies JOB with kubectl and follows it.
+JOB ?= examples/local-cluster.yaml
+cluster: venv
+	$(BIN)/python tests/cluster/run.py $(JOB)
 
 crd: venv
 	$(BIN)/gspo crd --write charts/gspo-operator/crds/gspo.dev_gspojobs.yaml

@@ -98,6 +98,14 @@ def check_job(
     return (spec if not problems else None), problems
 
 
+def is_other_kind(doc: Any) -> bool:
+    """A Kubernetes object of another API group (a PVC, a Secret...): not a GSPOJob to check."""
+    if not isinstance(doc, Mapping):
+        return False
+    version, kind = str(doc.get("apiVersion") or ""), doc.get("kind")
+    return bool(version and kind) and not version.startswith(API_GROUP + "/") and kind != KIND
+
+
 def load_documents(path: Path) -> list[Any]:
     """Every non-empty YAML document in `path`."""
     with path.open(encoding="utf-8") as fh:
@@ -112,8 +120,12 @@ def validate_file(path: Path, policy: ClusterPolicy = ClusterPolicy()) -> list[s
         return [f"{path}: cannot read: {exc}"]
     if not docs:
         return [f"{path}: no YAML documents found"]
+    # Other kinds beside a GSPOJob (the claim its data lives on, say) are kubectl's business.
+    ours = [(i, d) for i, d in enumerate(docs) if not is_other_kind(d)]
+    if not ours:
+        return [f"{path}: no {KIND} ({API}) among its {len(docs)} documents"]
     lines = []
-    for index, doc in enumerate(docs):
+    for index, doc in ours:
         where = str(path) if len(docs) == 1 else f"{path}[{index}]"
         _, problems = check_job(doc, policy)
         lines.extend(f"{where}: {problem}" for problem in problems)

@@ -35,7 +35,8 @@ HOME_DIR = "/home/gspo"  # the images' user's home (docker/*.Dockerfile)
 TMP_DIR = "/tmp"
 SOCKET_IFNAME = "eth0"  # the pod network; never loopback
 # vLLM loads the model before /health answers; allow it up to 30 minutes.
-ROLLOUT_STARTUP_PERIOD_S, ROLLOUT_STARTUP_FAILURES = 10, 180
+ROLLOUT_STARTUP_PERIOD_S = 10
+ROLLOUT_STARTUP_FAILURES = ports.ROLLOUT_STARTUP_SECONDS // ROLLOUT_STARTUP_PERIOD_S
 MODEL_CACHE_VOLUME = "model-cache"
 # The Job controller's failure messages for a podFailurePolicy FailJob rule (kubernetes
 # pkg/controller/job/pod_failure_policy.go); JobSet's failurePolicy rules match them.

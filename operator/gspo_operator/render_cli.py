@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from gspo_operator.manifest import check_job, load_documents
+from gspo_operator.manifest import check_job, is_other_kind, load_documents
 from gspo_operator.render import Obj, render_job
 
 REDACTED = "<redacted>"
@@ -55,6 +55,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     objects = []
     for doc in load_documents(args.file):
+        if is_other_kind(doc):
+            continue  # a claim or Secret beside the job: kubectl applies it as it is
         spec, problems = check_job(doc)
         if spec is None:
             for problem in problems:

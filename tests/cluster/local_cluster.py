@@ -97,16 +97,21 @@ class LocalCluster:
         return "\n".join(out)
 
     async def wait(self, check: Any, timeout_s: float, what: str, job: str = "") -> Any:
-        """Poll `check()` until truthy; on timeout fail with the job's status and pod logs."""
+        """Poll `check()` until truthy; on timeout, or when `job` failed meanwhile, fail with
+        the job's status and its pods' logs."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
+        why = f"timed out after {timeout_s:.0f} s"
         while loop.time() < deadline:
             found = check()
             if found:
                 return found
+            if job and self.status(job).get("phase") == "Failed":
+                why = "the job failed"
+                break
             await asyncio.sleep(0.2)
         detail = f"\nstatus: {self.status(job)}\n{self.logs_tail(job)}" if job else ""
-        raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}{detail}")
+        raise AssertionError(f"{why} waiting for {what}{detail}")
 
 
 @contextlib.asynccontextmanager

@@ -24,7 +24,8 @@ from local_cluster import local_cluster  # noqa: E402
 
 
 async def main(args: argparse.Namespace) -> int:
-    name = yaml.safe_load(args.file.read_text())["metadata"]["name"]
+    docs = list(yaml.safe_load_all(args.file.read_text()))
+    (name,) = [d["metadata"]["name"] for d in docs if d and d.get("kind") == "GSPOJob"]
     async with local_cluster(args.workdir) as cluster:
         print(await cluster.kubectl("apply", "--validate=false", "-f", str(args.file.resolve())))
         while cluster.status(name).get("phase") not in ("Succeeded", "Failed"):

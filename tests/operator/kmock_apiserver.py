@@ -351,6 +351,9 @@ class ApiServer(kmock.KubernetesScaffold):
                         reason="NotFound",
                         message=f'{key[2]} "{request.name}" not found',
                     )
+                if "as=Table" in request.headers.get("Accept", ""):  # kubectl get KIND NAME
+                    rv = obj["metadata"]["resourceVersion"]
+                    return aiohttp.web.json_response(self._table(key, [obj], rv))
                 return aiohttp.web.json_response(obj)
             if method in ("PATCH", "PUT"):
                 if scope not in self.objects:

@@ -20,12 +20,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gspo_trainer import checkpoint as ckpt
+from gspo_trainer import ports
 from gspo_trainer.config import GSPOJobSpec
 from gspo_trainer.data import PromptStream, load_examples
 from gspo_trainer.engine import begin_forward
 from gspo_trainer.metrics import LearnerMetrics
 from gspo_trainer.progress import LearnerProgress
 from gspo_trainer.rewards import Scored, build_scorer
+from gspo_trainer.rollout.client import RolloutError
 from gspo_trainer.rollout.types import RolloutBatch, SamplingParams
 
 if TYPE_CHECKING:
@@ -112,6 +114,10 @@ class LearnerState:
     history: list[dict[str, float]] = field(default_factory=list)
 
 
+class _Stopping(Exception):
+    """Every rank agreed to stop (SIGTERM) in the middle of a step: checkpoint and exit 0."""
+
+
 class Learner:
     def __init__(
         self,
@@ -177,19 +183,23 @@ class Learner:
         alg = self.spec.algorithm
         self.resume()
         self.state.phase = "Running"
-        await self.sync(self.state.step)
-        while self.state.step < alg.max_steps:
-            if self._agree_stop():
-                self.state.phase = "Suspending"
-                self.checkpoint(final=True)
-                log.info("Stopped at step %d after a final checkpoint", self.state.step)
-                return 0
-            await self.train_step(self.state.step + 1)
-            every = self.spec.checkpoint.every_steps
-            # after a failed checkpoint, try again at the next step rather than an interval on
-            due = self.state.step % every == 0 or self.checkpoint_failures > 0
-            if due and self.state.step < alg.max_steps:
-                self.checkpoint()
+        try:
+            await self._await_fleet(starting=True)  # servers load the model meanwhile
+            await self.sync(self.state.step)
+            while self.state.step < alg.max_steps:
+                if self._agree_stop():
+                    raise _Stopping
+                await self.train_step(self.state.step + 1)
+                every = self.spec.checkpoint.every_steps
+                # after a failed checkpoint, try again at the next step, not an interval on
+                due = self.state.step % every == 0 or self.checkpoint_failures > 0
+                if due and self.state.step < alg.max_steps:
+                    self.checkpoint()
+        except _Stopping:
+            self.state.phase = "Suspending"
+            self.checkpoint(final=True)
+            log.info("Stopped at step %d after a final checkpoint", self.state.step)
+            return 0
         if self.state.last_checkpoint_step != self.state.step:  # not when resumed at the end
             self.checkpoint(final=True)
         if self.spec.checkpoint.export_hf:
@@ -197,28 +207,35 @@ class Learner:
         self.state.phase = "Succeeded"
         return 0
 
-    async def _await_fleet(self) -> None:
-        """Every rank: sync servers that appeared or returned, and wait (up to
-        rollout.requestTimeoutSeconds) while no server can serve the current policy."""
-        limit_s = self.spec.rollout.request_timeout_seconds
+    async def _await_fleet(self, *, starting: bool = False) -> None:
+        """Every rank: wait until a rollout server can serve. Starting, that is any server that
+        answers (it gets the weights next; pods start together and vLLM may take as long as
+        its startup probe allows to load); later, one holding the current policy: servers
+        that appeared or came back are synced, for up to rollout.requestTimeoutSeconds."""
+        limit_s = (
+            ports.ROLLOUT_STARTUP_SECONDS if starting else self.spec.rollout.request_timeout_seconds
+        )
         waited_s, delay_s = 0.0, 0.5
         state = getattr(self.rollout, "fleet_state", None)
         while True:
+            if self._agree_stop():  # suspended: the servers are stopping too
+                raise _Stopping
             added = await self._discovered()
             ready, stale = (await state()) if self.rank == 0 and state is not None else (1, 0)
-            if self._any_rank(added or stale > 0):
+            if not starting and self._any_rank(added or stale > 0):
                 await self.sync(self.state.policy_version)
                 if self.rank == 0 and state is not None:
                     ready, stale = await state()
-            if not self._any_rank(ready == 0):
+            short = ready + stale == 0 if starting else ready == 0
+            if not self._any_rank(short):
                 return
             if waited_s >= limit_s:
                 raise RuntimeError(
                     f"no rollout server could serve policy version {self.state.policy_version} "
-                    f"for {waited_s:.0f} s (rollout.requestTimeoutSeconds)"
+                    f"for {waited_s:.0f} s"
                 )
             if waited_s == 0:
-                log.warning("No rollout server can serve; waiting up to %.0f s", limit_s)
+                log.warning("No rollout server can serve yet; waiting up to %.0f s", limit_s)
             await asyncio.sleep(delay_s)
             waited_s, delay_s = waited_s + delay_s, min(delay_s * 2, 10.0)
 
@@ -251,8 +268,17 @@ class Learner:
         sent = 0
         with eng.full_parameters(self.engine) as named:
             if self.rank == 0:
-                report = await self.rollout.sync_weights(named, version)
-                sent = int(getattr(report, "bytes_total", 0))
+                try:
+                    report = await self.rollout.sync_weights(named, version)
+                    sent = int(getattr(report, "bytes_total", 0))
+                except RolloutError as exc:
+                    # Suspended or deleted, the servers stop with the learner: the update is
+                    # done, so the final checkpoint goes ahead; the next start syncs again.
+                    if not self.state.stop_requested:
+                        raise
+                    log.warning(
+                        "Weight sync to version %d skipped while stopping: %s", version, exc
+                    )
         self.state.policy_version = version
         self.metrics.policy_version.set(version)
         self.metrics.observe_seconds("weight_sync", time.perf_counter() - start)
@@ -278,7 +304,6 @@ class Learner:
     ) -> tuple[dict[str, Any], dict[str, float]]:
         """Rank 0: rollouts and rewards. Returns the payload every rank needs, and timings;
         the payload is {"retry": True} when no rollout server was left to serve it."""
-        from gspo_trainer.rollout.client import RolloutError
 
         if self.rank != 0:
             return {}, {}
@@ -373,9 +398,14 @@ class Learner:
         # --- rollout and reward (rank 0), then every rank gets the batch ---------------
         # A server that appeared gets the current weights first; with none left to serve,
         # every rank waits for one to return (and syncs it) and the batch is drawn again.
+        position = self.stream.state_dict()
         examples = self.stream.next_batch(alg.prompts_per_step)
         while True:
-            await self._await_fleet()
+            try:
+                await self._await_fleet()
+            except _Stopping:
+                self.stream.load_state_dict(position)  # the batch is drawn again on resume
+                raise
             payload, timings = await self.collect(step, examples)
             payload = self._broadcast(payload)
             if not payload.get("retry"):

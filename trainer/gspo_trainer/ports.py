@@ -24,6 +24,9 @@ RESERVED_PORTS = {
 # kubelet waits this long (the learner pods' terminationGracePeriodSeconds), and a learner
 # group's launcher gives its ranks all but a minute of it before killing them.
 LEARNER_GRACE_SECONDS = 1800
+# How long a rollout server may take to load its model (its startup probe's budget); the
+# learner waits as long for the first server to answer, since pods start together.
+ROLLOUT_STARTUP_SECONDS = 1800
 LEARNER_COMMAND = ("gspo", "learner")
 ROLLOUT_COMMAND = ("gspo", "rollout-server")
 OPERATOR_COMMAND = ("gspo", "operator")

@@ -56,7 +56,10 @@ def job_manifest(args: argparse.Namespace) -> dict[str, Any]:
     if args.config:
         import yaml
 
-        raw = yaml.safe_load(Path(args.config).read_text(encoding="utf-8"))
+        docs = [d for d in yaml.safe_load_all(Path(args.config).read_text(encoding="utf-8")) if d]
+        # A file may hold other objects beside the job (a claim, a Secret): take the job.
+        jobs = [d for d in docs if isinstance(d, dict) and d.get("kind", "GSPOJob") == "GSPOJob"]
+        raw = jobs[0] if jobs else (docs[0] if docs else {})
         manifest = raw if "spec" in raw else {"kind": "GSPOJob", "spec": raw}
     else:
         manifest = tiny_manifest()

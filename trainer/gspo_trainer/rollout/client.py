@@ -165,8 +165,10 @@ class RolloutClient:
     async def fleet_state(self) -> tuple[int, int]:
         """(servers that can serve the current version, live servers that need a sync first).
 
-        Probes only the servers not known to be alive, so a healthy fleet costs nothing."""
-        await self.refresh(only_down=True)
+        Probes only the servers not known to serve the current version (down, never probed,
+        or stale), so a healthy fleet costs nothing."""
+        targets = [s for s in self.servers.values() if not self._eligible(s)]
+        await asyncio.gather(*(self._probe(s) for s in targets))
         ready = sum(self._eligible(s) for s in self.servers.values())
         stale = sum(s.alive and not self._eligible(s) for s in self.servers.values())
         return ready, stale

@@ -1,0 +1,273 @@
+"""The operator's pods, run for real on the local cluster (local_cluster.py).
+
+`kubectl apply` a tiny job (examples/local-cluster.yaml: 2 learner pods over gloo between two
+network namespaces, 1 vLLM rollout server); the operator renders its JobSet, JobSet's and the
+Job controller's stand-ins make the pods, and the node runs them as processes. Faults are
+real: a learner rank SIGKILLed, the rollout server SIGKILLed, the JobSet suspended (SIGTERM to
+the pods), a learner that refuses its configuration. Each phase prints how long it took.
+
+Needs root (network and mount namespaces) and the real kubectl; skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import yaml
+from kubelet import pod_problems, scheduling_problems
+from local_cluster import LocalCluster, local_cluster
+from netns import unavailable_reason
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = list(yaml.safe_load_all((REPO / "examples/local-cluster.yaml").read_text()))
+JOB = "tiny-cluster"
+# What the pods compile on a first start (DeepSpeed's CPU comm op, torch.compile's kernels),
+# kept between runs on this machine in the example's build-cache claim.
+BUILD_CACHE = Path(os.environ.get("GSPO_LOCAL_CLUSTER_CACHE", "/tmp/gspo-local-cluster-cache"))
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.cluster,
+    pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed"),
+    pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason())),
+]
+
+
+def manifest(tmp: Path, **spec: dict) -> Path:
+    """examples/local-cluster.yaml with spec sections updated, written to a file."""
+    docs = copy.deepcopy(EXAMPLE)
+    job = next(d for d in docs if d["kind"] == "GSPOJob")
+    for section, fields in spec.items():
+        job["spec"][section] = {**job["spec"].get(section, {}), **fields}
+    path = tmp / "job.yaml"
+    path.write_text(yaml.safe_dump_all(docs))
+    return path
+
+
+def share_build_cache(cluster: LocalCluster) -> None:
+    """Back the example's build-cache claim with the directory kept between runs."""
+    BUILD_CACHE.mkdir(parents=True, exist_ok=True)
+    BUILD_CACHE.chmod(0o1777)  # a volume provisioned for any uid (the pods run as 10001)
+    claim = cluster.claim_dir("build-cache")
+    claim.parent.mkdir(parents=True, exist_ok=True)
+    if not claim.exists():
+        claim.symlink_to(BUILD_CACHE, target_is_directory=True)
+
+
+def rank_pid(job: str, rank: int) -> int | None:
+    """The learner process of global rank `rank` (a child of torch.distributed.run)."""
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        wanted = (f"GSPO_JOB_NAME={job}", f"RANK={rank}", "LOCAL_RANK=0")  # a learner rank
+        if all(w.encode() in env for w in wanted) and any(
+            e.startswith(b"GSPO_NNODES=") for e in env
+        ):
+            return int(proc.name)
+    return None
+
+
+def printed_step(table: str) -> str:
+    """The STEP cell of `kubectl get gspo`'s one row (cells are aligned under the header)."""
+    lines = table.rstrip().splitlines()
+    at = next((i for i, line in enumerate(lines) if line.startswith("NAME")), None)
+    assert at is not None and "REWARD" in lines[at], table
+    header, row = lines[at], lines[at + 1]
+    start = header.index("STEP")
+    cell = row[start : header.index("REWARD")].strip()
+    assert cell.isdigit(), table
+    return cell
+
+
+def checkpoints(cluster: LocalCluster) -> list[str]:
+    root = cluster.claim_dir(f"{JOB}-checkpoints")
+    return sorted(p.name for p in root.glob("step-*")) if root.exists() else []
+
+
+def history_steps(cluster: LocalCluster) -> list[int]:
+    path = cluster.claim_dir(f"{JOB}-checkpoints") / "history.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+async def test_a_job_trains_through_faults_suspend_and_resume_to_succeeded(tmp_path) -> None:
+    async with local_cluster(tmp_path / "cluster") as cluster:
+        share_build_cache(cluster)
+        path = manifest(tmp_path, algorithm={"maxSteps": 40})
+        out = await cluster.kubectl("apply", "--validate=false", "-f", str(path))
+        assert f"gspojob.gspo.dev/{JOB} created" in out
+
+        # --- every learner pod Ready (each serves /healthz), training under way -------------
+        await cluster.wait(
+            lambda: cluster.condition(JOB, "LearnerReady").get("status") == "True",
+            600, "both learner pods Ready", JOB,
+        )  # fmt: skip
+        assert len(cluster.pods(JOB, "learner", running=True)) == 2
+        await cluster.wait(lambda: (cluster.status(JOB).get("step") or 0) >= 2, 300,
+                           "step 2 in the status", JOB)  # fmt: skip
+        cluster.mark("start until step 2 (pods, vLLM load, DeepSpeed over two namespaces)")
+        steps_seen = set()
+        for _ in range(2):
+            out = await cluster.kubectl("get", "gspo", JOB)
+            steps_seen.add(printed_step(out))
+            last = int(max(steps_seen))
+            await cluster.wait(lambda last=last: (cluster.status(JOB).get("step") or 0) > last,
+                               120, "the step to advance", JOB)  # fmt: skip
+        assert cluster.condition(JOB, "RolloutReady").get("status") == "True"
+        assert cluster.condition(JOB, "WeightsSynced").get("status") == "True"
+
+        # --- a learner rank SIGKILLed: the group restarts from the newest checkpoint ---------
+        await cluster.wait(lambda: checkpoints(cluster), 300, "a first checkpoint", JOB)
+        first_server = cluster.pods(JOB, "rollout")[0]["metadata"]["name"]
+        pid = rank_pid(JOB, 1)
+        assert pid is not None, "no learner rank 1 process"
+        os.kill(pid, signal.SIGKILL)
+        await cluster.wait(lambda: cluster.status(JOB).get("restarts") == 1, 120,
+                           "a JobSet restart", JOB)  # fmt: skip
+        await cluster.wait(
+            lambda: "Resumed from" in "".join(
+                cluster.log(p["metadata"]["name"], "learner")
+                for p in cluster.pods(JOB, "learner")
+            ),
+            600, "the new learner group to resume from a checkpoint", JOB,
+        )  # fmt: skip
+        cluster.mark("learner rank SIGKILLed -> resumed from the newest checkpoint")
+        await cluster.wait(lambda: cluster.status(JOB).get("phase") == "Running", 600,
+                           "Running again", JOB)  # fmt: skip
+
+        # --- the rollout server SIGKILLed: replaced alone, synced before it serves -----------
+        server = cluster.pods(JOB, "rollout")[0]["metadata"]["name"]
+        assert server != first_server  # the JobSet restart replaced every pod
+        cluster.node.kill_process("default", server)
+        await cluster.wait(
+            lambda: [p for p in cluster.pods(JOB, "rollout", running=True)
+                     if p["metadata"]["name"] != server],
+            300, "a replacement rollout pod", JOB,
+        )  # fmt: skip
+        (replacement,) = [
+            p["metadata"]["name"]
+            for p in cluster.pods(JOB, "rollout")
+            if p["metadata"]["name"] != server
+        ]
+        await cluster.wait(lambda: "Loaded policy version" in cluster.log(replacement, "rollout"),
+                           600, "the replacement to be synced", JOB)  # fmt: skip
+        await cluster.wait(lambda: cluster.status(JOB).get("rolloutReady") == "1/1", 300,
+                           "the replacement Ready", JOB)  # fmt: skip
+        assert cluster.status(JOB)["restarts"] == 1  # the learner was not restarted
+        cluster.mark("rollout server SIGKILLed -> replaced and synced, learner kept going")
+
+        # --- suspend: SIGTERM, a final checkpoint; resume continues from it ------------------
+        at = cluster.status(JOB).get("step") or 0
+        await cluster.kubectl("patch", "gspojob", JOB, "--type=merge",
+                              "-p", '{"spec":{"runPolicy":{"suspend":true}}}')  # fmt: skip
+
+        def stopped_at() -> list[int]:
+            logs = "".join(p.read_text(errors="replace")
+                           for p in (cluster.workdir / "logs").glob("*learner*"))  # fmt: skip
+            return [
+                int(s) for s in re.findall(r"Stopped at step (\d+) after a final checkpoint", logs)
+            ]
+
+        def gone() -> bool:  # no learner pod left, terminating ones included
+            return not [p for p in cluster.api.list_kind("Pod", "default")
+                        if p["metadata"]["labels"].get("gspo.dev/role") == "learner"
+                        and p["metadata"]["labels"].get("gspo.dev/job-name") == JOB]  # fmt: skip
+
+        await cluster.wait(lambda: cluster.status(JOB).get("phase") == "Suspended" and gone(),
+                           300, "Suspended with every learner pod gone", JOB)  # fmt: skip
+        stopped = stopped_at()
+        assert stopped and max(stopped) >= at, (stopped, at)
+        assert f"step-{max(stopped):06d}" in checkpoints(cluster)
+        cluster.mark(f"suspended: final checkpoint at step {max(stopped)}")
+        await cluster.kubectl("patch", "gspojob", JOB, "--type=merge",
+                              "-p", '{"spec":{"runPolicy":{"suspend":false}}}')  # fmt: skip
+        out = await cluster.kubectl("wait", "--for=condition=Succeeded", f"gspojob/{JOB}",
+                                    "--timeout=900s", timeout_s=960)  # fmt: skip
+        assert "condition met" in out
+        cluster.mark("resumed -> Succeeded")
+
+        # --- the exported model is on the claim and loads with transformers ------------------
+        assert cluster.status(JOB)["restarts"] == 1
+        steps = history_steps(cluster)
+        assert max(steps) == 40 and max(stopped) + 1 in steps
+        export = cluster.claim_dir(f"{JOB}-checkpoints") / "export"
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(export)
+        AutoTokenizer.from_pretrained(export)
+        assert model.config.model_type == "qwen3_moe"
+        print("phases (s):", ", ".join(f"{w}: {s:.0f}" for w, s in cluster.phases))
+
+
+async def test_a_learner_that_refuses_its_config_fails_the_job_at_once(tmp_path) -> None:
+    async with local_cluster(tmp_path / "cluster") as cluster:
+        share_build_cache(cluster)
+        path = manifest(tmp_path, data={"source": "/data/missing/train.jsonl", "format": "jsonl"})
+        await cluster.kubectl("apply", "--validate=false", "-f", str(path))
+        out = await cluster.kubectl("wait", "--for=condition=Failed", f"gspojob/{JOB}",
+                                    "--timeout=300s", timeout_s=330)  # fmt: skip
+        assert "condition met" in out
+        failed = cluster.condition(JOB, "Failed")
+        assert failed["reason"] == "InvalidConfig", failed
+        assert "spec.data.source" in failed["message"], failed
+        assert cluster.status(JOB)["restarts"] == 0  # exit 2 is not retried
+        cluster.mark("exit 2 -> Failed with the learner's words")
+
+
+async def test_the_flagship_example_is_pending_for_gpus_only(tmp_path) -> None:
+    """examples/gspojob.yaml cannot run here (GPUs), but nothing else stands in its way once
+    its prerequisites exist: env sources, volumes, claims and probes all resolve."""
+    example = yaml.safe_load((REPO / "examples/gspojob.yaml").read_text())
+    name = example["metadata"]["name"]
+    prereqs = [
+        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hf-token"},
+         "stringData": {"token": "hf_x"}},
+        *({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim},
+           "spec": {"accessModes": ["ReadWriteMany"],
+                    "resources": {"requests": {"storage": "1Gi"}}}}
+          for claim in ("hf-model-cache", "math-data")),
+    ]  # fmt: skip
+    # No Kueue here: without the queue the JobSet is not held suspended for admission.
+    example["spec"]["runPolicy"]["scheduling"].pop("queue")
+    example["spec"]["runPolicy"]["scheduling"].pop("priorityClassName")
+    path = tmp_path / "example.yaml"
+    path.write_text(yaml.safe_dump_all([*prereqs, example]))
+    async with local_cluster(tmp_path / "cluster") as cluster:
+        await cluster.kubectl("apply", "--validate=false", "-f", str(path))
+        await cluster.wait(lambda: len(cluster.pods(name, "learner")) == 2
+                           and len(cluster.pods(name, "rollout")) == 4,
+                           60, "the pods", name)  # fmt: skip
+
+        def pending_for_gpus() -> bool:
+            pods = cluster.pods(name, "learner") + cluster.pods(name, "rollout")
+            reasons = [
+                c.get("message", "")
+                for p in pods
+                for c in (p.get("status") or {}).get("conditions") or []
+                if c.get("type") == "PodScheduled" and c.get("status") == "False"
+            ]
+            return len(reasons) == 6 and all("Insufficient nvidia.com/gpu" in r for r in reasons)
+
+        await cluster.wait(pending_for_gpus, 60, "every pod Pending for GPUs", name)
+        for pod in cluster.pods(name, "learner") + cluster.pods(name, "rollout"):
+            assert pod_problems(pod, cluster.api) == [], pod["metadata"]["name"]
+            needs = scheduling_problems(pod, cluster.node.capacity)
+            assert needs and all("nvidia.com/gpu" in n or "cpu" in n or "memory" in n
+                                 for n in needs), needs  # fmt: skip
+        await cluster.wait(
+            lambda: "Insufficient nvidia.com/gpu" in cluster.condition(name, "Running").get(
+                "message", ""
+            ),
+            30, "the job's status to say why it is Pending", name,
+        )  # fmt: skip
+        cluster.mark("the flagship example: Pending for GPUs only")
