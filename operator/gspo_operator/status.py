@@ -216,12 +216,11 @@ def compute(
         reason, message = _failure(spec, observed, js, *failed)
         return _finish(st, "Failed", reason, message)
     if js.true("Completed") is not None:
-        return _finish(
-            st,
-            "Succeeded",
-            "Completed",
-            f"every learner pod exited 0 at step {st.get('step') or 0}",
-        )
+        # The learner Job completes only once the learner exited 0 at maxSteps (a stopped one
+        # is deleted, not completed); its /progress is gone by now, so the last read may lag.
+        st.set(step=spec.algorithm.max_steps)
+        message = f"every learner pod exited 0 at step {st.get('step')}"
+        return _finish(st, "Succeeded", "Completed", message)
 
     restarts = js.restarts
     if restarts > int(prev.get("restarts") or 0):
