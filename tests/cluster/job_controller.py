@@ -78,7 +78,6 @@ Events are not emitted.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import copy
 import datetime as dt
@@ -89,6 +88,7 @@ from typing import TYPE_CHECKING, Any
 
 import kmock
 from jobset_webhook import invalid, invalid_message, is_valid_label_value
+from reconciler import Reconciler
 
 if TYPE_CHECKING:
     from apiserver import ClusterApiServer
@@ -464,37 +464,17 @@ def _removal_order(pod: Obj) -> tuple[Any, ...]:
     )
 
 
-class JobController:
+class JobController(Reconciler):
     """batch/v1 Jobs: pods from the template, counters, conditions (see the module docstring)."""
 
     def __init__(self, api: ClusterApiServer, *, period_s: float = 0.1) -> None:
         """`api`: the store to reconcile; `period_s`: how often `run` re-reads every Job."""
-        self.api = api
-        self.period_s = period_s
-        self.errors: list[BaseException] = []  # sync failures, kept for tests to inspect
+        super().__init__(api, period_s)
         self._tracking: dict[str, _Tracking] = {}
 
-    async def run(self, stop: asyncio.Event) -> None:
-        """Reconcile every Job every `period_s` until `stop` is set."""
-        while not stop.is_set():
-            await self.sync_all()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.period_s)
-
     async def sync_all(self) -> None:
-        """One pass over all Jobs (a failure in one Job is logged and kept in `errors`)."""
-        seen = set()
-        for job in list(self.api.list_kind("Job")):
-            meta = job["metadata"]
-            current = self.api.get("Job", meta.get("namespace", ""), meta["name"])
-            if current is None or current["metadata"]["uid"] != meta["uid"]:
-                continue
-            seen.add(meta["uid"])
-            try:
-                await self.sync_job(current)
-            except Exception as exc:  # a stand-in must keep the other Jobs going
-                log.exception("syncing Job %s/%s", meta.get("namespace"), meta["name"])
-                self.errors.append(exc)
+        """One pass over all Jobs; what is tracked for Jobs that are gone is dropped."""
+        seen = await self.sync_each("Job", self.sync_job)
         for uid in set(self._tracking) - seen:
             del self._tracking[uid]
 

@@ -72,7 +72,6 @@ events other than JobCreationFailed, metrics, and lastTransitionTime finer than 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import copy
 import datetime as dt
@@ -85,6 +84,7 @@ from typing import TYPE_CHECKING, Any
 import kmock
 from job_controller import condition_true, now_rfc3339, owned_by, parse_time
 from jobset_webhook import JOBSET_API_VERSION, JOBSET_CONTROLLER_NAME, job_name
+from reconciler import Reconciler
 
 if TYPE_CHECKING:
     from apiserver import ClusterApiServer
@@ -211,39 +211,21 @@ def set_condition(status: Obj, type_: str, state: str, reason: str, message: str
     return changed
 
 
-class JobSetController:
+class JobSetController(Reconciler):
     """jobset.x-k8s.io/v1alpha2 JobSets: Jobs, headless Service, policies, status."""
 
     def __init__(
         self, api: ClusterApiServer, *, restart_job_gate: bool = False, period_s: float = 0.1
     ) -> None:
-        self.api = api
+        super().__init__(api, period_s)
         self.restart_job_gate = restart_job_gate
-        self.period_s = period_s
-        self.errors: list[BaseException] = []  # sync failures, kept for tests to inspect
         # (namespace, job name) -> uid of a deleted Job whose pods may still be terminating.
         self._draining: dict[tuple[str, str], str] = {}
         self._events: dict[tuple[str, str, str], str] = {}
 
-    async def run(self, stop: asyncio.Event) -> None:
-        """Reconcile every JobSet every `period_s` until `stop` is set."""
-        while not stop.is_set():
-            await self.sync_all()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.period_s)
-
     async def sync_all(self) -> None:
-        """One pass over all JobSets (a failure in one is logged and kept in `errors`)."""
-        for js in list(self.api.list_kind("JobSet")):
-            meta = js["metadata"]
-            current = self.api.get("JobSet", meta.get("namespace", ""), meta["name"])
-            if current is None or current["metadata"]["uid"] != meta["uid"]:
-                continue
-            try:
-                await self.sync_jobset(current)
-            except Exception as exc:  # a stand-in must keep the other JobSets going
-                log.exception("syncing JobSet %s/%s", meta.get("namespace"), meta["name"])
-                self.errors.append(exc)
+        """One pass over all JobSets."""
+        await self.sync_each("JobSet", self.sync_jobset)
 
     # --- the reconcile ------------------------------------------------------------------------
 
