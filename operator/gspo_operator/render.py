@@ -43,6 +43,9 @@ MODEL_CACHE_VOLUME = "model-cache"
 DISRUPTED = {"type": "DisruptionTarget", "status": "True"}  # preemption, eviction, drain
 EXIT_2_MESSAGE = "failed with exit code 2 matching FailJob rule"
 DISRUPTION_MESSAGE = "has condition DisruptionTarget matching FailJob rule"
+# A learner stopped by SIGTERM (drain, eviction, node shutdown) exits 143 after a final
+# checkpoint; it is a disruption too, whichever of its pods the Job controller sees first.
+STOPPED_MESSAGE = f"failed with exit code {ports.LEARNER_STOPPED_EXIT_CODE} matching FailJob rule"
 PROMETHEUS_POD_LABELS = {"app.kubernetes.io/name": "prometheus"}  # prometheus-operator's label
 JOB_LABEL_META = "__meta_kubernetes_pod_label_" + "".join(
     c if c.isalnum() else "_" for c in names.JOB_LABEL
@@ -195,7 +198,7 @@ def failure_rules(spec: GSPOJobSpec) -> list[Obj]:
             "name": "LearnerDisrupted",
             "action": "RestartJobSetAndIgnoreMaxRestarts",
             "onJobFailureReasons": ["PodFailurePolicy"],
-            "onJobFailureMessagePatterns": [DISRUPTION_MESSAGE],
+            "onJobFailureMessagePatterns": [DISRUPTION_MESSAGE, STOPPED_MESSAGE],
             "targetReplicatedJobs": learner,
         },
         {"name": "LearnerFailed", "action": restart, "targetReplicatedJobs": learner},
@@ -222,9 +225,10 @@ def render_jobset(ctx: _Ctx) -> Obj:
         pod_failure_rules=[
             {
                 "action": "FailJob",
-                "onExitCodes": {"containerName": names.LEARNER, "operator": "In", "values": [2]},
+                "onExitCodes": _exit_codes(2),
             },
             {"action": "FailJob", "onPodConditions": [DISRUPTED]},
+            {"action": "FailJob", "onExitCodes": _exit_codes(ports.LEARNER_STOPPED_EXIT_CODE)},
         ],
     )
     replicated = [{"name": names.LEARNER, "replicas": 1, "template": learner_job}]
@@ -263,6 +267,10 @@ def render_jobset(ctx: _Ctx) -> Obj:
             "replicatedJobs": replicated,
         },
     }
+
+
+def _exit_codes(code: int) -> Obj:
+    return {"containerName": names.LEARNER, "operator": "In", "values": [code]}
 
 
 def _job_template(

@@ -3,8 +3,9 @@
 `kubectl apply` a tiny job (examples/local-cluster.yaml: 2 learner pods over gloo between two
 network namespaces, 1 vLLM rollout server); the operator renders its JobSet, JobSet's and the
 Job controller's stand-ins make the pods, and the node runs them as processes. Faults are
-real: a learner rank SIGKILLed, the rollout server SIGKILLed, the JobSet suspended (SIGTERM to
-the pods), a learner that refuses its configuration. Each phase prints how long it took.
+real: a learner rank SIGKILLed, the rollout server SIGKILLed, a learner pod evicted, the
+JobSet suspended (SIGTERM to the pods), a learner that refuses its configuration. Each phase
+prints how long it took.
 
 Needs root (network and mount namespaces) and the real kubectl; skipped otherwise.
 """
@@ -166,6 +167,23 @@ async def test_a_job_trains_through_faults_suspend_and_resume_to_succeeded(tmp_p
         assert cluster.status(JOB)["restarts"] == 1  # the learner was not restarted
         cluster.mark("rollout server SIGKILLed -> replaced and synced, learner kept going")
 
+        # --- a learner pod evicted (a drain): restarted from its final checkpoint, not counted -
+        evicted = cluster.pods(JOB, "learner", running=True)[0]["metadata"]["name"]
+        await cluster.node.evict("default", evicted)
+        await cluster.wait(lambda: cluster.status(JOB).get("restarts") == 2, 300,
+                           "a restart after the eviction", JOB)  # fmt: skip
+        jobset = cluster.api.get("JobSet", "default", JOB)["status"]
+        assert jobset["restarts"] == 2 and jobset.get("restartsCountTowardsMax") == 1, jobset
+        words = await cluster.wait(
+            lambda: re.search(r"Stopped at step (\d+) after a final checkpoint",
+                              cluster.log(evicted, "learner")),
+            300, "the evicted learner's final checkpoint", JOB,
+        )  # fmt: skip
+        assert f"step-{int(words.group(1)):06d}" in checkpoints(cluster)
+        await cluster.wait(lambda: cluster.status(JOB).get("phase") == "Running", 600,
+                           "Running after the eviction", JOB)  # fmt: skip
+        cluster.mark("learner pod evicted -> restarted from its final checkpoint, not counted")
+
         # --- suspend: SIGTERM, a final checkpoint; resume continues from it ------------------
         at = cluster.status(JOB).get("step") or 0
         await cluster.kubectl("patch", "gspojob", JOB, "--type=merge",
@@ -197,7 +215,7 @@ async def test_a_job_trains_through_faults_suspend_and_resume_to_succeeded(tmp_p
         cluster.mark("resumed -> Succeeded")
 
         # --- the exported model is on the claim and loads with transformers ------------------
-        assert cluster.status(JOB)["restarts"] == 1
+        assert cluster.status(JOB)["restarts"] == 2
         steps = history_steps(cluster)
         assert max(steps) == 40 and max(stopped) + 1 in steps
         export = cluster.claim_dir(f"{JOB}-checkpoints") / "export"

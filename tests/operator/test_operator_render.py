@@ -219,6 +219,8 @@ def test_one_jobset_runs_the_learner_group_and_one_job_per_server() -> None:
         {"action": "FailJob", "onExitCodes": {"containerName": "learner", "operator": "In",
                                               "values": [2]}},
         {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        {"action": "FailJob", "onExitCodes": {"containerName": "learner", "operator": "In",
+                                              "values": [143]}},
     ]  # fmt: skip
     rollout = replicated(objs, "rollout")
     assert rollout["replicas"] == 4
@@ -249,8 +251,16 @@ def test_failure_policy_fails_on_exit_2_and_restarts_otherwise() -> None:
 
     (p,) = rules["LearnerInvalidConfig"]["onJobFailureMessagePatterns"]
     assert re.search(p, exit_2) and not re.search(p, disrupted)
-    (p,) = rules["LearnerDisrupted"]["onJobFailureMessagePatterns"]
-    assert re.search(p, disrupted) and not re.search(p, exit_2)
+    # A learner stopped by SIGTERM (evicted, drained) exits 143 after its final checkpoint.
+    stopped = exit_2.replace("exit code 2 ", "exit code 143 ").replace("index 0", "index 2")
+    patterns = rules["LearnerDisrupted"]["onJobFailureMessagePatterns"]
+    assert any(re.search(p, disrupted) for p in patterns)
+    assert any(re.search(p, stopped) for p in patterns)
+    assert not any(re.search(p, exit_2) for p in patterns)
+    crash = exit_2.replace("exit code 2 ", "exit code 1 ")
+    assert not any(re.search(p, crash) for p in patterns)
+    (p,) = rules["LearnerInvalidConfig"]["onJobFailureMessagePatterns"]
+    assert not re.search(p, stopped)
     assert rules["LearnerInvalidConfig"]["action"] == "FailJobSet"
     assert rules["LearnerDisrupted"]["action"] == "RestartJobSetAndIgnoreMaxRestarts"
     assert rules["LearnerFailed"]["action"] == "RestartJobSet"

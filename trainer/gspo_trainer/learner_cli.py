@@ -8,10 +8,11 @@ GSPO_NNODES/GSPO_NODE_RANK/GSPO_NPROC_PER_NODE the learner group. With more than
 process per pod (or several pods) this command starts torch.distributed.run, which runs it
 again once per process.
 
-Exit status: 0 after algorithm.maxSteps (progress phase Succeeded) and after SIGTERM (a
-final checkpoint is written first, so a suspended job resumes where it stopped); 1 on a
-fatal error; 2 on an invalid config, or one this node cannot run (a model, data set or reward
-function that is not there, more GPUs than it has: `preflight`), before any work. A start
+Exit status: 0 after algorithm.maxSteps (progress phase Succeeded); 143 after SIGTERM or
+SIGINT before then (a final checkpoint is written first, so a suspended, evicted or drained
+job resumes where it stopped; ports.LEARNER_STOPPED_EXIT_CODE); 1 on a fatal error; 2 on
+an invalid config, or one this node cannot run (a model, data set or reward function that
+is not there, more GPUs than it has: `preflight`), before any work. A start
 resumes from the newest complete checkpoint.
 """
 
@@ -124,8 +125,11 @@ def launch_group(argv: list[str]) -> int:
     """
     proc = subprocess.Popen(group_command(argv), start_new_session=True,
                             preexec_fn=_die_with_parent)  # fmt: skip
+    signalled = False
 
     def forward(signum: int, _: Any) -> None:
+        nonlocal signalled
+        signalled = True
         ranks = _ranks_of(proc.pid)
         for pid in ranks:
             with contextlib.suppress(ProcessLookupError):  # a rank that has just exited
@@ -135,7 +139,21 @@ def launch_group(argv: list[str]) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
-    return proc.wait()
+    code = proc.wait()
+    # Ranks that stopped on request exit 0 (torch.distributed.run turns any other code into
+    # 1); whether they finished or stopped early is told by whether a signal was passed on.
+    if code == 0 and signalled and not _finished(argv):
+        return ports.LEARNER_STOPPED_EXIT_CODE
+    return code
+
+
+def _finished(argv: list[str]) -> bool:
+    """Whether the group trained to maxSteps (its final checkpoint is at maxSteps)."""
+    from gspo_trainer import checkpoint as ckpt
+
+    args = parse_args(argv)
+    done = ckpt.list_complete(Path(args.checkpoint_dir))
+    return bool(done) and done[-1][0] >= load_spec(args.config).algorithm.max_steps
 
 
 def build_rollout(args: argparse.Namespace, spec: GSPOJobSpec) -> Any:
@@ -204,6 +222,11 @@ async def run(args: argparse.Namespace, spec: GSPOJobSpec) -> int:
             await rollout.close()
     if server is not None:
         server.shutdown()
+    # Stopped early, after a final checkpoint: not 0 (see ports). A rank under
+    # torch.distributed.run exits 0 all the same; its launcher (launch_group) says it.
+    stopped = code == 0 and learner.state.phase == "Suspending"
+    if stopped and "TORCHELASTIC_RUN_ID" not in os.environ:
+        return ports.LEARNER_STOPPED_EXIT_CODE
     return code
 
 

@@ -27,6 +27,12 @@ LEARNER_GRACE_SECONDS = 1800
 # How long a rollout server may take to load its model (its startup probe's budget); the
 # learner waits as long for the first server to answer, since pods start together.
 ROLLOUT_STARTUP_SECONDS = 1800
+# A learner stopped by SIGTERM before maxSteps (after its final checkpoint) exits with this
+# code, never 0: on a cluster a pod that is evicted or drained and exits 0 would count as a
+# completed index of the learner Job, and the job would "succeed" mid-run. 128 + SIGTERM, as a
+# container runtime reports a process that SIGTERM ended; the learner Job's podFailurePolicy
+# sends it to JobSet as a disruption (restart from that checkpoint, not counted).
+LEARNER_STOPPED_EXIT_CODE = 143
 LEARNER_COMMAND = ("gspo", "learner")
 ROLLOUT_COMMAND = ("gspo", "rollout-server")
 OPERATOR_COMMAND = ("gspo", "operator")

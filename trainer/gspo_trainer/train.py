@@ -305,6 +305,8 @@ def main(argv: list[str]) -> int:
         view.poll()
         view.close()
         code = int(learner.popen.returncode)
+        if interrupted and code == ports.LEARNER_STOPPED_EXIT_CODE:
+            code = 0  # Ctrl-C: the learner stopped as asked, after a final checkpoint
         if code != 0 and not interrupted:
             print(f"The learner failed (exit {code}); last lines of its log:\n{learner.tail()}",
                   file=sys.stderr)  # fmt: skip
