@@ -115,7 +115,7 @@ class LearnerState:
 
 
 class _Stopping(Exception):
-    """Every rank agreed to stop (SIGTERM) in the middle of a step: checkpoint and exit 0."""
+    """Every rank agreed to stop (SIGTERM) mid-step: a final checkpoint, then exit 143."""
 
 
 class Learner:

@@ -20,8 +20,8 @@ RESERVED_PORTS = {
 }
 
 # `gspo` subcommands the pods run; the operator and the images start exactly these.
-# SIGTERM makes the learner write a final checkpoint and exit 0; suspend relies on it. The
-# kubelet waits this long (the learner pods' terminationGracePeriodSeconds), and a learner
+# SIGTERM makes the learner write a final checkpoint and exit (143, below); suspend relies on
+# it. The kubelet waits this long (the learner pods' terminationGracePeriodSeconds), and a learner
 # group's launcher gives its ranks all but a minute of it before killing them.
 LEARNER_GRACE_SECONDS = 1800
 # How long a rollout server may take to load its model (its startup probe's budget); the

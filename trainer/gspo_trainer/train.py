@@ -257,7 +257,7 @@ def main(argv: list[str]) -> int:
         nonlocal interrupted
         interrupted = True
         if learner is not None and learner.popen.poll() is None:
-            os.killpg(learner.popen.pid, signal.SIGTERM)  # final checkpoint, then exit 0
+            os.killpg(learner.popen.pid, signal.SIGTERM)  # final checkpoint, then exit 143
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
