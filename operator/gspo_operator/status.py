@@ -394,6 +394,8 @@ def _record_progress(st: _Status, progress: LearnerProgress | None) -> None:
     if progress is None:
         return
     st.set(step=progress.step, policyVersion=progress.policy_version)
+    if progress.server_versions:
+        st.set(serverVersions=dict(progress.server_versions))
     if progress.reward is not None:
         st.set(reward=round(progress.reward, 4))
     if progress.last_checkpoint:

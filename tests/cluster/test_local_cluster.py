@@ -126,6 +126,8 @@ async def test_a_job_trains_through_faults_suspend_and_resume_to_succeeded(tmp_p
                                120, "the step to advance", JOB)  # fmt: skip
         assert cluster.condition(JOB, "RolloutReady").get("status") == "True"
         assert cluster.condition(JOB, "WeightsSynced").get("status") == "True"
+        (held,) = cluster.status(JOB)["serverVersions"].values()  # the one server's version
+        assert held is not None and held >= 1
 
         # --- a learner rank SIGKILLed: the group restarts from the newest checkpoint ---------
         await cluster.wait(lambda: checkpoints(cluster), 300, "a first checkpoint", JOB)

@@ -92,7 +92,9 @@ def test_a_missing_jobset_is_created() -> None:
 
 def test_running_with_progress_written_to_status() -> None:
     progress = LearnerProgress(step=12, reward=0.41234, last_checkpoint="step-000010",
-                               policy_version=12, phase="Running")  # fmt: skip
+                               policy_version=12, phase="Running",
+                               server_versions={"http://10.0.0.7:8000": 12,
+                                                "http://10.0.0.9:8000": None})  # fmt: skip
     prev = step(spec(), observed(pods("Pending", "Pending")), None).status
     out = step(spec(), observed(pods("Running", "Running"), servers(3), progress=progress), prev)
     st = out.status
@@ -100,6 +102,7 @@ def test_running_with_progress_written_to_status() -> None:
     assert (st["step"], st["reward"], st["lastCheckpoint"], st["policyVersion"]) == (
         12, 0.4123, "step-000010", 12)  # fmt: skip
     assert st["rolloutReady"] == "3/4"
+    assert st["serverVersions"] == {"http://10.0.0.7:8000": 12, "http://10.0.0.9:8000": None}
     assert cond(st, "LearnerReady")["status"] == "True"
     assert cond(st, "RolloutReady")["status"] == "False"
     assert cond(st, "WeightsSynced")["status"] == "True"

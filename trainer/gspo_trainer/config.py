@@ -502,6 +502,9 @@ class GSPOJobStatus(BaseModel):
     restarts: int = 0
     rollout_ready: str | None = Field(None, description="Ready rollout servers, e.g. 3/4.")
     policy_version: int | None = None
+    server_versions: dict[str, int | None] | None = Field(
+        None, description="Policy version each rollout server holds, by server URL."
+    )
     start_time: str | None = None
     completion_time: str | None = None
     observed_generation: int | None = None

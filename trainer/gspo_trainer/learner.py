@@ -174,6 +174,7 @@ class Learner:
             phase=s.phase, step=s.step, max_steps=self.spec.algorithm.max_steps, reward=s.reward,
             last_checkpoint=s.last_checkpoint, last_checkpoint_step=s.last_checkpoint_step,
             policy_version=s.policy_version, message=s.message,
+            server_versions=dict(getattr(self.rollout, "server_versions", dict)()),
         )  # fmt: skip
 
     # --- the run -------------------------------------------------------------------------

@@ -24,6 +24,10 @@ class LearnerProgress(BaseModel):
     last_checkpoint: str | None = Field(None, description="Name of the newest complete checkpoint.")
     last_checkpoint_step: int | None = None
     policy_version: int = Field(0, ge=0, description="Weights version the rollout servers hold.")
+    server_versions: dict[str, int | None] = Field(
+        default_factory=dict,
+        description="Policy version each rollout server holds (None: not synced yet), by URL.",
+    )
     message: str = ""
 
     def to_json(self) -> str:

@@ -162,6 +162,10 @@ class RolloutClient:
         except (aiohttp.ClientError, TimeoutError, ValueError):
             server.alive = False
 
+    def server_versions(self) -> dict[str, int | None]:
+        """The policy version each server held when last heard from (None: not synced)."""
+        return {url: s.policy_version for url, s in list(self.servers.items())}
+
     async def fleet_state(self) -> tuple[int, int]:
         """(servers that can serve the current version, live servers that need a sync first).
 

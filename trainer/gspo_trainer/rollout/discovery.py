@@ -90,6 +90,9 @@ class FleetDiscovery:
     async def fleet_state(self) -> tuple[int, int]:
         return await self.client.fleet_state()
 
+    def server_versions(self) -> dict[str, int | None]:
+        return self.client.server_versions()
+
     async def sync_weights(self, named_tensors: Any, version: int) -> Any:
         return await self.client.sync_weights(named_tensors, version)
 
