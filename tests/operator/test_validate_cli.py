@@ -59,3 +59,22 @@ def test_names_that_cannot_name_services_are_refused() -> None:
     assert check_job_name("qwen3-run-1") is None
     for bad in ("1run", "Run", "run-", "run.a", "x" * 51):
         assert check_job_name(bad), bad
+
+
+def test_other_kinds_beside_the_job_are_left_to_kubectl(gspo, tmp_path: Path) -> None:
+    """A file may carry the claim or Secret a job needs (examples/local-cluster.yaml does)."""
+    claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "data"},
+             "spec": {"accessModes": ["ReadWriteOnce"]}}  # fmt: skip
+    both = tmp_path / "both.yaml"
+    both.write_text(yaml.safe_dump_all([claim, yaml.safe_load(EXAMPLE)]))
+    out = gspo("validate", str(both))
+    assert out.returncode == 0, out.stdout + out.stderr
+    rendered = gspo("render", str(both))
+    assert rendered.returncode == 0, rendered.stderr
+    kinds = [d["kind"] for d in yaml.safe_load_all(rendered.stdout)]
+    assert "JobSet" in kinds and "PersistentVolumeClaim" in kinds  # the job's own claim only
+    assert len([k for k in kinds if k == "PersistentVolumeClaim"]) == 1
+    alone = tmp_path / "claim.yaml"
+    alone.write_text(yaml.safe_dump(claim))
+    out = gspo("validate", str(alone))
+    assert out.returncode == 1 and "no GSPOJob" in out.stdout
