@@ -635,6 +635,15 @@ def _hostname(pod: Obj) -> str:
     return spec.get("hostname") or name[:63].rstrip("-.")
 
 
+def _qualified(name: str, namespace: str) -> tuple[str, str, str]:
+    """The names other namespaces resolve `name` of `namespace` by, as CoreDNS serves them."""
+    return (
+        f"{name}.{namespace}",
+        f"{name}.{namespace}.svc",
+        f"{name}.{namespace}.svc.cluster.local",
+    )
+
+
 def _labels_match(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
 
@@ -1729,21 +1738,11 @@ class ProcessKubelet:
                     continue
                 if not (publish or rt.ready()):
                     continue
-                for name in (
-                    f"{sname}.{sns}",
-                    f"{sname}.{sns}.svc",
-                    f"{sname}.{sns}.svc.cluster.local",
-                ):
-                    shared.add((rt.ip, name))
+                shared.update((rt.ip, name) for name in _qualified(sname, sns))
                 local[sns].add((rt.ip, sname))
                 if headless and rt.spec.get("hostname") and rt.spec.get("subdomain") == sname:
                     host = f"{rt.spec['hostname']}.{sname}"
-                    for name in (
-                        f"{host}.{sns}",
-                        f"{host}.{sns}.svc",
-                        f"{host}.{sns}.svc.cluster.local",
-                    ):
-                        shared.add((rt.ip, name))
+                    shared.update((rt.ip, name) for name in _qualified(host, sns))
                     local[sns].add((rt.ip, host))
         for rt in running:
             assert rt.endpoint is not None
