@@ -131,6 +131,19 @@ if TYPE_CHECKING:
 Obj = dict[str, Any]
 
 POD_INIT = Path(__file__).with_name("pod_init.py")
+CHECKOUT = Path(__file__).resolve().parents[2]  # the source an editable install imports
+
+
+def image_paths(argv: list[str]) -> list[str]:
+    """What stands in for the container image: the interpreter, the venv and this checkout.
+
+    A pod's volume mounted over one of their parents (an emptyDir at /tmp, with the checkout
+    under /tmp) must not hide them, as volumes never hide an image's own files: pod_init
+    binds each back where a mount covered it."""
+    paths = {sys.prefix, sys.base_prefix, str(CHECKOUT), os.path.dirname(os.path.realpath(argv[0]))}
+    return sorted(p for p in paths if p and os.path.isdir(p))
+
+
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DEFAULT_TERMINATION_PATH = "/dev/termination-log"
 DEFAULT_GRACE_S = 30.0
@@ -1316,6 +1329,7 @@ class ProcessKubelet:
             "mode": "run",
             "mounts": mounts,
             "expose": self._exposure(argv, uid, cdir),
+            "image": image_paths(argv),
             "hostname": rt.hostname,
             "uid": uid,
             "gid": gid,

@@ -11,6 +11,8 @@ SPEC is a JSON file the kubelet wrote:
   with nsenter into a running container's namespaces: only the user switch, cwd and exec);
 - mounts: [{source, target, readOnly}] in mount order (parents before children): bind mounts,
   read-only ones remounted read-only;
+- image: directories that stand in for the image (interpreter, venv, checkout), bound back
+  wherever a volume mounted over a parent hid them;
 - expose: {blocked, children, staging} or null: `blocked` is a host directory others cannot
   traverse (/root) holding what a non-root container needs (the venv's interpreter); it is
   covered with a tmpfs that holds bind mounts of just `children`, as an image would ship them;
@@ -69,6 +71,15 @@ def _bind(source: str, target: str, read_only: bool) -> None:
         _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep)
 
 
+def _same(path: str, fd: int) -> bool:
+    """Whether `path` still names the directory `fd` was opened on."""
+    try:
+        here, there = os.stat(path), os.fstat(fd)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
 def _expose(blocked: str, children: list[str], staging: str) -> None:
     """Cover `blocked` with a world-traversable tmpfs that holds only `children`."""
     parked = []
@@ -120,8 +131,14 @@ def main(spec_path: str) -> None:
             # the node's own directories (an emptyDir at /tmp, where the pod directories may
             # live) would otherwise hide the sources of the mounts after it.
             sources = [os.open(m["source"], os.O_PATH | os.O_CLOEXEC) for m in spec["mounts"]]
+            image = [(p, os.open(p, os.O_PATH | os.O_CLOEXEC)) for p in spec.get("image", [])]
             for m, fd in zip(spec["mounts"], sources, strict=True):
                 _bind(f"/proc/self/fd/{fd}", m["target"], bool(m.get("readOnly")))
+                os.close(fd)
+            for path, fd in image:  # an image's own files are never hidden by a volume
+                if not _same(path, fd):
+                    os.makedirs(path, exist_ok=True)
+                    _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
                 os.close(fd)
             _sethostname(spec["hostname"])
         _become(spec)
