@@ -104,7 +104,8 @@ def history_steps(cluster: LocalCluster) -> list[int]:
 async def test_a_job_trains_through_faults_suspend_and_resume_to_succeeded(tmp_path) -> None:
     async with local_cluster(tmp_path / "cluster") as cluster:
         share_build_cache(cluster)
-        path = manifest(tmp_path, algorithm={"maxSteps": 40})
+        # Steps take ~0.1 s: enough of them that every fault lands before the end.
+        path = manifest(tmp_path, algorithm={"maxSteps": 300})
         out = await cluster.kubectl("apply", "--validate=false", "-f", str(path))
         assert f"gspojob.gspo.dev/{JOB} created" in out
 
@@ -169,23 +170,6 @@ async def test_a_job_trains_through_faults_suspend_and_resume_to_succeeded(tmp_p
         assert cluster.status(JOB)["restarts"] == 1  # the learner was not restarted
         cluster.mark("rollout server SIGKILLed -> replaced and synced, learner kept going")
 
-        # --- a learner pod evicted (a drain): restarted from its final checkpoint, not counted -
-        evicted = cluster.pods(JOB, "learner", running=True)[0]["metadata"]["name"]
-        await cluster.node.evict("default", evicted)
-        await cluster.wait(lambda: cluster.status(JOB).get("restarts") == 2, 300,
-                           "a restart after the eviction", JOB)  # fmt: skip
-        jobset = cluster.api.get("JobSet", "default", JOB)["status"]
-        assert jobset["restarts"] == 2 and jobset.get("restartsCountTowardsMax") == 1, jobset
-        words = await cluster.wait(
-            lambda: re.search(r"Stopped at step (\d+) after a final checkpoint",
-                              cluster.log(evicted, "learner")),
-            300, "the evicted learner's final checkpoint", JOB,
-        )  # fmt: skip
-        assert f"step-{int(words.group(1)):06d}" in checkpoints(cluster)
-        await cluster.wait(lambda: cluster.status(JOB).get("phase") == "Running", 600,
-                           "Running after the eviction", JOB)  # fmt: skip
-        cluster.mark("learner pod evicted -> restarted from its final checkpoint, not counted")
-
         # --- suspend: SIGTERM, a final checkpoint; resume continues from it ------------------
         at = cluster.status(JOB).get("step") or 0
         await cluster.kubectl("patch", "gspojob", JOB, "--type=merge",
@@ -211,15 +195,36 @@ async def test_a_job_trains_through_faults_suspend_and_resume_to_succeeded(tmp_p
         cluster.mark(f"suspended: final checkpoint at step {max(stopped)}")
         await cluster.kubectl("patch", "gspojob", JOB, "--type=merge",
                               "-p", '{"spec":{"runPolicy":{"suspend":false}}}')  # fmt: skip
+        await cluster.wait(lambda: (cluster.status(JOB).get("step") or 0) > max(stopped), 600,
+                           "training again after the resume", JOB)  # fmt: skip
+        cluster.mark("resumed -> training again")
+
+        # --- a learner pod evicted (a drain): restarted from its final checkpoint, not counted -
+        evicted = cluster.pods(JOB, "learner", running=True)[0]["metadata"]["name"]
+        await cluster.node.evict("default", evicted)
+        await cluster.wait(lambda: cluster.status(JOB).get("restarts") == 2, 300,
+                           "a restart after the eviction", JOB)  # fmt: skip
+        jobset = cluster.api.get("JobSet", "default", JOB)["status"]
+        assert jobset["restarts"] == 2 and jobset.get("restartsCountTowardsMax") == 1, jobset
+        words = await cluster.wait(
+            lambda: re.search(r"Stopped at step (\d+) after a final checkpoint",
+                              cluster.log(evicted, "learner")),
+            300, "the evicted learner's final checkpoint", JOB,
+        )  # fmt: skip
+        assert f"step-{int(words.group(1)):06d}" in checkpoints(cluster)
+        await cluster.wait(lambda: cluster.status(JOB).get("phase") == "Running", 600,
+                           "Running after the eviction", JOB)  # fmt: skip
+        cluster.mark("learner pod evicted -> restarted from its final checkpoint, not counted")
+
         out = await cluster.kubectl("wait", "--for=condition=Succeeded", f"gspojob/{JOB}",
                                     "--timeout=900s", timeout_s=960)  # fmt: skip
         assert "condition met" in out
-        cluster.mark("resumed -> Succeeded")
+        cluster.mark("-> Succeeded")
 
         # --- the exported model is on the claim and loads with transformers ------------------
         assert cluster.status(JOB)["restarts"] == 2
         steps = history_steps(cluster)
-        assert max(steps) == 40 and max(stopped) + 1 in steps
+        assert max(steps) == 300 and max(stopped) + 1 in steps
         export = cluster.claim_dir(f"{JOB}-checkpoints") / "export"
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
