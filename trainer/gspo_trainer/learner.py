@@ -188,8 +188,7 @@ class Learner:
             await self._await_fleet(starting=True)  # servers load the model meanwhile
             await self.sync(self.state.step)
             while self.state.step < alg.max_steps:
-                if self._agree_stop():
-                    raise _Stopping
+                # A stop is agreed at the start of each step, in _await_fleet (raises _Stopping).
                 await self.train_step(self.state.step + 1)
                 every = self.spec.checkpoint.every_steps
                 # after a failed checkpoint, try again at the next step, not an interval on
