@@ -1,23 +1,28 @@
-"""Operator throughput: N GSPOJobs applied at once, until every one has all its children and
-status Running, against the same number of raw API requests to the same server.
+"""Operator cost: N GSPOJobs applied at once, (1) until every one has all its children and
+status Running, against the same number of raw API requests to the same server, then (2) API
+requests per job per minute at steady state, every learner training.
 
 The API server is the test stand-in (tests/cluster/apiserver.py) in this process, with the
 JobSet and Job controller stand-ins making each job's pods from its JobSet; a simulated
 kubelet marks pods Running/Ready as they appear (directly in the store, so it makes no API
-requests). The baseline replays as many
-raw requests as the operator made (creates of small ConfigMaps, all in flight at once through
-the same client stack), so the ratio is the operator's own overhead: kopf's watch, handlers,
-status patches and timers.
+requests). Every learner rank 0 answers GET /progress with a step that advances every
+`--step-seconds`, as a training learner does. Phase (1)'s baseline replays as many raw
+requests as the operator made (creates of small ConfigMaps, all in flight at once through
+the same client stack), so the ratio is the operator's own overhead. Phase (2) counts every
+request the API server serves during `--window` seconds, watches included, divided by jobs
+and minutes: what 200 running jobs cost the API server.
 
-    python bench/bench_operator.py [--jobs 200] [--interval 2]
+    python bench/bench_operator.py [--jobs 200] [--interval 10] [--window 60]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +40,8 @@ async def kubelet(api, stop: asyncio.Event) -> None:
             if pod.get("status", {}).get("phase") == "Pending":
                 ready = [{"type": "Ready", "status": "True"}]
                 name = pod["metadata"]["name"]
-                await api.patch_status("Pod", NS, name, {"phase": "Running", "conditions": ready})
+                status = {"phase": "Running", "podIP": "127.0.0.1", "conditions": ready}
+                await api.patch_status("Pod", NS, name, status)
         await asyncio.sleep(0.05)
 
 
@@ -47,17 +53,30 @@ def running(api, jobs: int) -> int:
 
 async def bench(args: argparse.Namespace) -> None:
     import aiohttp
-    from operator_harness import api_server, operator, tiny_job
+    from operator_harness import api_server, operator, progress_server, tiny_job
 
     from gspo_operator.kube import Kube
+    from gspo_trainer.progress import LearnerProgress
 
-    async with api_server() as api:
+    async with api_server() as api, progress_server() as prog:
         user = Kube.for_host(api.base_url)
         stop = asyncio.Event()
         fake_kubelet = asyncio.create_task(kubelet(api, stop))
-        async with operator(api, interval_s=args.interval) as ctx:
+        begun = time.monotonic()
+
+        async def learning() -> None:  # every learner advances one step per --step-seconds
+            while not stop.is_set():
+                step = int((time.monotonic() - begun) / args.step_seconds)
+                prog.value = LearnerProgress(step=step, policy_version=step, reward=0.5)
+                await asyncio.sleep(0.1)
+
+        learner = asyncio.create_task(learning())
+        options = {"interval_s": args.interval}
+        if "progress_write_s" in inspect.signature(operator).parameters:
+            options["progress_write_s"] = args.progress_write
+        async with operator(api, **options) as ctx:
             served_before = api.served
-            docs = [tiny_job(f"job-{i:03d}", progress_port=1) for i in range(args.jobs)]
+            docs = [tiny_job(f"job-{i:03d}", progress_port=prog.port) for i in range(args.jobs)]
             start = time.perf_counter()
             path = f"/apis/gspo.dev/v1alpha1/namespaces/{NS}/gspojobs"
             async with aiohttp.ClientSession(api.base_url) as session:
@@ -80,8 +99,28 @@ async def bench(args: argparse.Namespace) -> None:
                 for r in ("success", "error", "requeue")
             )
             own = ctx.kube.requests_total
+
+            # Steady state: let start-up settle for one interval, then count for a window.
+            await asyncio.sleep(args.interval + 2)
+            seen_before, served_at = len(api._requests), api.served
+            await asyncio.sleep(args.window)
+            steady = api.served - served_at
+            kinds = Counter(
+                f"{r.method.value} {r.resource.plural if r.resource else '-'}"
+                + ("?watch" if r.params.get("watch") in ("true", "1") else "")
+                for r in api._requests[seen_before:]
+            )
+            steps = sorted(
+                int((j.get("status") or {}).get("step") or 0) for j in api.list_kind("GSPOJob", NS)
+            )
+            per_job_min = steady / args.jobs / (args.window / 60)
+            print(
+                f"steady state: {steady} API requests in {args.window:.0f} s = "
+                f"{per_job_min:.2f} per job per minute; by kind: {dict(kinds.most_common(6))}"
+            )
+            print(f"status step at the end: min {steps[0]}, max {steps[-1]}", flush=True)
         stop.set()
-        await fake_kubelet
+        await asyncio.gather(fake_kubelet, learner)
 
         # Baseline: the same number of raw requests, all in flight at once, same server.
         body = {"apiVersion": "v1", "kind": "ConfigMap", "data": {"k": "v"}}
@@ -95,7 +134,7 @@ async def bench(args: argparse.Namespace) -> None:
         raw_s = time.perf_counter() - start
         user.close()
 
-    print(f"jobs: {args.jobs}, timer interval: {args.interval} s")
+    print(f"jobs: {args.jobs}, progress interval: {args.interval} s")
     print(f"operator: {operator_s:.2f} s until every job had its children and phase Running")
     print(
         f"API requests during that time: {requests} ({requests / args.jobs:.1f} per job; "
@@ -112,7 +151,10 @@ async def bench(args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--jobs", type=int, default=200)
-    p.add_argument("--interval", type=float, default=2.0, help="reconcile timer seconds")
+    p.add_argument("--interval", type=float, default=10.0, help="progress poll, seconds")
+    p.add_argument("--progress-write", type=float, default=60.0, help="status write, seconds")
+    p.add_argument("--window", type=float, default=60.0, help="steady-state seconds counted")
+    p.add_argument("--step-seconds", type=float, default=2.0, help="a learner step, seconds")
     asyncio.run(bench(p.parse_args()))
 
 

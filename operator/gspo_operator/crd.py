@@ -4,17 +4,26 @@ The CRD is never edited by hand: `render_crd()` turns the models' JSON Schema in
 structural OpenAPI v3 subset Kubernetes accepts (no $ref, a type on every node, nullable
 instead of a null branch, int-or-string for quantities). The chart's copy is this output;
 a contract test fails when it is stale.
+
+The spec's pydantic defaults become schema defaults (the API server fills them in, so what
+is stored is what the operator reads), and `crd_rules` adds the CEL rules
+(x-kubernetes-validations) that refuse at `kubectl apply` what the operator would refuse.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
+from pydantic.json_schema import GenerateJsonSchema, NoDefault
+from pydantic_core import core_schema
 
+from gspo_operator import crd_rules, names
 from gspo_trainer.config import API_GROUP, API_VERSION, KIND, GSPOJobSpec, GSPOJobStatus
 
 PLURAL = "gspojobs"
@@ -35,8 +44,30 @@ PRINTER_COLUMNS = [
 _DROPPED = {"title", "$defs", "default", "const"}
 
 
+class _FactoryDefaults(GenerateJsonSchema):
+    """Pydantic's JSON Schema, with `default_factory` defaults stated too.
+
+    A section (a sub-model) defaults to `{}`: the API server then fills in the section's own
+    field defaults, as it does for any object it defaults. Lists and maps default to empty.
+    """
+
+    def get_default_value(self, schema: core_schema.WithDefaultSchema) -> Any:
+        factory = schema.get("default_factory")
+        if factory is None or schema.get("default_factory_takes_data"):
+            return super().get_default_value(schema)
+        value = factory()  # type: ignore[call-arg]
+        return {} if isinstance(value, BaseModel) else value
+
+
 def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
-    """One pydantic JSON Schema node -> a structural OpenAPI v3 node. Pure."""
+    """One pydantic JSON Schema node -> a structural OpenAPI v3 node. Pure.
+
+    A field whose default is None is not nullable: the API server then prunes an explicit
+    null, which means what leaving the field out means. Only a field with another default
+    (model.moe) keeps `nullable`, because there null and absent differ. Stored objects thus
+    hold no nulls where the CEL rules compare whole objects (see crd_rules: Kubernetes' CEL
+    finds an object holding a null unequal even to itself).
+    """
     if "$ref" in schema:
         target = defs[schema["$ref"].rsplit("/", 1)[-1]]
         merged = {**target, **{k: v for k, v in schema.items() if k != "$ref"}}
@@ -52,7 +83,7 @@ def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     branches = schema.get("anyOf")
     if branches is not None:
         non_null = [b for b in branches if b.get("type") != "null"]
-        nullable = len(non_null) < len(branches)
+        nullable = len(non_null) < len(branches) and schema.get("default", NoDefault) is not None
         if schema.get("x-kubernetes-int-or-string") or _is_int_or_string(non_null):
             out = {"x-kubernetes-int-or-string": True}
         elif len(non_null) == 1:
@@ -83,6 +114,8 @@ def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
             out["enum"] = [schema["const"]]
         if out.get("x-kubernetes-preserve-unknown-fields"):
             out.pop("additionalProperties", None)
+    if schema.get("default") is not None:
+        out["default"] = copy.deepcopy(schema["default"])  # shared $defs: no YAML anchors
     if description:
         out["description"] = description
     first = {k: out[k] for k in ("type", "description") if k in out}
@@ -93,14 +126,24 @@ def _is_int_or_string(branches: list[dict[str, Any]]) -> bool:
     return sorted(b.get("type", "") for b in branches) == ["integer", "string"]
 
 
-def _model_schema(model: type) -> dict[str, Any]:
-    raw = model.model_json_schema(by_alias=True)  # type: ignore[attr-defined]
+def _model_schema(model: type[BaseModel]) -> dict[str, Any]:
+    raw = model.model_json_schema(by_alias=True, schema_generator=_FactoryDefaults)
     return structural(raw, raw.get("$defs", {}))
+
+
+def _without_defaults(node: Any) -> Any:
+    """The status is the operator's to write: no defaults there (they would appear in every
+    status patch's result and hide what the operator actually wrote)."""
+    if isinstance(node, dict):
+        return {k: _without_defaults(v) for k, v in node.items() if k != "default"}
+    if isinstance(node, list):
+        return [_without_defaults(v) for v in node]
+    return node
 
 
 def render_crd() -> dict[str, Any]:
     """The CustomResourceDefinition for GSPOJob, as a plain dict."""
-    status = _model_schema(GSPOJobStatus)
+    status = _without_defaults(_model_schema(GSPOJobStatus))
     status["x-kubernetes-preserve-unknown-fields"] = True  # kopf keeps its progress here
     status.pop("additionalProperties", None)
     root = {
@@ -110,11 +153,16 @@ def render_crd() -> dict[str, Any]:
         "properties": {
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},
-            "metadata": {"type": "object"},
+            # The root may restrict metadata.name only; the bound keeps the name rules cheap.
+            "metadata": {
+                "type": "object",
+                "properties": {"name": {"type": "string", "maxLength": names.DNS_LABEL_MAX}},
+            },
             "spec": _model_schema(GSPOJobSpec),
             "status": status,
         },
     }
+    crd_rules.add_rules(root)
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",

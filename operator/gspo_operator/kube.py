@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import urllib3
 from kubernetes import client, config
 
 from gspo_trainer.config import API_GROUP, API_VERSION
@@ -49,21 +50,42 @@ class Created:
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, method: str, path: str, body: str) -> None:
+    """An error answer (or none: status 0) from the API server; `message` is the server's."""
+
+    def __init__(
+        self, status: int, method: str, path: str, body: str, retry_after_s: float | None = None
+    ) -> None:
         self.status = status
+        self.retry_after_s = retry_after_s
         try:
             detail = json.loads(body).get("message", body)
-        except ValueError:
+        except (ValueError, AttributeError):
             detail = body
+        self.message = str(detail)[:600]
         super().__init__(f"{method} {path}: HTTP {status}: {detail}"[:500])
 
 
-def path_of(api_version: str, kind: str, namespace: str | None, name: str | None = None) -> str:
+def _retry_after(headers: Any) -> float | None:
+    try:
+        return float((headers or {}).get("Retry-After"))
+    except (TypeError, ValueError):
+        return None
+
+
+def path_of(
+    api_version: str,
+    kind: str,
+    namespace: str | None,
+    name: str | None = None,
+    subresource: str | None = None,
+) -> str:
     base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
     if namespace:
         base += f"/namespaces/{namespace}"
     base += f"/{PLURALS[kind]}"
-    return f"{base}/{name}" if name else base
+    if name:
+        base += f"/{name}"
+    return f"{base}/{subresource}" if subresource else base
 
 
 def load_api_client() -> client.ApiClient:
@@ -119,7 +141,12 @@ class Kube:
             response = self.api.call_api(*serialized)
             response.read()
         except client.ApiException as exc:
-            raise ApiError(exc.status or 0, method, path, exc.body or str(exc)) from exc
+            retry_after = _retry_after(exc.headers)
+            raise ApiError(
+                exc.status or 0, method, path, exc.body or str(exc), retry_after
+            ) from exc
+        except (urllib3.exceptions.HTTPError, OSError) as exc:  # no answer: refused, reset
+            raise ApiError(0, method, path, str(exc)) from exc
         text = response.data.decode() if isinstance(response.data, bytes) else response.data
         if response.status >= 400:
             raise ApiError(response.status, method, path, text or "")
@@ -138,6 +165,17 @@ class Kube:
                 return False
             raise
         return True
+
+    async def create_or_get(self, obj: Mapping[str, Any]) -> Obj | None:
+        """Create `obj`: None when made; the object already there when the name is taken (the
+        caller decides whether it is its own: names alone never prove ownership)."""
+        meta = obj["metadata"]
+        if await self.create(obj):
+            return None
+        found = await self.get(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
+        if found is None:  # deleted between the two requests: try once more
+            return None if await self.create(obj) else await self.create_or_get(obj)
+        return found
 
     async def create_all(
         self, objs: Iterable[Mapping[str, Any]], optional_kinds: Iterable[str] = ()
@@ -164,6 +202,17 @@ class Kube:
                 out.made.append(what)
         return out
 
+    async def serves(self, api_version: str, kind: str) -> bool:
+        """Whether the API server serves `kind` (discovery of its group version)."""
+        base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+        try:
+            found = await self.request("GET", base)
+        except ApiError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return any(r.get("kind") == kind for r in found.get("resources") or [])
+
     async def get(self, api_version: str, kind: str, namespace: str, name: str) -> Obj | None:
         try:
             return await self.request("GET", path_of(api_version, kind, namespace, name))
@@ -180,9 +229,16 @@ class Kube:
         return list(found.get("items") or [])
 
     async def patch(
-        self, api_version: str, kind: str, namespace: str, name: str, patch: Mapping[str, Any]
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        name: str,
+        patch: Mapping[str, Any],
+        *,
+        subresource: str | None = None,
     ) -> Obj:
-        path = path_of(api_version, kind, namespace, name)
+        path = path_of(api_version, kind, namespace, name, subresource)
         return await self.request("PATCH", path, body=dict(patch), content_type=MERGE_PATCH)
 
     async def delete(

@@ -1,16 +1,21 @@
 """`gspo validate FILE...`: check GSPOJob manifests offline, with the operator's own checks.
 
 `check_job` is exactly what the operator runs before it creates anything, so a manifest that
-passes here is one the operator accepts.
+passes here is one the operator accepts. `ClusterPolicy` is what the cluster admin set in the
+chart's values; the operator reads it from its environment at start-up and refuses to start
+on a value it cannot use, naming the chart value (a typo must not silently widen access).
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
+import json
 import os
+import re
 import sys
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,23 +28,300 @@ from gspo_trainer.validation import Problem, SpecError, parse_spec
 API = f"{API_GROUP}/{API_VERSION}"
 ENV_ALLOW_HOST_PATH = "GSPO_ALLOW_HOST_PATH"
 ENV_RESTART_JOB_GATE = "GSPO_JOBSET_RESTART_JOB_GATE"
+ENV_METRICS_FROM = "GSPO_METRICS_FROM"  # JSON list of NetworkPolicyPeers
+ENV_OPERATOR_NAMESPACE = "GSPO_OPERATOR_NAMESPACE"  # the downward API's metadata.namespace
+ENV_OPERATOR_POD_LABELS = "GSPO_OPERATOR_POD_LABELS"  # JSON object: the operator pods' labels
+ENV_ALLOWED_IMAGES = "GSPO_ALLOWED_IMAGES"  # JSON list of image prefixes or glob patterns
+ENV_ALLOWED_PRIORITY_CLASSES = "GSPO_ALLOWED_PRIORITY_CLASSES"  # JSON list of names
+
+Peer = dict[str, Any]  # a NetworkPolicyPeer: namespaceSelector and/or podSelector
+
+PROMETHEUS_POD_LABELS = {"app.kubernetes.io/name": "prometheus"}  # prometheus-operator's label
+# Who may scrape the jobs' metrics ports unless the admin says otherwise: Prometheus pods in
+# any namespace (the chart's default networkPolicy.metricsFrom is the same peer).
+DEFAULT_METRICS_FROM: tuple[Peer, ...] = (
+    {"namespaceSelector": {}, "podSelector": {"matchLabels": PROMETHEUS_POD_LABELS}},
+)
+# The chart's operator pods carry this label (its selector labels); without the operator's
+# exact identity in the environment (`gspo render`, tests), the NetworkPolicy admits such pods.
+DEFAULT_OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "gspo-operator"}
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"  # set on every namespace since 1.21
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+_SELECTOR_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
+_PEER_KEYS = ("namespaceSelector", "podSelector")
+
+
+class PolicyError(ValueError):
+    """A chart value (passed as an environment variable) the operator cannot use.
+
+    The operator refuses to start on one rather than guess: a misspelt selector that admitted
+    nobody would break every job's status, one that admitted everybody would undo the policy.
+    """
+
+    def __init__(self, env: str, source: str, message: str) -> None:
+        self.env, self.source = env, source
+        super().__init__(
+            f"${env} (from {source}) {message}; fix it in the chart's values and upgrade the "
+            "release"
+        )
 
 
 @dataclass(frozen=True)
 class ClusterPolicy:
-    """What the cluster admin allows (the chart's values, passed to the operator as env)."""
+    """What the cluster admin allows (the chart's values, passed to the operator as env).
+
+    Frozen but holding dicts (the NetworkPolicy peers): not hashable, and callers must copy
+    a peer before changing it (`render` does).
+    """
 
     allow_host_path: bool = False  # hostPath volumes give pods a node's filesystem
     restart_job_gate: bool = False  # the cluster's JobSet runs with the RestartJob feature gate
+    # Who, besides the job's own pods, reaches the learner's metrics port and the rollout
+    # port (both serve /metrics): the chart value networkPolicy.metricsFrom.
+    metrics_from: tuple[Peer, ...] = DEFAULT_METRICS_FROM
+    # The operator reads each learner's /progress on the metrics port, so its own pods are
+    # always admitted there: these say which pods those are.
+    operator_namespace: str | None = None
+    operator_pod_labels: Mapping[str, str] = field(
+        default_factory=lambda: dict(DEFAULT_OPERATOR_POD_LABELS)
+    )
+    allowed_images: tuple[str, ...] = ()  # prefixes or globs; empty: any image
+    allowed_priority_classes: tuple[str, ...] = ()  # empty: any PriorityClass
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> ClusterPolicy:
+        """The policy the chart passed; PolicyError naming the chart value when one is bad."""
+
         def on(name: str) -> bool:
             return env.get(name, "").lower() in ("1", "true", "yes")
 
+        metrics_from = DEFAULT_METRICS_FROM
+        if env.get(ENV_METRICS_FROM, "").strip():
+            metrics_from = parse_peers(env[ENV_METRICS_FROM])
+        namespace = env.get(ENV_OPERATOR_NAMESPACE, "").strip() or None
+        if namespace is not None and not _is_dns_label(namespace):
+            raise PolicyError(
+                ENV_OPERATOR_NAMESPACE,
+                "the Deployment's downward API, metadata.namespace",
+                f"is {namespace!r}, not a namespace name",
+            )
+        labels: Mapping[str, str] = DEFAULT_OPERATOR_POD_LABELS
+        if env.get(ENV_OPERATOR_POD_LABELS, "").strip():
+            labels = parse_operator_labels(env[ENV_OPERATOR_POD_LABELS])
         return cls(
-            allow_host_path=on(ENV_ALLOW_HOST_PATH), restart_job_gate=on(ENV_RESTART_JOB_GATE)
+            allow_host_path=on(ENV_ALLOW_HOST_PATH),
+            restart_job_gate=on(ENV_RESTART_JOB_GATE),
+            metrics_from=metrics_from,
+            operator_namespace=namespace,
+            operator_pod_labels=dict(labels),
+            allowed_images=_parse_names(
+                env.get(ENV_ALLOWED_IMAGES, ""), ENV_ALLOWED_IMAGES, "policy.allowedImages"
+            ),
+            allowed_priority_classes=_parse_names(
+                env.get(ENV_ALLOWED_PRIORITY_CLASSES, ""),
+                ENV_ALLOWED_PRIORITY_CLASSES,
+                "policy.allowedPriorityClasses",
+            ),
         )
+
+    def operator_peer(self) -> Peer:
+        """The operator's pods as a NetworkPolicyPeer: in its own namespace when known (the
+        chart passes it), else pods with its labels in any namespace."""
+        namespaces: Peer = {}
+        if self.operator_namespace:
+            namespaces = {"matchLabels": {NAMESPACE_NAME_LABEL: self.operator_namespace}}
+        return {
+            "namespaceSelector": namespaces,
+            "podSelector": {"matchLabels": dict(self.operator_pod_labels)},
+        }
+
+
+def _is_dns_label(text: str) -> bool:
+    return len(text) <= 63 and _DNS_LABEL.fullmatch(text) is not None
+
+
+def _label_key_problem(key: object) -> str | None:
+    """Why `key` is not a Kubernetes label key ([prefix/]name), or None."""
+    if not isinstance(key, str):
+        return f"label key {key!r} must be a string"
+    prefix, _, name = key.rpartition("/")
+    if prefix and (len(prefix) > 253 or not _DNS_SUBDOMAIN.fullmatch(prefix)):
+        return f"label key {key!r}: the prefix must be a DNS subdomain"
+    if len(name) > 63 or not _LABEL_NAME.fullmatch(name):
+        return (
+            f"label key {key!r}: the name must be 1-63 letters, digits, '-', '_' or '.', "
+            "starting and ending with a letter or digit"
+        )
+    return None
+
+
+def _label_value_problem(value: object) -> str | None:
+    if not isinstance(value, str):
+        return f"label value {value!r} must be a string (quote it in YAML)"
+    if value and (len(value) > 63 or not _LABEL_NAME.fullmatch(value)):
+        return (
+            f"label value {value!r} must be at most 63 letters, digits, '-', '_' or '.', "
+            "starting and ending with a letter or digit"
+        )
+    return None
+
+
+def _labels_problem(labels: object) -> str | None:
+    if not isinstance(labels, Mapping):
+        return f"must be a mapping of label keys to values, got {type(labels).__name__}"
+    for key, value in labels.items():
+        if (why := _label_key_problem(key) or _label_value_problem(value)) is not None:
+            return why
+    return None
+
+
+def _selector_problems(selector: object, where: str) -> list[str]:
+    """A LabelSelector's problems, each prefixed with where it is ({} selects everything)."""
+    if not isinstance(selector, Mapping):
+        return [f"{where}: must be a label selector (matchLabels / matchExpressions)"]
+    out = []
+    for key in selector:
+        if key not in ("matchLabels", "matchExpressions"):
+            out.append(f"{where}.{key}: unknown field; use matchLabels or matchExpressions")
+    if "matchLabels" in selector and (why := _labels_problem(selector["matchLabels"])):
+        out.append(f"{where}.matchLabels: {why}")
+    expressions = selector.get("matchExpressions", [])
+    if not isinstance(expressions, list):
+        return [*out, f"{where}.matchExpressions: must be a list"]
+    for i, expr in enumerate(expressions):
+        at = f"{where}.matchExpressions[{i}]"
+        if not isinstance(expr, Mapping):
+            out.append(f"{at}: must be a mapping with key, operator and values")
+            continue
+        if extra := sorted(set(expr) - {"key", "operator", "values"}):
+            out.append(f"{at}: unknown field(s) {', '.join(map(str, extra))}")
+        if (why := _label_key_problem(expr.get("key"))) is not None:
+            out.append(f"{at}.key: {why}")
+        op, values = expr.get("operator"), expr.get("values") or []
+        if op not in _SELECTOR_OPERATORS:
+            out.append(f"{at}.operator: {op!r} must be one of {', '.join(_SELECTOR_OPERATORS)}")
+        elif not isinstance(values, list):
+            out.append(f"{at}.values: must be a list of strings")
+        elif op in ("In", "NotIn") and not values:
+            out.append(f"{at}.values: {op} needs at least one value")
+        elif op in ("Exists", "DoesNotExist") and values:
+            out.append(f"{at}.values: {op} takes no values; remove them")
+        elif bad := [v for v in values if _label_value_problem(v)]:
+            out.append(f"{at}.values: {_label_value_problem(bad[0])}")
+    return out
+
+
+def peer_problems(peers: object) -> list[str]:
+    """Why `peers` is not a list of NetworkPolicyPeers with namespace and/or pod selectors.
+
+    ipBlock is refused: the metrics ports are scraped by pods, and an address range would
+    outlive the pods it was written for.
+    """
+    if not isinstance(peers, list):
+        return [f"must be a list of peers (namespaceSelector / podSelector), got {peers!r}"]
+    out = []
+    for i, peer in enumerate(peers):
+        if not isinstance(peer, Mapping):
+            out.append(f"[{i}]: must be a mapping with namespaceSelector and/or podSelector")
+            continue
+        if extra := sorted(set(peer) - set(_PEER_KEYS)):
+            out.append(
+                f"[{i}]: unknown field(s) {', '.join(map(str, extra))}; a peer has "
+                "namespaceSelector and/or podSelector"
+            )
+        if not any(k in peer for k in _PEER_KEYS):
+            out.append(
+                f"[{i}]: names no pods; give namespaceSelector and/or podSelector "
+                "(namespaceSelector: {} is every namespace)"
+            )
+        for key in _PEER_KEYS:
+            if key in peer:
+                out.extend(_selector_problems(peer[key], f"[{i}].{key}"))
+    return out
+
+
+def parse_peers(text: str) -> tuple[Peer, ...]:
+    """$GSPO_METRICS_FROM: the chart value networkPolicy.metricsFrom as JSON."""
+    source = "the chart value networkPolicy.metricsFrom"
+    try:
+        peers = json.loads(text)
+    except ValueError as exc:
+        raise PolicyError(ENV_METRICS_FROM, source, f"is not JSON: {exc}") from exc
+    if problems := peer_problems(peers):
+        raise PolicyError(ENV_METRICS_FROM, source, "is wrong: " + "; ".join(problems))
+    return tuple(json.loads(json.dumps(p)) for p in peers)  # plain, private copies
+
+
+def parse_operator_labels(text: str) -> dict[str, str]:
+    """$GSPO_OPERATOR_POD_LABELS: the operator pods' labels, as a JSON object (non-empty: an
+    empty selector would admit every pod of the operator's namespace)."""
+    source = "the chart's selector labels"
+    try:
+        labels = json.loads(text)
+    except ValueError as exc:
+        raise PolicyError(ENV_OPERATOR_POD_LABELS, source, f"is not JSON: {exc}") from exc
+    if (why := _labels_problem(labels)) is not None:
+        raise PolicyError(ENV_OPERATOR_POD_LABELS, source, f"is wrong: {why}")
+    if not labels:
+        raise PolicyError(ENV_OPERATOR_POD_LABELS, source, "names no label")
+    return dict(labels)
+
+
+def _parse_names(text: str, env: str, value: str) -> tuple[str, ...]:
+    """A JSON list of non-empty strings (an empty variable is an empty list)."""
+    if not text.strip():
+        return ()
+    source = f"the chart value {value}"
+    try:
+        items = json.loads(text)
+    except ValueError as exc:
+        raise PolicyError(env, source, f"is not JSON: {exc}") from exc
+    if not isinstance(items, list):
+        raise PolicyError(env, source, f"must be a list of strings, got {items!r}")
+    for i, item in enumerate(items):
+        if not isinstance(item, str) or not item.strip():
+            raise PolicyError(env, source, f"[{i}] is {item!r}: give a non-empty string")
+    return tuple(items)
+
+
+def normalized_image(image: str) -> str:
+    """`image` with the registry and namespace the container runtime would pull it from:
+    `python:3.12` is docker.io/library/python:3.12, `org/app` is docker.io/org/app."""
+    first, slash, _ = image.partition("/")
+    if slash and ("." in first or ":" in first or first == "localhost"):
+        return image  # already names its registry
+    if not slash:
+        return f"docker.io/library/{image}"
+    return f"docker.io/{image}"
+
+
+def _glob_matches(image: str, pattern: str) -> bool:
+    """Segment by segment: `*` never crosses a "/", or `*.corp/*` would allow the registry
+    evil.example/x.corp."""
+    parts, globs = image.split("/"), pattern.split("/")
+    return len(parts) == len(globs) and all(map(fnmatch.fnmatchcase, parts, globs))
+
+
+def image_matches(image: str, pattern: str) -> bool:
+    """Whether `image` is allowed by `pattern`: a glob (with *, ? or [) must match the whole
+    reference, each "/"-separated part on its own (`ghcr.io/gspo-dev/*` allows
+    ghcr.io/gspo-dev/learner:1, not ghcr.io/gspo-dev/team/x:1); a plain prefix must end at a
+    path, tag or digest boundary, so `ghcr.io/gspo-dev` allows ghcr.io/gspo-dev/team/x but
+    not ghcr.io/gspo-dev-evil/x. The reference as written and as the runtime resolves it
+    (docker.io/...) are both tried."""
+    for candidate in dict.fromkeys((image, normalized_image(image))):
+        if any(c in pattern for c in "*?["):
+            if _glob_matches(candidate, pattern):
+                return True
+        elif candidate == pattern or (
+            candidate.startswith(pattern)
+            and (pattern[-1] in "/:@" or candidate[len(pattern)] in "/:@")
+        ):
+            return True
+    return False
 
 
 def check_policy(spec: GSPOJobSpec, policy: ClusterPolicy) -> list[Problem]:
@@ -67,7 +349,45 @@ def check_policy(spec: GSPOJobSpec, policy: ClusterPolicy) -> list[Problem]:
                 "jobset.restartJobGate",
             )
         )
+    out.extend(_image_problems(spec, policy.allowed_images))
+    out.extend(_priority_class_problems(spec, policy.allowed_priority_classes))
     return out
+
+
+def _image_problems(spec: GSPOJobSpec, allowed: Sequence[str]) -> list[Problem]:
+    """Images outside policy.allowedImages. A rollout image is checked only when rollout
+    servers run: with rollout.replicas 0 it is never pulled."""
+    if not allowed:
+        return []
+    images = [("learner", spec.learner.image)]
+    if spec.rollout.replicas > 0:
+        images.append(("rollout", spec.rollout.image))
+    return [
+        Problem(
+            f"spec.{role}.image",
+            f"{image!r} is not allowed on this cluster (allowed: {', '.join(allowed)}); use an "
+            "image matching one of them, or ask the admin to add it to the chart value "
+            "policy.allowedImages",
+        )
+        for role, image in images
+        if not any(image_matches(image, pattern) for pattern in allowed)
+    ]
+
+
+def _priority_class_problems(spec: GSPOJobSpec, allowed: Sequence[str]) -> list[Problem]:
+    """A PriorityClass outside policy.allowedPriorityClasses (it would let a job preempt
+    others' pods); none at all is the cluster's default priority, always allowed."""
+    name = spec.run_policy.scheduling.priority_class_name
+    if not allowed or not name or name in allowed:
+        return []
+    return [
+        Problem(
+            "spec.runPolicy.scheduling.priorityClassName",
+            f"{name!r} is not allowed on this cluster (allowed: {', '.join(allowed)}); use one "
+            "of them, leave it unset for the cluster's default priority, or ask the admin to "
+            "add it to the chart value policy.allowedPriorityClasses",
+        )
+    ]
 
 
 def check_job(
@@ -143,8 +463,28 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="as on a cluster whose JobSet has the RestartJob feature gate on",
     )
+    parser.add_argument(
+        "--allowed-image",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="as on a cluster whose policy.allowedImages lists PATTERN (an image prefix or "
+        "glob, e.g. 'ghcr.io/gspo-dev/*'; repeatable)",
+    )
+    parser.add_argument(
+        "--allowed-priority-class",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="as on a cluster whose policy.allowedPriorityClasses lists NAME (repeatable)",
+    )
     args = parser.parse_args(argv)
-    policy = ClusterPolicy(args.allow_host_path, args.jobset_restart_job_gate)
+    policy = ClusterPolicy(
+        args.allow_host_path,
+        args.jobset_restart_job_gate,
+        allowed_images=tuple(args.allowed_image),
+        allowed_priority_classes=tuple(args.allowed_priority_class),
+    )
     failed = False
     for path in args.files:
         lines = validate_file(path, policy)

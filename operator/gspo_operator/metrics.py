@@ -76,6 +76,12 @@ class OperatorMetrics:
             ["namespace", "gspojob"],
             registry=r,
         )
+        # Two replicas run (leader election); each one's /metrics tells which one reconciles.
+        self.leader = Gauge(
+            "gspo_operator_leader",
+            "1 on the replica that holds the leader-election Lease and reconciles, 0 on a standby.",
+            registry=r,
+        )
 
     @contextmanager
     def reconcile(self) -> Iterator[None]:

@@ -23,16 +23,21 @@ RULES: list[Rule] = [
      "verbs": ["get", "list", "watch", "patch", "delete"]},
     {"apiGroups": [API_GROUP], "resources": ["gspojobs/status"],
      "verbs": ["get", "patch", "update"]},
-    # The children (kube.py): created once and observed; JobSet runs, restarts and stops the
-    # pods (the operator only reads them), the operator suspends/resumes or deletes the JobSet.
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
+    # The children (reconcile.py). Watched (list, watch) with a label selector so a change or
+    # deletion by hand is seen at once; created, read back by name when the name is taken
+    # (to check its owner) and repaired with a patch. JobSet runs, restarts and stops the pods;
+    # the operator only reads them, suspends/resumes or deletes the JobSet. Secrets and
+    # PodMonitors are read by name, never listed.
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": ["jobset.x-k8s.io"], "resources": ["jobsets"],
-     "verbs": ["create", "get", "patch", "delete"]},
-    {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create", "get", "patch"]},
-    {"apiGroups": [""], "resources": ["secrets", "services", "persistentvolumeclaims"],
-     "verbs": ["create"]},
-    {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": ["create"]},
-    {"apiGroups": ["monitoring.coreos.com"], "resources": ["podmonitors"], "verbs": ["create"]},
+     "verbs": ["create", "get", "list", "watch", "patch", "delete"]},
+    {"apiGroups": [""], "resources": ["configmaps", "services", "persistentvolumeclaims"],
+     "verbs": ["create", "get", "list", "watch", "patch"]},
+    {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"],
+     "verbs": ["create", "get", "list", "watch", "patch"]},
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create", "get", "patch"]},
+    {"apiGroups": ["monitoring.coreos.com"], "resources": ["podmonitors"],
+     "verbs": ["create", "get", "patch"]},
 ]  # fmt: skip
 
 

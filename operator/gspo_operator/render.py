@@ -11,6 +11,7 @@ read it from too.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from collections.abc import Mapping
@@ -19,6 +20,7 @@ from typing import Any
 import yaml
 
 from gspo_operator import names
+from gspo_operator.manifest import ClusterPolicy
 from gspo_trainer import ports
 from gspo_trainer.config import API_GROUP, API_VERSION, KIND, GSPOJobSpec, PodSettings
 from gspo_trainer.validation import GPU_RESOURCE
@@ -46,17 +48,24 @@ DISRUPTION_MESSAGE = "has condition DisruptionTarget matching FailJob rule"
 # A learner stopped by SIGTERM (drain, eviction, node shutdown) exits 143 after a final
 # checkpoint; it is a disruption too, whichever of its pods the Job controller sees first.
 STOPPED_MESSAGE = f"failed with exit code {ports.LEARNER_STOPPED_EXIT_CODE} matching FailJob rule"
-PROMETHEUS_POD_LABELS = {"app.kubernetes.io/name": "prometheus"}  # prometheus-operator's label
 JOB_LABEL_META = "__meta_kubernetes_pod_label_" + "".join(
     c if c.isalnum() else "_" for c in names.JOB_LABEL
 )
 
 
-def render_job(job: Mapping[str, Any], spec: GSPOJobSpec, *, token: str) -> list[Obj]:
+def render_job(
+    job: Mapping[str, Any],
+    spec: GSPOJobSpec,
+    *,
+    token: str,
+    policy: ClusterPolicy | None = None,
+) -> list[Obj]:
     """Every child object of `job` (a GSPOJob mapping with metadata name/namespace/uid).
 
     `token` fills the weight-sync Secret; the operator only ever creates that Secret, never
-    replaces it, so re-rendering with another token rotates nothing.
+    replaces it, so re-rendering with another token rotates nothing. `policy` is the cluster
+    admin's (who may reach the metrics ports, which pods are the operator's); without it, the
+    chart's defaults: Prometheus pods, and pods labelled as the chart's operator, anywhere.
     """
     meta = job["metadata"]
     ctx = _Ctx(
@@ -64,6 +73,7 @@ def render_job(job: Mapping[str, Any], spec: GSPOJobSpec, *, token: str) -> list
         namespace=meta.get("namespace") or "default",
         owner=_owner(meta),
         spec=spec,
+        policy=policy or ClusterPolicy(),
     )
     out: list[Obj] = [
         render_config_map(ctx, job),
@@ -81,8 +91,16 @@ def render_job(job: Mapping[str, Any], spec: GSPOJobSpec, *, token: str) -> list
 
 
 class _Ctx:
-    def __init__(self, job: str, namespace: str, owner: Obj | None, spec: GSPOJobSpec) -> None:
+    def __init__(
+        self,
+        job: str,
+        namespace: str,
+        owner: Obj | None,
+        spec: GSPOJobSpec,
+        policy: ClusterPolicy | None = None,
+    ) -> None:
         self.job, self.namespace, self.owner, self.spec = job, namespace, owner, spec
+        self.policy = policy or ClusterPolicy()
 
     def meta(self, name: str, component: str, owned: bool = True, **extra: Any) -> Obj:
         out: Obj = {
@@ -400,6 +418,9 @@ def rollout_args(spec: GSPOJobSpec) -> list[str]:
         f"--max-num-seqs={rollout.max_num_seqs}",
         f"--gpu-memory-utilization={rollout.gpu_memory_utilization}",
         f"--tensor-parallel-size={rollout.tensor_parallel_size}",
+        # /v1/generate answers only the learner (it sends $GSPO_SYNC_TOKEN): the rollout port
+        # is open to the metrics scrapers too, and a generation costs GPU time.
+        "--require-token-for-generate",
     ]
     if spec.weight_sync.method == "filesystem":
         args.append(f"--weights-dir={ports.CHECKPOINT_DIR}/{ports.WEIGHTS_SUBDIR}")
@@ -501,9 +522,32 @@ def render_rollout_service(ctx: _Ctx, *, headless: bool) -> Obj:
 
 
 def render_network_policy(ctx: _Ctx) -> Obj:
-    """Only the job's own pods reach its pods; the learner metrics port is open to all."""
+    """Only the job's own pods reach its pods, except the two ports serving /metrics: those
+    admit the admin's metrics scrapers (policy.metrics_from), and the learner's also the
+    operator, which reads /progress there.
+
+    A rule's empty `from` admits everyone, so with no scrapers configured the rollout port's
+    rule is left out rather than rendered empty; the learner's always names the operator.
+    """
     own = {"podSelector": {"matchLabels": names.selector(ctx.job)}}
-    prometheus = {"namespaceSelector": {}, "podSelector": {"matchLabels": PROMETHEUS_POD_LABELS}}
+    scrapers = [copy.deepcopy(peer) for peer in ctx.policy.metrics_from]
+    ingress: list[Obj] = [
+        # Rendezvous, weight sync and NCCL/gloo's own ephemeral ports: the job only.
+        {"from": [own]},
+        # Learner /metrics, and /progress, which the operator reads.
+        {
+            "from": [*scrapers, ctx.policy.operator_peer()],
+            "ports": [{"protocol": "TCP", "port": ctx.spec.metrics.port}],
+        },
+    ]
+    if scrapers:
+        # The rollout port also serves /metrics (its /v1/generate needs the job's token).
+        ingress.append(
+            {
+                "from": copy.deepcopy(scrapers),
+                "ports": [{"protocol": "TCP", "port": ports.ROLLOUT_HTTP_PORT}],
+            }
+        )
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -511,20 +555,7 @@ def render_network_policy(ctx: _Ctx) -> Obj:
         "spec": {
             "podSelector": {"matchLabels": names.selector(ctx.job)},
             "policyTypes": ["Ingress"],
-            "ingress": [
-                # Rendezvous, weight sync and NCCL/gloo's own ephemeral ports: the job only.
-                {"from": [own]},
-                # Learner /metrics and /progress (the operator reads it): any namespace.
-                {
-                    "from": [{"namespaceSelector": {}}],
-                    "ports": [{"protocol": "TCP", "port": ctx.spec.metrics.port}],
-                },
-                # The rollout port also serves /metrics: Prometheus may scrape it.
-                {
-                    "from": [prometheus],
-                    "ports": [{"protocol": "TCP", "port": ports.ROLLOUT_HTTP_PORT}],
-                },
-            ],
+            "ingress": ingress,
         },
     }
 

@@ -363,6 +363,41 @@ def accepted_change(previous: Mapping[str, Any] | None, now: datetime) -> dict[s
     return st.done()
 
 
+def invalid_change(
+    previous: Mapping[str, Any] | None, now: datetime, problems: Iterable[Problem]
+) -> tuple[dict[str, Any], Event]:
+    """A running job edited into an invalid spec: say why, keep running the accepted one."""
+    message = "; ".join(str(p) for p in problems) + "; the job keeps its previous spec"
+    st = _Status(dict(previous or {}), now)
+    st.condition("InvalidSpec", True, "InvalidSpec", message)
+    return st.done(), Event("Warning", "InvalidSpec", message)
+
+
+def api_refused(
+    previous: Mapping[str, Any] | None, now: datetime, verdict: str, reason: str, message: str
+) -> tuple[dict[str, Any], Event]:
+    """The API server refused a child: Blocked while an admin can clear it (RBAC, quota, a
+    kind not installed, a name taken), Failed when the object itself is invalid."""
+    st = _Status(dict(previous or {}), now)
+    if verdict == "invalid":
+        out = _finish(st, "Failed", reason, message)
+        return out.status, Event("Warning", reason, message)
+    st.phase("Blocked", "Warning", reason, message, event=False)
+    st.condition("Blocked", True, reason, message)
+    st.condition("Running", False, reason, message)
+    return st.done(), Event("Warning", reason, message)
+
+
+def unblocked(previous: Mapping[str, Any] | None, now: datetime) -> dict[str, Any]:
+    """Every child was accepted again: the Blocked condition clears."""
+    st = _Status(dict(previous or {}), now)
+    if st.condition_of("Blocked"):
+        st.condition("Blocked", False, "Cleared", "the API server accepted every child")
+        if st.get("phase") == "Blocked":
+            st.data["phase"] = "Pending"
+    return st.done()
+
+
 def refused_fields(accepted: GSPOJobSpec, new: GSPOJobSpec) -> list[str]:
     """Dotted camelCase paths that differ between the two specs and cannot change in flight."""
     before, after = _flatten(accepted.to_manifest_dict()), _flatten(new.to_manifest_dict())
@@ -400,6 +435,11 @@ def _record_progress(st: _Status, progress: LearnerProgress | None) -> None:
         st.set(reward=round(progress.reward, 4))
     if progress.last_checkpoint:
         st.set(lastCheckpoint=progress.last_checkpoint)
+
+
+def parse_time(stamp: str) -> datetime:
+    """A status timestamp (RFC 3339, 'Z') as an aware datetime."""
+    return _parse(stamp)
 
 
 def _parse(stamp: str) -> datetime:

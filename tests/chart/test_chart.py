@@ -96,7 +96,7 @@ def test_values_schema_rejects_unknown_and_wrong_keys() -> None:
 def test_operator_deployment_is_locked_down() -> None:
     (deploy,) = by_kind(template(), "Deployment")
     spec = deploy["spec"]
-    assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate"
+    assert spec["replicas"] == 2 and spec["strategy"]["type"] == "RollingUpdate"
     pod = spec["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     (container,) = pod["containers"]
@@ -104,18 +104,63 @@ def test_operator_deployment_is_locked_down() -> None:
     assert security["readOnlyRootFilesystem"] is True
     assert security["allowPrivilegeEscalation"] is False
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    assert "--all-namespaces" in container["args"]
+    assert f"--namespace={NAMESPACE}" in container["args"]  # its own namespace only
 
 
-def test_watch_namespaces_bind_rbac_only_there() -> None:
-    docs = template("--set", "watchNamespaces={team-a,team-b}")
-    bindings = by_kind(docs, "RoleBinding")
-    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+def operator_args(docs: list[dict[str, Any]]) -> list[str]:
     (deploy,) = by_kind(docs, "Deployment")
-    args = deploy["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert "--namespace=team-a" in args and "--all-namespaces" not in args
-    cluster_bindings = {b["roleRef"]["name"] for b in by_kind(docs, "ClusterRoleBinding")}
-    assert cluster_bindings == {f"{RELEASE}-cluster"}, "job rules must not be bound cluster-wide"
+    return deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+CLUSTER_SCOPED_KINDS = {"ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"}
+LEADER_ELECTION = f"{RELEASE}-leader-election"
+
+
+def job_rbac(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    """The Roles or RoleBindings of the job rules: all but the leader-election Lease's
+    (templates/leader-election.yaml; test_two_replicas_elect_a_leader checks those)."""
+    return [d for d in by_kind(docs, kind) if d["metadata"]["name"] != LEADER_ELECTION]
+
+
+def test_rbac_is_namespaced_by_default() -> None:
+    """The release namespace plus watchNamespaces, a Role and a RoleBinding in each, the same
+    namespaces in --namespace args, and not one cluster-scoped object."""
+    for args, watched in [
+        ((), [NAMESPACE]),
+        (("--set", "watchNamespaces={team-a,team-b}"), [NAMESPACE, "team-a", "team-b"]),
+        (("--set", f"watchNamespaces={{team-a,{NAMESPACE}}}"), [NAMESPACE, "team-a"]),
+    ]:
+        docs = template(*args)
+        assert not {d["kind"] for d in docs} & CLUSTER_SCOPED_KINDS, args
+        for kind in ("Role", "RoleBinding"):
+            objs = job_rbac(docs, kind)
+            assert sorted(o["metadata"]["namespace"] for o in objs) == sorted(watched), kind
+        for binding in job_rbac(docs, "RoleBinding"):
+            assert binding["roleRef"] == {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "Role",
+                "name": f"{RELEASE}-jobs",
+            }
+            (subject,) = binding["subjects"]
+            assert subject["name"] == RELEASE and subject["namespace"] == NAMESPACE
+        namespaces = [a.removeprefix("--namespace=") for a in operator_args(docs)
+                      if a.startswith("--namespace=")]  # fmt: skip
+        assert namespaces == watched and "--all-namespaces" not in operator_args(docs)
+
+
+def test_cluster_wide_only_when_asked() -> None:
+    docs = template("--set", "clusterWide=true")
+    assert "--all-namespaces" in operator_args(docs)
+    assert not any(a.startswith("--namespace=") for a in operator_args(docs))
+    assert not job_rbac(docs, "Role") and not job_rbac(docs, "RoleBinding")
+    bound = {b["roleRef"]["name"] for b in by_kind(docs, "ClusterRoleBinding")}
+    assert bound == {f"{RELEASE}-cluster", f"{RELEASE}-jobs"}
+    both = subprocess.run(
+        [str(HELM), "template", RELEASE, str(CHART), "--set", "clusterWide=true",
+         "--set", "watchNamespaces={team-a}"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert both.returncode != 0 and "leave watchNamespaces empty" in both.stderr
 
 
 def grants(rules: list[dict[str, list[str]]]) -> set[tuple[str, str, str]]:
@@ -128,18 +173,171 @@ def grants(rules: list[dict[str, list[str]]]) -> set[tuple[str, str, str]]:
     }
 
 
-def test_chart_grants_exactly_what_the_operator_uses() -> None:
+# Cluster-scoped resources in rbac.RULES: kopf's scanning reads them, and only a cluster-wide
+# operator scans (a namespaced one names its namespaces exactly; see run.serve).
+SCANNING_RESOURCES = {"customresourcedefinitions", "namespaces"}
+
+
+@pytest.mark.parametrize("cluster_wide", [False, True], ids=["namespaced", "cluster-wide"])
+def test_chart_grants_exactly_what_the_operator_uses(cluster_wide: bool) -> None:
     """The operator tests check every API call against rbac.RULES; the chart must grant those
-    and nothing more (a missing verb breaks a cluster, an extra one widens the blast radius)."""
+    and nothing more (a missing verb breaks a cluster, an extra one widens the blast radius).
+    Namespaced, that is RULES less the scanning reads, in each Role; cluster-wide, all of it.
+    """
     from gspo_operator.rbac import RULES
 
-    roles = by_kind(template(), "ClusterRole")
-    granted = grants([rule for role in roles for rule in role["rules"]])
+    docs = template("--set", f"clusterWide={str(cluster_wide).lower()}")
+    roles = by_kind(docs, "ClusterRole") if cluster_wide else job_rbac(docs, "Role")
+    assert roles
     needed = grants(RULES)
+    if not cluster_wide:
+        needed = {g for g in needed if g[1] not in SCANNING_RESOURCES}
+    granted = set().union(*(grants(role["rules"]) for role in roles))
+    if not cluster_wide:
+        for role in roles:
+            assert grants(role["rules"]) == needed, role["metadata"]["namespace"]
     assert not needed - granted, f"the chart lacks {sorted(needed - granted)}"
     assert not granted - needed, (
         f"the chart grants more than the operator uses: {sorted(granted - needed)}"
     )
+
+
+def operator_env(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (deploy,) = by_kind(docs, "Deployment")
+    env = deploy["spec"]["template"]["spec"]["containers"][0]["env"]
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in env}
+
+
+def policy_from(docs: list[dict[str, Any]]) -> Any:
+    """The ClusterPolicy the operator builds from the rendered env (the downward API's
+    namespace filled in as the kubelet would)."""
+    from gspo_operator.manifest import ENV_OPERATOR_NAMESPACE, ClusterPolicy
+
+    env = operator_env(docs)
+    field = env[ENV_OPERATOR_NAMESPACE]["fieldRef"]["fieldPath"]
+    assert field == "metadata.namespace"
+    values = {k: v for k, v in env.items() if isinstance(v, str)}
+    return ClusterPolicy.from_env({**values, ENV_OPERATOR_NAMESPACE: NAMESPACE})
+
+
+def test_policy_values_reach_the_operator() -> None:
+    from gspo_operator.manifest import DEFAULT_METRICS_FROM, ClusterPolicy
+
+    defaults = policy_from(template())
+    assert defaults.metrics_from == DEFAULT_METRICS_FROM  # the chart's default = the operator's
+    assert defaults.allowed_images == () and defaults.allowed_priority_classes == ()
+    (deploy,) = by_kind(template(), "Deployment")
+    pod_labels = deploy["spec"]["template"]["metadata"]["labels"]
+    peer = defaults.operator_peer()
+    assert peer["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}}
+    assert peer["podSelector"]["matchLabels"].items() <= pod_labels.items(), "selects itself"
+    values = CHART / "ci" / "cluster-wide-values.yaml"
+    policy = policy_from(template("-f", str(values)))
+    assert policy.allowed_images == ("ghcr.io/gspo-dev/*", "registry.corp.example/ml/")
+    assert policy.allowed_priority_classes == ("training-low", "training-high")
+    assert policy.metrics_from == tuple(
+        yaml.safe_load(values.read_text())["networkPolicy"]["metricsFrom"]
+    )
+    nobody = policy_from(template("--set-json", "networkPolicy.metricsFrom=[]"))
+    assert nobody.metrics_from == () and nobody != ClusterPolicy()
+
+
+def test_values_schema_checks_the_policy_values() -> None:
+    bad = [
+        ("--set", "networkPolicy.metricsFrom[0].ipBlock.cidr=10.0.0.0/8"),
+        ("--set-json", "networkPolicy.metricsFrom=[{}]"),
+        ("--set-json", 'networkPolicy.metricsFrom=[{"podSelector": {"matchLabel": {}}}]'),
+        ("--set", "policy.allowedImages[0]="),
+        ("--set", "policy.allowedPriorityClasses[0]=Not_A_Name"),
+        ("--set", "clusterWide=yes"),
+        ("--set", "networkPolicy.metricsFrom=null"),  # say [] to admit no scraper
+    ]
+    for args in bad:
+        result = subprocess.run(
+            [str(HELM), "template", RELEASE, str(CHART), *args], capture_output=True, text=True
+        )
+        assert result.returncode != 0, args
+        assert "values don't meet the specifications of the schema" in result.stderr, args
+
+
+def test_two_replicas_elect_a_leader() -> None:
+    """By default two replicas run with --leader-elect on a Lease named after the release in
+    its namespace, each pod named by the downward API, preferring different nodes, kept up
+    by a PodDisruptionBudget; a Role grants exactly the Lease calls leader.LeaseLock makes."""
+    docs = template()
+    (deploy,) = by_kind(docs, "Deployment")
+    assert deploy["spec"]["replicas"] == 2
+    assert deploy["spec"]["strategy"]["type"] == "RollingUpdate"
+    args = operator_args(docs)
+    for flag in (
+        "--leader-elect",
+        f"--leader-election-namespace={NAMESPACE}",
+        f"--leader-election-id={RELEASE}",
+    ):
+        assert flag in args
+    pod = deploy["spec"]["template"]
+    assert operator_env(docs)["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    anti = pod["spec"]["affinity"]["podAntiAffinity"]
+    (term,) = anti["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    selector = term["podAffinityTerm"]["labelSelector"]["matchLabels"]
+    assert selector.items() <= pod["metadata"]["labels"].items()
+    (pdb,) = by_kind(docs, "PodDisruptionBudget")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == deploy["spec"]["selector"]["matchLabels"]
+    (role,) = [r for r in by_kind(docs, "Role") if r["metadata"]["name"] == LEADER_ELECTION]
+    assert role["metadata"]["namespace"] == NAMESPACE
+    assert grants(role["rules"]) == {
+        ("coordination.k8s.io", "leases", verb) for verb in ("get", "update", "create")
+    }
+    for rule in role["rules"]:  # create names no object, so resourceNames cannot limit it
+        assert rule.get("resourceNames") == (None if rule["verbs"] == ["create"] else [RELEASE])
+    bindings = by_kind(docs, "RoleBinding")
+    (binding,) = [b for b in bindings if b["metadata"]["name"] == LEADER_ELECTION]
+    assert binding["roleRef"]["name"] == LEADER_ELECTION
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": RELEASE, "namespace": NAMESPACE}
+    ]
+
+
+def test_one_replica() -> None:
+    """No PodDisruptionBudget (minAvailable 1 of 1 would block every drain) and no default
+    anti-affinity; leader election stays on unless turned off, and then Recreate keeps two
+    operators from overlapping in an upgrade."""
+    docs = template("--set", "replicaCount=1")
+    assert not by_kind(docs, "PodDisruptionBudget")
+    (deploy,) = by_kind(docs, "Deployment")
+    assert deploy["spec"]["replicas"] == 1 and "affinity" not in deploy["spec"]["template"]["spec"]
+    assert "--leader-elect" in operator_args(docs)
+    docs = template("--set", "replicaCount=1", "--set", "leaderElection.enabled=false")
+    (deploy,) = by_kind(docs, "Deployment")
+    assert deploy["spec"]["strategy"]["type"] == "Recreate"
+    assert not any(a.startswith("--leader-elect") for a in operator_args(docs))
+    assert not any(r["metadata"]["name"] == LEADER_ELECTION for r in by_kind(docs, "Role"))
+    # Two replicas elect a leader whatever leaderElection.enabled says.
+    docs = template("--set", "leaderElection.enabled=false")
+    assert "--leader-elect" in operator_args(docs)
+
+
+def test_own_affinity_replaces_the_default_and_schema_checks_ha_values() -> None:
+    own = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}}
+    docs = template("--set-json", f"affinity={json.dumps(own)}")
+    (deploy,) = by_kind(docs, "Deployment")
+    assert deploy["spec"]["template"]["spec"]["affinity"] == own
+    pdb_kind = "PodDisruptionBudget"
+    (pdb,) = by_kind(template("--set", "podDisruptionBudget.minAvailable=50%"), pdb_kind)
+    assert pdb["spec"]["minAvailable"] == "50%"
+    assert not by_kind(template("--set", "podDisruptionBudget.enabled=false"), pdb_kind)
+    for args in [
+        ("--set", "replicaCount=0"),
+        ("--set", "leaderElection.enable=true"),
+        ("--set", "podDisruptionBudget.minAvailable=half"),
+    ]:
+        result = subprocess.run(
+            [str(HELM), "template", RELEASE, str(CHART), *args], capture_output=True, text=True
+        )
+        assert result.returncode != 0, args
+        assert "values don't meet the specifications of the schema" in result.stderr, args
 
 
 def test_promtool_checks_the_rules(tmp_path: Path) -> None:

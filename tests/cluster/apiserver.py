@@ -13,8 +13,8 @@ semantics) with what the local cluster needs beyond it:
 - admission: `admit` hooks (the JobSet webhook, the API server's own pod checks) run on
   every create and may refuse it with a 422 (Invalid) or 403 (Forbidden) carrying their message.
 
-Not modelled: resourceVersion conflicts on update, strategic-merge patches, server-side apply,
-finalizers on pods, field managers, quota.
+Not modelled: resourceVersion preconditions on patches (a PUT's are, by ApiServer),
+strategic-merge patches, server-side apply, finalizers on pods, field managers, quota.
 """
 
 from __future__ import annotations

@@ -7,6 +7,19 @@ every object as ADDED on each watch whatever ?resourceVersion says, names the co
 garbage collection or server-side Table printing. `ApiServer` keeps kmock's HTTP server,
 request parsing and discovery, and replaces the store with one that does those things the
 way kube-apiserver does (merge patches, no strategic-merge list semantics).
+
+Optimistic concurrency, as kube-apiserver does it for a replace: a PUT whose
+metadata.resourceVersion is not the stored one is refused with 409 Conflict (reason Conflict);
+a PUT without one is unconditional. Merge and JSON patches carry no precondition here.
+coordination.k8s.io/v1 Leases are served, so two operator replicas can elect a leader
+(gspo_operator.leader) against this stand-in.
+
+Custom resources are admitted as kube-apiserver admits them, by the stored CRD's schema: a
+create, and an update of the main resource (PUT or PATCH, not /status), gets the schema's
+defaults and must pass its x-kubernetes-validations CEL rules (oldSelf: the stored object),
+else 422 Invalid with kube-apiserver's Status and causes (cel_admission.py says what it models
+and what not). Replace the stored CRD (`add`) to model a cluster whose CRD predates the rules.
+`add` itself admits nothing: it stores what a test hands it.
 """
 
 from __future__ import annotations
@@ -16,12 +29,14 @@ import copy
 import datetime as dt
 import itertools
 import json
+import re
 import uuid
 from collections.abc import Iterable
 from typing import Any
 
 import aiohttp.web
 import attrs
+import cel_admission
 import kmock
 from kmock._internal import rendering
 
@@ -44,6 +59,7 @@ RESOURCES = [
     ("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", True, False, ["netpol"]),
     ("monitoring.coreos.com", "v1", "podmonitors", "PodMonitor", True, False, []),
     ("events.k8s.io", "v1", "events", "Event", True, False, []),
+    ("coordination.k8s.io", "v1", "leases", "Lease", True, False, []),
     (
         "apiextensions.k8s.io",
         "v1",
@@ -107,13 +123,45 @@ def _dig(obj: Any, dotted: str) -> Any:
     return obj
 
 
+_SET_TERM = re.compile(r"\s*([^\s,!=()]+)\s+(in|notin)\s+\(([^)]*)\)\s*")
+
+
+def _label_terms(selector: str) -> list[tuple[str, str, set[str]]]:
+    """Kubernetes label selector syntax (apimachinery labels.Parse): `k`, `!k`, `k=v`, `k==v`,
+    `k!=v`, `k in (a,b)`, `k notin (a,b)`, joined by commas."""
+    terms, rest = [], selector
+    while rest.strip():
+        match = _SET_TERM.match(rest)
+        if match:
+            values = {v.strip() for v in match.group(3).split(",") if v.strip()}
+            terms.append((match.group(1), match.group(2), values))
+            rest = rest[match.end() :].lstrip(",")
+            continue
+        term, _, rest = rest.partition(",")
+        term = term.strip()
+        if "!=" in term:
+            key, value = term.split("!=", 1)
+            terms.append((key.strip(), "notin", {value.strip()}))
+        elif "=" in term:
+            key, value = term.replace("==", "=").split("=", 1)
+            terms.append((key.strip(), "in", {value.strip()}))
+        elif term.startswith("!"):
+            terms.append((term[1:].strip(), "absent", set()))
+        else:
+            terms.append((term, "exists", set()))
+    return terms
+
+
 def _selected(obj: Obj, labels: str | None, fields: str | None) -> bool:
-    for term in filter(None, (labels or "").split(",")):
-        key, _, value = term.partition("=")
-        have = (obj.get("metadata", {}).get("labels") or {}).get(key.rstrip("!"))
-        if key.endswith("!") and have == value.lstrip("="):
+    have = obj.get("metadata", {}).get("labels") or {}
+    for key, op, values in _label_terms(labels or ""):
+        if op == "exists" and key not in have:
             return False
-        if not key.endswith("!") and have != value.lstrip("="):
+        if op == "absent" and key in have:
+            return False
+        if op == "in" and have.get(key) not in values:
+            return False
+        if op == "notin" and key in have and have[key] in values:
             return False
     for term in filter(None, (fields or "").split(",")):
         key, _, value = term.partition("=")
@@ -128,6 +176,34 @@ def _age(stamp: str) -> str:
     return f"{s}s" if s < 120 else f"{s // 60}m" if s < 7200 else f"{s // 3600}h"
 
 
+@attrs.define
+class Fault:
+    """An error answer a test makes the API server give, `times` times, to requests of one verb
+    on one resource (plural), the way kube-apiserver words it: a Status body with the code,
+    reason and message, and Retry-After on 429 as its priority-and-fairness filter sends it."""
+
+    method: str  # POST, GET, PATCH, PUT, DELETE
+    plural: str
+    status: int
+    reason: str
+    message: str
+    times: int = 1_000_000
+    retry_after_s: int | None = None
+
+    def response(self) -> aiohttp.web.Response:
+        body = {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": self.message,
+            "reason": self.reason,
+            "code": self.status,
+        }
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s else None
+        return aiohttp.web.json_response(body, status=self.status, headers=headers)
+
+
 @attrs.define(kw_only=True)
 class ApiServer(kmock.KubernetesScaffold):
     objects: dict[tuple[Key, str, str], Obj] = attrs.field(factory=dict, init=False)
@@ -137,6 +213,7 @@ class ApiServer(kmock.KubernetesScaffold):
     _rv: itertools.count = attrs.field(factory=lambda: itertools.count(1), init=False)
     _changed: asyncio.Condition | None = attrs.field(default=None, init=False)
     _kinds: dict[Key, tuple[str, bool, bool]] = attrs.field(factory=dict, init=False)
+    faults: list[Fault] = attrs.field(factory=list, init=False)  # tests add error answers
 
     def served_resources(self) -> list[tuple[str, str, str, str, bool, bool, list[str]]]:
         """The kinds this API server serves (a subclass adds its own)."""
@@ -242,6 +319,10 @@ class ApiServer(kmock.KubernetesScaffold):
             obj.setdefault("status", {"phase": "Pending"})
         self.objects[(key, meta.get("namespace", ""), meta["name"])] = obj
         self._emit(key, "ADDED", obj)
+        owners = {o.get("uid") for o in meta.get("ownerReferences") or []}
+        if owners and not owners & {o["metadata"]["uid"] for o in self.objects.values()}:
+            # The garbage collector deletes a dependent whose every owner is gone.
+            self._delete(key, meta.get("namespace", ""), meta["name"])
         return obj
 
     async def _update(
@@ -254,6 +335,16 @@ class ApiServer(kmock.KubernetesScaffold):
         if isinstance(patch, list):
             new = json_patch(old, patch)
         elif replace:
+            expected = (patch.get("metadata") or {}).get("resourceVersion")
+            if expected and expected != old["metadata"]["resourceVersion"]:
+                resource = f"{key[2]}.{key[0]}" if key[0] else key[2]
+                raise kmock.KubernetesError(
+                    status=409,
+                    reason="Conflict",
+                    message=f'Operation cannot be fulfilled on {resource} "{name}": the object'
+                    " has been modified; please apply your changes to the latest version and"
+                    " try again",
+                )
             new = copy.deepcopy(patch)
             new["metadata"] = {
                 **new.get("metadata", {}),
@@ -268,6 +359,8 @@ class ApiServer(kmock.KubernetesScaffold):
         if new.get("status") is None:
             new.pop("status", None)
         new["metadata"]["uid"] = old["metadata"]["uid"]
+        if sub != "status":
+            new = self._admit(key, old, new)
         strip = ("metadata", "status")
         if {k: v for k, v in new.items() if k not in strip} != {
             k: v for k, v in old.items() if k not in strip
@@ -283,6 +376,10 @@ class ApiServer(kmock.KubernetesScaffold):
         self.objects[(key, namespace, name)] = new
         self._emit(key, "MODIFIED", new)
         return new
+
+    def _admit(self, key: Key, old: Obj | None, new: Obj) -> Obj:
+        """A custom resource as its CRD admits it: defaults filled in, or a 422 from a rule."""
+        return cel_admission.admit(self.list_kind("CustomResourceDefinition"), key, old, new)
 
     def _delete(self, key: Key, namespace: str, name: str, options: Obj | None = None) -> Obj:
         """DELETE with `options` (a DeleteOptions body; a subclass reads gracePeriodSeconds)."""
@@ -322,6 +419,10 @@ class ApiServer(kmock.KubernetesScaffold):
             return await super()._handle(request)
         self.served += 1
         method = request.method.value if request.method else "GET"
+        for fault in self.faults:
+            if fault.times > 0 and fault.method == method and fault.plural == key[2]:
+                fault.times -= 1
+                return fault.response()
         ns = request.namespace or ""
         params = request.params
         if params.get("watch") in ("true", "1"):
@@ -338,6 +439,7 @@ class ApiServer(kmock.KubernetesScaffold):
                         reason="AlreadyExists",
                         message=f'{key[2]} "{name}" already exists',
                     )
+                body = self._admit(key, None, body)
                 if params.get("dryRun"):
                     return aiohttp.web.json_response(body, status=201)
                 return aiohttp.web.json_response(self._store_new(key, ns, body), status=201)

@@ -138,8 +138,10 @@ class Progress:
     def __init__(self) -> None:
         self.value = LearnerProgress()
         self.port = free_port()
+        self.polls = 0  # GET /progress answered
 
     async def handle(self, _: aiohttp.web.Request) -> aiohttp.web.Response:
+        self.polls += 1
         return aiohttp.web.Response(text=self.value.to_json(), content_type="application/json")
 
 
@@ -166,13 +168,23 @@ async def progress() -> AsyncIterator[Progress]:
 
 @contextlib.asynccontextmanager
 async def operator(
-    api: ClusterApiServer, interval_s: float = 0.2, liveness_port: int | None = None
+    api: ClusterApiServer,
+    interval_s: float = 0.2,
+    liveness_port: int | None = None,
+    progress_write_s: float = 0.0,
+    resync_s: float = 600.0,
 ) -> AsyncIterator[Context]:
-    """Run the real operator (kopf tasks) against `api` until the block ends."""
+    """Run the real operator (kopf tasks) against `api` until the block ends. Progress is
+    written at once by default (tests read it); a cluster writes it every minute."""
     import kopf
 
     url = api.base_url
-    ctx = Context(kube=Kube.for_host(url), interval_s=interval_s)
+    ctx = Context(
+        kube=Kube.for_host(url),
+        interval_s=interval_s,
+        progress_write_s=progress_write_s,
+        resync_s=resync_s,
+    )
 
     def login(**_: Any) -> kopf.ConnectionInfo:
         return kopf.ConnectionInfo(server=url, default_namespace=NS)

@@ -16,10 +16,23 @@ REPO = Path(__file__).resolve().parents[2]
 def test_chart_arguments_parse() -> None:
     template = (REPO / "charts/gspo-operator/templates/deployment.yaml").read_text()
     flags = set(re.findall(r"- (--[a-z-]+)", template))
-    assert flags == {"--log-level", "--metrics-port", "--namespace", "--all-namespaces"}
+    assert flags == {
+        "--log-level",
+        "--metrics-port",
+        "--namespace",
+        "--all-namespaces",
+        "--leader-elect",
+        "--leader-election-namespace",
+        "--leader-election-id",
+    }
     args = parse_args(["--log-level=info", "--metrics-port=9000", "--namespace=a", "--namespace=b"])
     assert (args.log_level, args.metrics_port, args.namespace) == ("info", 9000, ["a", "b"])
     assert parse_args(["--all-namespaces"]).all_namespaces
+    elect = parse_args(
+        ["--leader-elect", "--leader-election-namespace=ops", "--leader-election-id=gspo"]
+    )
+    assert (elect.leader_elect, elect.leader_election_namespace) == (True, "ops")
+    assert elect.leader_election_id == "gspo"
     defaults = parse_args([])
     assert defaults.metrics_port == ports.OPERATOR_METRICS_PORT
     assert defaults.health_port == ports.OPERATOR_HEALTH_PORT

@@ -7,6 +7,7 @@ import asyncio
 import copy
 
 import aiohttp
+from cel_admission import predating_rules
 from operator_harness import (
     NS,
     api_server,
@@ -18,6 +19,7 @@ from operator_harness import (
     tiny_job,
 )
 
+from gspo_operator.crd import render_crd
 from gspo_trainer.progress import LearnerProgress
 
 JOB = "tiny"
@@ -162,6 +164,7 @@ async def test_create_runs_and_reports_progress(api, run_operator, progress) -> 
 
 
 async def test_invalid_spec_fails_without_children(api, run_operator) -> None:
+    api.add(predating_rules(render_crd()))  # no CEL rules: the API server admits the job
     doc = tiny_job()
     doc["spec"]["algorithm"]["groupSize"] = 1
     async with run_operator(api):
@@ -249,6 +252,7 @@ async def test_suspend_and_resume(api, run_operator, progress) -> None:
 
 
 async def test_refuse_changes_a_jobset_cannot_take(api, run_operator, progress) -> None:
+    api.add(predating_rules(render_crd()))  # no CEL rules: the API server takes the edit
     async with run_operator(api):
         await create(api, tiny_job(progress_port=progress.port))
         await start_running(api)

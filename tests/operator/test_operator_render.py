@@ -11,7 +11,7 @@ import yaml
 from rendered_checks import check_rendered
 
 from gspo_operator import names
-from gspo_operator.manifest import ClusterPolicy, check_job
+from gspo_operator.manifest import PROMETHEUS_POD_LABELS, ClusterPolicy, check_job
 from gspo_operator.render import render_job
 from gspo_trainer import ports
 
@@ -419,6 +419,9 @@ def test_rollout_jobs_run_the_server_with_the_spec_flags() -> None:
 
     parsed = parse_args(c["args"])
     assert parsed.tensor_parallel_size == 2 and parsed.max_model_len == 10240
+    # /v1/generate needs the job's token, which the pod has from the job's Secret
+    assert parsed.require_token_for_generate
+    assert env_of(c)[ports.ENV_SYNC_TOKEN]["secretKeyRef"]["name"] == f"{JOB}-sync-token"
     headless = one(objs, "Service", f"{JOB}-rollout")
     api = one(objs, "Service", f"{JOB}-rollout-api")
     assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"]
@@ -445,18 +448,74 @@ def test_every_pod_runs_as_non_root_without_privilege_escalation() -> None:
             assert c["securityContext"]["allowPrivilegeEscalation"] is False
 
 
+def network_policy(policy: ClusterPolicy | None = None) -> dict:
+    spec, problems = check_job(job())
+    assert spec is not None, problems
+    objs = render_job(job(), spec, token="t", policy=policy)
+    assert check_rendered(objs) == []  # as the API server would check the peers
+    (np,) = by_kind(objs, "NetworkPolicy")
+    return np["spec"]
+
+
+def sources(np_spec: dict, port: int) -> list[dict] | None:
+    """The peers of the rule opening `port`, None when no rule opens it."""
+    rules = [r for r in np_spec["ingress"] if r.get("ports") == [{"protocol": "TCP", "port": port}]]
+    assert len(rules) <= 1
+    return rules[0]["from"] if rules else None
+
+
 def test_network_policy_admits_only_the_jobs_pods_except_metrics() -> None:
-    (np,) = by_kind(rendered(job()), "NetworkPolicy")
-    spec = np["spec"]
+    spec = network_policy()
     assert spec["podSelector"]["matchLabels"] == {names.JOB_LABEL: JOB}
     open_rules = [r for r in spec["ingress"] if "ports" not in r]
     assert open_rules == [{"from": [{"podSelector": {"matchLabels": {names.JOB_LABEL: JOB}}}]}]
     reachable = {p["port"] for r in spec["ingress"] if "ports" in r for p in r["ports"]}
     assert ports.RENDEZVOUS_PORT not in reachable and ports.WEIGHT_SYNC_PORT not in reachable
-    metrics_rule = [
-        r for r in spec["ingress"] if r.get("ports") == [{"protocol": "TCP", "port": 9090}]
+    # Without the admin's policy: the chart's defaults, Prometheus and the operator's pods.
+    prometheus = {"namespaceSelector": {}, "podSelector": {"matchLabels": PROMETHEUS_POD_LABELS}}
+    operator = {
+        "namespaceSelector": {},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "gspo-operator"}},
+    }
+    assert sources(spec, 9090) == [prometheus, operator]
+    assert sources(spec, ports.ROLLOUT_HTTP_PORT) == [prometheus]
+    assert {"namespaceSelector": {}} not in sources(spec, 9090), "open to every pod again"
+
+
+def test_network_policy_metrics_sources_come_from_the_cluster_policy() -> None:
+    scrapers = [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}},
+        {"podSelector": {"matchLabels": {"app": "vmagent"}}},
     ]
-    assert metrics_rule[0]["from"] == [{"namespaceSelector": {}}]
+    policy = ClusterPolicy(
+        metrics_from=tuple(scrapers),
+        operator_namespace="gspo-system",
+        operator_pod_labels={
+            "app.kubernetes.io/name": "gspo-operator",
+            "app.kubernetes.io/instance": "ops",
+        },
+    )
+    spec = network_policy(policy)
+    operator = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gspo-system"}},
+        "podSelector": {
+            "matchLabels": {
+                "app.kubernetes.io/name": "gspo-operator",
+                "app.kubernetes.io/instance": "ops",
+            }
+        },
+    }
+    assert sources(spec, 9090) == [*scrapers, operator]
+    assert sources(spec, ports.ROLLOUT_HTTP_PORT) == scrapers  # the operator never calls it
+    assert policy.metrics_from == tuple(scrapers)  # rendering copied, never aliased
+    # No scrapers at all: the metrics port admits the operator alone, and the rollout port's
+    # rule is left out (an empty `from` would admit every pod of the cluster).
+    spec = network_policy(ClusterPolicy(metrics_from=(), operator_namespace="gspo-system"))
+    assert sources(spec, 9090) == [
+        {**operator, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "gspo-operator"}}}
+    ]
+    assert sources(spec, ports.ROLLOUT_HTTP_PORT) is None
+    assert all(rule["from"] for rule in spec["ingress"])
 
 
 def test_pod_monitor_is_structurally_sound() -> None:

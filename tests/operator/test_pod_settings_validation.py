@@ -32,33 +32,35 @@ def test_the_example_is_valid() -> None:
     assert problems() == []
 
 
-@pytest.mark.parametrize(
-    ("learner", "expected"),
-    [
-        ({"volumes": [{"name": "d"}]}, "spec.learner.volumes[0]: needs exactly one volume source"),
-        (
-            {"volumes": [{"name": "d", "emptyDir": {}, "nfs": {"server": "s", "path": "/"}}]},
-            "got emptyDir, nfs",
-        ),
-        ({"volumeMounts": [{"name": "nope", "mountPath": "/x"}]}, "declare the volume there"),
-        (
-            {"volumes": [{"name": "config", "emptyDir": {}}], "volumeMounts": []},
-            "'config' is a volume the operator adds",
-        ),
-        (
-            {"volumeMounts": [{"name": "math-data", "mountPath": "/checkpoints"}]},
-            "mount somewhere else",
-        ),
-        ({"env": [{"name": "A", "value": "1", "valueFrom": {"secretKeyRef": {}}}]}, "keep one"),
-        ({"env": [{"name": "A", "valueFrom": {"secretKeyRefs": {}}}]}, "needs exactly one of"),
-        ({"envFrom": [{"secretRef": {}}]}, "configMapRef or secretRef with a name"),
-        (
-            {"resources": {"requests": {"nvidia.com/gpu": 4}}},
-            "spec.learner.resources.requests[nvidia.com/gpu]: 4 disagrees with "
-            "learner.gpusPerReplica=8",
-        ),
-    ],
-)
+# (learner settings over the example, words of the problem). The CRD's CEL rules refuse
+# those they can see (tests/contract/test_crd_cel.py).
+BAD_POD_SETTINGS = [
+    ({"volumes": [{"name": "d"}]}, "spec.learner.volumes[0]: needs exactly one volume source"),
+    (
+        {"volumes": [{"name": "d", "emptyDir": {}, "nfs": {"server": "s", "path": "/"}}]},
+        "got emptyDir, nfs",
+    ),
+    ({"volumeMounts": [{"name": "nope", "mountPath": "/x"}]}, "declare the volume there"),
+    (
+        {"volumes": [{"name": "config", "emptyDir": {}}], "volumeMounts": []},
+        "'config' is a volume the operator adds",
+    ),
+    (
+        {"volumeMounts": [{"name": "math-data", "mountPath": "/checkpoints"}]},
+        "mount somewhere else",
+    ),
+    ({"env": [{"name": "A", "value": "1", "valueFrom": {"secretKeyRef": {}}}]}, "keep one"),
+    ({"env": [{"name": "A", "valueFrom": {"secretKeyRefs": {}}}]}, "needs exactly one of"),
+    ({"envFrom": [{"secretRef": {}}]}, "configMapRef or secretRef with a name"),
+    (
+        {"resources": {"requests": {"nvidia.com/gpu": 4}}},
+        "spec.learner.resources.requests[nvidia.com/gpu]: 4 disagrees with "
+        "learner.gpusPerReplica=8",
+    ),
+]
+
+
+@pytest.mark.parametrize(("learner", "expected"), BAD_POD_SETTINGS)
 def test_bad_pod_settings_are_refused_with_the_field(learner: dict, expected: str) -> None:
     found = problems(learner=learner)
     assert any(expected in p for p in found), found

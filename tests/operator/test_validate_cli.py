@@ -53,11 +53,15 @@ def test_unreadable_file(gspo, tmp_path: Path) -> None:
     assert "missing.yaml: cannot read" in out.stdout
 
 
+# Refused with one learner pod and one server (the CRD's CEL rules too: test_crd_cel.py).
+BAD_JOB_NAMES = ("1run", "Run", "run-", "run.a", "x" * 51)
+
+
 def test_names_that_cannot_name_services_are_refused() -> None:
     from gspo_operator.names import check_job_name
 
     assert check_job_name("qwen3-run-1") is None
-    for bad in ("1run", "Run", "run-", "run.a", "x" * 51):
+    for bad in BAD_JOB_NAMES:
         assert check_job_name(bad), bad
 
 

@@ -51,6 +51,13 @@ DEFAULT_CLIP = {
     "grpo": (0.2, 0.27),
 }
 BUILTIN_MODELS = ("builtin:tiny-qwen3-moe", "builtin:tiny-qwen3")
+# Bounds on what the CRD's CEL rules iterate or compare (crd_rules.py): the API server refuses a
+# CRD whose rules it cannot bound, estimating an unbounded list from the 3 MiB request limit.
+# Far above what a pod uses (the operator adds 6 volumes of its own).
+MAX_ENV = 256
+MAX_VOLUMES = 64
+MAX_MOUNT_PATH = 1024
+MAX_CONDITIONS = 16  # the status holds one condition per ConditionType
 
 
 class Section(BaseModel):
@@ -233,7 +240,9 @@ class EnvVar(Section):
 
 class VolumeMount(Section):
     name: str = Field(..., min_length=1, description="A volume of the same pod settings.")
-    mount_path: str = Field(..., pattern=r"^/", description="Absolute path in the container.")
+    mount_path: str = Field(
+        ..., pattern=r"^/", max_length=MAX_MOUNT_PATH, description="Absolute path in the container."
+    )
     read_only: bool = False
     sub_path: str | None = None
 
@@ -277,6 +286,7 @@ class PodSettings(Section):
 
     env: list[EnvVar] = Field(
         default_factory=list,
+        max_length=MAX_ENV,
         description="Extra environment variables (value, or valueFrom a Secret or ConfigMap).",
     )
     env_from: list[dict[str, Any]] = Field(
@@ -284,9 +294,11 @@ class PodSettings(Section):
         description="configMapRef / secretRef sources of environment variables, as in a container.",
         json_schema_extra={"items": {"type": "object", **_FREE}},
     )
-    volumes: list[Volume] = Field(default_factory=list, description="Extra pod volumes.")
+    volumes: list[Volume] = Field(
+        default_factory=list, max_length=MAX_VOLUMES, description="Extra pod volumes."
+    )
     volume_mounts: list[VolumeMount] = Field(
-        default_factory=list, description="Where the container mounts them."
+        default_factory=list, max_length=MAX_VOLUMES, description="Where the container mounts them."
     )
     service_account_name: str | None = Field(
         None, description="ServiceAccount of the pods (its token is mounted only when set)."
@@ -465,7 +477,7 @@ class GSPOJobSpec(Section):
         return self.model_dump(mode="json", by_alias=True)
 
 
-Phase = Literal["Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
+Phase = Literal["Pending", "Blocked", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
 ConditionType = Literal[
     "Created",
     "LearnerReady",
@@ -495,7 +507,7 @@ class GSPOJobStatus(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="allow")
 
     phase: Phase | None = None
-    conditions: list[Condition] = Field(default_factory=list)
+    conditions: list[Condition] = Field(default_factory=list, max_length=MAX_CONDITIONS)
     step: int | None = None
     reward: float | None = None
     last_checkpoint: str | None = None

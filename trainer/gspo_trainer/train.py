@@ -273,6 +273,9 @@ def main(argv: list[str]) -> int:
                 "--max-num-seqs", str(spec.rollout.max_num_seqs),
                 *[f"--engine-arg={k}={json.dumps(v)}" for k, v in spec.rollout.engine_args.items()],
                 *weights_dir,
+                # As on a cluster: loopback is open to every user of this machine, and the
+                # learner sends the run's token anyway (so a client that forgot it fails here).
+                "--require-token-for-generate",
             ], base_env, out / "logs" / f"rollout-{i}.log")  # fmt: skip
             servers.append((proc, f"http://127.0.0.1:{port}"))
         wait_healthy(servers, SERVER_START_TIMEOUT_S)

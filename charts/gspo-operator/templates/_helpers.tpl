@@ -34,3 +34,12 @@ app.kubernetes.io/component: operator
 {{- define "gspo-operator.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
+
+{{/*
+The namespaces a namespaced install watches, as a JSON list (read it with fromJsonArray): the
+release namespace, then watchNamespaces, each once. The Deployment's --namespace args and
+the Roles in templates/rbac.yaml both come from here, so they cannot disagree.
+*/}}
+{{- define "gspo-operator.watchNamespaces" -}}
+{{- prepend .Values.watchNamespaces .Release.Namespace | uniq | toJson -}}
+{{- end -}}

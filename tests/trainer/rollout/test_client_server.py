@@ -152,12 +152,19 @@ async def test_pause_drains_and_holds_new_requests_until_resume() -> None:
 
 
 async def test_generate_token_and_body_errors() -> None:
+    """As on a cluster (the rendered rollout pods pass --require-token-for-generate): a
+    generation needs the job's token, the learner's client sends it, and what probes and
+    Prometheus call stays open."""
     runner, url = await _start(StandInEngine(), initial_version=0, require_token_for_generate=True)
     body = {"prompts": ["1+2="], "sampling": {"n": 2, "max_tokens": 3}}
     try:
         async with aiohttp.ClientSession() as http:
-            async with http.post(url + "/v1/generate", json=body) as resp:
-                assert resp.status == 401
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+                async with http.post(url + "/v1/generate", json=body, headers=headers) as resp:
+                    assert resp.status == 401, headers
+            for probe in ("/health", "/ready", "/metrics"):  # readiness, liveness, scrapes
+                async with http.get(url + probe) as resp:
+                    assert resp.status == 200, probe
             good = {"Authorization": f"Bearer {TOKEN}"}
             async with http.post(url + "/v1/generate", json=body, headers=good) as resp:
                 out = await resp.json()
@@ -165,5 +172,11 @@ async def test_generate_token_and_body_errors() -> None:
             bad = {"prompts": [[1]], "sampling": {"n": 1, "max_tokens": 1, "beam": 3}}
             async with http.post(url + "/v1/generate", json=bad, headers=good) as resp:
                 assert resp.status == 400 and "beam" in await resp.text()
+        async with RolloutClient([url], TOKEN) as client:  # the learner's client
+            assert len((await client.generate(PROMPTS[:2], PARAMS)).groups) == 2
+        for token in (None, "wrong"):  # refused at once, not retried as a server fault
+            async with RolloutClient([url], token) as client:
+                with pytest.raises(RolloutError, match="/v1/generate: 401"):
+                    await client.generate(PROMPTS[:2], PARAMS)
     finally:
         await runner.cleanup()

@@ -1,0 +1,581 @@
+"""One reconcile of one GSPOJob: observe → compute → act, and the one writer of its status.
+
+Driven by a work queue (handlers.py feeds it from watch events), never by a timer per job:
+the job, its JobSet, its pods and its other children come from kopf's in-memory indexes of
+the watches, so a reconcile makes no API request unless something must change. The learner's
+/progress is read only while rank 0 runs, every `interval_s`; a status change that is only
+progress (step, reward, versions) is written at most every `progress_write_s`. Finished jobs
+are not polled at all (one wake-up at their TTL, if they have one). Secrets and PodMonitors
+are not watched (listing Secrets would need far more than this operator's own), so they are
+checked by name once after start-up and every `resync_s`.
+
+No finalizer is kept: the children carry ownerReferences, so the garbage collector deletes
+them with the job even while the operator is down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import aiohttp
+import yaml
+
+from gspo_operator import api_errors, names, render, status
+from gspo_operator.children import (
+    ChildKey,
+    ChildView,
+    contains,
+    plan_children,
+    repair_patch,
+)
+from gspo_operator.kube import JOB_API, ApiError, Kube
+from gspo_operator.manifest import ClusterPolicy, check_job
+from gspo_operator.metrics import OperatorMetrics
+from gspo_operator.progress import fetch_progress
+from gspo_trainer import ports
+from gspo_trainer.config import GSPOJobSpec
+from gspo_trainer.validation import SpecError, parse_spec
+
+log = logging.getLogger(__name__)
+
+Key = tuple[str, str]  # (namespace, name)
+Obj = dict[str, Any]
+
+DEFAULT_INTERVAL_S = 10.0
+DEFAULT_PROGRESS_WRITE_S = 60.0
+DEFAULT_RESYNC_S = 600.0
+# Kinds a cluster may lack: the job runs without them, and the operator says so once.
+OPTIONAL_KINDS = ("PodMonitor",)
+# Children no watch covers; checked by name at start-up and every resync.
+UNWATCHED_KINDS = ("Secret", "PodMonitor")
+JOBSET_MISSING = (
+    "the cluster serves no jobset.x-k8s.io/v1alpha2 JobSet API, which runs this job's pods; "
+    "install JobSet v0.10 or later (see the chart's README) and the job starts by itself"
+)
+# Status fields that only report training progress: written at most every progress_write_s.
+PROGRESS_FIELDS = ("step", "reward", "policyVersion", "serverVersions", "lastCheckpoint")
+PROGRESS_CONDITIONS = ("WeightsSynced",)  # their message names the policy version
+OWN_WRITE_WAIT_S = 2.0  # how long to wait for the watch to show our own status write
+
+
+@dataclass
+class Context:
+    """What every reconcile shares: the API adapter, the watches' indexes, per-job memory."""
+
+    kube: Kube
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
+    interval_s: float = DEFAULT_INTERVAL_S  # /progress of a running learner
+    progress_write_s: float = DEFAULT_PROGRESS_WRITE_S
+    resync_s: float = DEFAULT_RESYNC_S
+    policy: ClusterPolicy = field(default_factory=ClusterPolicy.from_env)
+    post: Callable[[Mapping[str, Any], status.Event], None] = lambda body, event: None
+    indices: Mapping[str, Any] = field(default_factory=dict)  # kopf's, by index name
+    watch_jobsets: bool = True  # False: the JobSet API was not served at start-up; GET it
+    http: aiohttp.ClientSession | None = None
+    phases: dict[Key, str] = field(default_factory=dict)
+    accepted: dict[Key, GSPOJobSpec] = field(default_factory=dict)  # the spec in effect
+    last_write: dict[Key, float] = field(default_factory=dict)  # monotonic
+    own_write: dict[Key, tuple[str, float]] = field(default_factory=dict)  # rv, until
+    checked: dict[Key, tuple[float, dict[ChildKey, ChildView]]] = field(default_factory=dict)
+    failures: dict[Key, int] = field(default_factory=dict)  # API errors in a row
+    not_before: dict[Key, float] = field(default_factory=dict)  # monotonic: backing off
+    deleted: set[str] = field(default_factory=set)  # uids of jobs this operator deleted (TTL)
+    # What this operator just created or repaired, until its watch shows it (controller-
+    # runtime's "expectations"): a reconcile in between neither creates it twice nor repairs
+    # it again.
+    expected: dict[Key, dict[ChildKey, tuple[ChildView, float]]] = field(default_factory=dict)
+    noted: set[str] = field(default_factory=set)  # cluster-wide notes already logged
+
+    def note_once(self, message: str) -> None:
+        if message not in self.noted:
+            self.noted.add(message)
+            log.warning(message)
+
+    def session(self) -> aiohttp.ClientSession:
+        if self.http is None or self.http.closed:
+            self.http = aiohttp.ClientSession()
+        return self.http
+
+    def indexed(self, index: str, key: Key) -> list[Any]:
+        store = self.indices.get(index)
+        if store is None:
+            return []
+        try:
+            return list(store[key])
+        except KeyError:
+            return []
+
+    def forget(self, key: Key) -> None:
+        for memory in (self.phases, self.accepted, self.last_write, self.own_write):
+            memory.pop(key, None)  # type: ignore[attr-defined]
+        self.checked.pop(key, None)
+        self.failures.pop(key, None)
+        self.not_before.pop(key, None)
+        self.expected.pop(key, None)
+        self.metrics.forget_job(*key)
+        self.metrics.count_phases(list(self.phases.values()))  # type: ignore[arg-type]
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+# --- the reconcile --------------------------------------------------------------------------
+
+
+async def reconcile(ctx: Context, key: Key) -> float | None:
+    """Bring one job one step closer to its spec; seconds until it wants looking at again."""
+    bodies = ctx.indexed("gspojobs", key)
+    if not bodies:
+        ctx.forget(key)
+        return None
+    body: Obj = bodies[0]
+    meta = body["metadata"]
+    if meta.get("deletionTimestamp") or meta.get("uid") in ctx.deleted:
+        return None  # the garbage collector takes the children
+    wait = ctx.not_before.pop(key, 0.0) - time.monotonic()
+    if wait > 0:
+        ctx.not_before[key] = time.monotonic() + wait
+        return wait  # backing off after an API error: events do not hurry it
+    own = ctx.own_write.get(key)
+    if own is not None and own[0] != meta.get("resourceVersion") and time.monotonic() < own[1]:
+        return 0.1  # the watch has not shown our own last status write yet
+    ctx.own_write.pop(key, None)
+    with ctx.metrics.reconcile():
+        try:
+            delay = await _reconcile(ctx, key, body)
+        except ApiError as exc:
+            delay = _back_off(ctx, key, exc.retry_after_s)
+            log.warning("Reconcile of %s/%s failed (retry in %.1f s): %s", *key, delay, exc)
+            return delay
+    if key not in ctx.not_before:
+        ctx.failures.pop(key, None)  # a reconcile went through: the next error starts afresh
+    return delay
+
+
+def _back_off(ctx: Context, key: Key, retry_after_s: float | None = None) -> float:
+    """Seconds until the next try after another failure in a row; events do not hurry it."""
+    failures = ctx.failures[key] = ctx.failures.get(key, 0) + 1
+    delay = api_errors.backoff_s(failures, retry_after_s=retry_after_s)
+    ctx.not_before[key] = time.monotonic() + delay
+    return delay
+
+
+async def _reconcile(ctx: Context, key: Key, body: Obj) -> float | None:
+    now = _now()
+    original: Obj = copy.deepcopy(body.get("status") or {})
+    current = copy.deepcopy(original)
+    spec, problems = check_job(body, ctx.policy)
+    was_created = _has(original, "Created")
+    if spec is None and (not was_created or _rejected_at_creation(original)):
+        current, event = status.invalid_spec(current, now, problems)
+        if current != original:
+            await _write(ctx, key, body, original, current, [event], force=True)
+        return None
+    accepted = ctx.accepted.get(key) or _spec_in_config_map(ctx, key) or spec
+    if accepted is None:
+        return None
+    events: list[status.Event] = []
+    if spec is None:  # a running job edited into an invalid spec: keep the accepted one
+        if not _true(current, "InvalidSpec"):
+            current, event = status.invalid_change(current, now, problems)
+            events.append(event)
+        spec = accepted
+    else:
+        if _rejected_at_creation(current):  # fixed after an InvalidSpec failure: start now
+            current = status.accepted_change({"conditions": current.get("conditions")}, now)
+            current["conditions"] = [c for c in current["conditions"] if c["type"] == "InvalidSpec"]
+        spec, refused = _effective(accepted, spec)
+        if refused and not _true(current, "InvalidSpec"):
+            current, event = status.refused_change(current, now, refused)
+            events.append(event)
+        elif not refused and _true(current, "InvalidSpec"):
+            current = status.accepted_change(current, now)
+    ctx.accepted[key] = spec
+
+    # Children: create what is missing, repair what was changed by hand, refuse strangers.
+    terminal = current.get("phase") in status.TERMINAL
+    children = await _ensure_children(ctx, key, body, spec, terminal)
+    if children.made:
+        events.append(status.Event("Normal", "Created", f"Created {len(children.made)} objects"))
+    settled = not (children.refusal or children.jobset_unserved or terminal)
+    if settled and not _true(current, "Created"):
+        current = status.created(current, now, children.desired)
+    if children.refusal is not None:
+        verdict, reason, message = children.refusal
+        current, event = status.api_refused(current, now, verdict, reason, message)
+        if not _true(original, "Blocked") or original.get("phase") != current.get("phase"):
+            events.append(event)
+        await _write(ctx, key, body, original, current, events, force=True)
+        return None if verdict == "invalid" else _back_off(ctx, key)
+    current = status.unblocked(current, now)
+
+    observed = await _observe(ctx, key, spec)
+    outcome = status.compute(spec, observed, current, now, body["metadata"].get("generation"))
+    if children.jobset_unserved:
+        outcome.status = status.jobset_missing(outcome.status, now, JOBSET_MISSING)
+    await _act(ctx, key, body["metadata"]["uid"], outcome)
+    await _write(ctx, key, body, original, outcome.status, events + outcome.events)
+    _record(ctx, key, original, outcome.status, spec)
+    return _next_look(ctx, key, spec, outcome.status, observed, now)
+
+
+# --- children -------------------------------------------------------------------------------
+
+
+@dataclass
+class Children:
+    desired: int = 0
+    made: list[str] = field(default_factory=list)
+    jobset_unserved: bool = False
+    refusal: tuple[str, str, str] | None = None  # (verdict, reason, message)
+
+
+async def _ensure_children(
+    ctx: Context, key: Key, body: Obj, spec: GSPOJobSpec, terminal: bool
+) -> Children:
+    desired = render.render_job(body, spec, token=secrets.token_urlsafe(32), policy=ctx.policy)
+    if terminal:  # a finished job's pods stay stopped
+        desired = [o for o in desired if o["kind"] != "JobSet"]
+    observed = _children_seen(ctx, key)
+    observed.update(await _unwatched_children(ctx, key, desired))
+    uid = body["metadata"]["uid"]
+    plan = plan_children(desired, observed, uid)
+    out = Children(desired=len(desired))
+    refusals: list[tuple[str, str, str]] = []
+
+    async def create(obj: Obj) -> None:
+        what = f"{obj['kind']} {obj['metadata']['name']}"
+        try:
+            existing = await ctx.kube.create_or_get(obj)
+        except ApiError as exc:
+            if exc.status == 404 and obj["kind"] in (*OPTIONAL_KINDS, "JobSet"):
+                _unserved(ctx, body, obj["kind"], what, out)
+                return
+            refusals.append(_refusal(what, "create", exc))
+            return
+        if existing is None:
+            _expect(ctx, key, obj)
+            out.made.append(what)
+            log.info("Created %s in %s", what, key[0])
+            return
+        view = ChildView.from_object(existing)
+        if view.controller_uid != uid:
+            refusals.append(("blocked", "Conflict", _foreign(what)))
+        else:
+            await repair(obj, view)
+
+    async def repair(obj: Obj, view: ChildView) -> None:
+        patch = repair_patch(obj, view)
+        if patch is None:
+            return
+        what = f"{obj['kind']} {obj['metadata']['name']}"
+        try:
+            await ctx.kube.patch(
+                obj["apiVersion"], obj["kind"], key[0], obj["metadata"]["name"], patch
+            )
+        except ApiError as exc:
+            if exc.status == 404:
+                return  # deleted meanwhile: the watch brings it back to create
+            refusals.append(_refusal(what, "update", exc))
+            return
+        _expect(ctx, key, obj)
+        log.info("Repaired %s in %s (%s changed by hand)", what, key[0], ", ".join(patch))
+
+    # The JobSet last, once everything its pods mount and read exists: a refused claim must
+    # not leave pods Pending on it.
+    first = [o for o in plan.create if o["kind"] != "JobSet"]
+    await asyncio.gather(
+        *(create(o) for o in first),
+        *(repair(o, observed[(o["kind"], o["metadata"]["name"])]) for o, _ in plan.repair),
+    )
+    refusals += [("blocked", "Conflict", _foreign(what)) for what in plan.foreign]
+    if not refusals:
+        await asyncio.gather(*(create(o) for o in plan.create if o["kind"] == "JobSet"))
+    if refusals:
+        out.refusal = sorted(refusals, key=lambda r: r[0] != "invalid")[0]
+    return out
+
+
+def _refusal(what: str, verb: str, exc: ApiError) -> tuple[str, str, str]:
+    verdict = api_errors.classify(exc.status)
+    if verdict == "transient":
+        raise exc  # throttled or unavailable: back off, change nothing
+    reason = {403: "Forbidden", 404: "NotFound", 409: "Conflict"}.get(exc.status, "Invalid")
+    return verdict, reason, f"the API server refused to {verb} {what}: {exc.message}"
+
+
+def _foreign(what: str) -> str:
+    return (
+        f"{what} already exists and is not controlled by this GSPOJob (no ownerReference with "
+        "its uid); the operator adopts only its own children: delete that object, or give "
+        "the job another name"
+    )
+
+
+def _unserved(ctx: Context, body: Obj, kind: str, what: str, out: Children) -> None:
+    if kind == "JobSet":
+        out.jobset_unserved = True
+        ctx.note_once(JOBSET_MISSING)
+        return
+    ctx.note_once(f"{kind} not served: the jobs run without it")
+    message = (
+        f"{what} not created: the cluster does not serve the {kind} API (install the "
+        "Prometheus Operator, or set spec.metrics.podMonitor: false); the job runs without it"
+    )
+    ctx.post(body, status.Event("Normal", f"{kind}Skipped", message))
+
+
+def _children_seen(ctx: Context, key: Key) -> dict[ChildKey, ChildView]:
+    """Every watched child of the job, from the indexes, and what this operator has just
+    created or repaired that its watch does not show yet."""
+    out: dict[ChildKey, ChildView] = {}
+    for index in ("jobsets", "children"):
+        for view in ctx.indexed(index, key):
+            view = view[0] if isinstance(view, tuple) else view
+            out[(view.kind, view.name)] = view
+    expected = ctx.expected.get(key, {})
+    now = time.monotonic()
+    for child, (view, until) in list(expected.items()):
+        seen = out.get(child)
+        if now > until or (seen is not None and contains(view.fields, seen.fields)):
+            del expected[child]  # the watch shows it (or it is too long ago to trust)
+        else:
+            out[child] = view
+    return out
+
+
+def _expect(ctx: Context, key: Key, obj: Obj) -> None:
+    if obj["kind"] in UNWATCHED_KINDS:
+        return
+    view = ChildView.from_object(obj)
+    ctx.expected.setdefault(key, {})[(view.kind, view.name)] = (view, time.monotonic() + 30.0)
+
+
+async def _unwatched_children(
+    ctx: Context, key: Key, desired: list[Obj]
+) -> dict[ChildKey, ChildView]:
+    """Secrets and PodMonitors, read by name after start-up and every resync_s."""
+    seen = ctx.checked.get(key)
+    if seen is not None and time.monotonic() - seen[0] < ctx.resync_s:
+        return seen[1]
+    wanted = [o for o in desired if o["kind"] in UNWATCHED_KINDS]
+
+    async def get(obj: Obj) -> ChildView | None:
+        try:
+            found = await ctx.kube.get(
+                obj["apiVersion"], obj["kind"], key[0], obj["metadata"]["name"]
+            )
+        except ApiError as exc:
+            if exc.status == 404:
+                return None  # the kind itself is not served
+            raise
+        return None if found is None else ChildView.from_object(found)
+
+    views = await asyncio.gather(*(get(o) for o in wanted))
+    found = {(v.kind, v.name): v for v in views if v is not None}
+    # What is created now is there at the next look: count it as seen until the next resync.
+    ctx.checked[key] = (time.monotonic(), _assume_created(found, wanted))
+    return found
+
+
+def _assume_created(
+    found: dict[ChildKey, ChildView], wanted: list[Obj]
+) -> dict[ChildKey, ChildView]:
+    out = dict(found)
+    for obj in wanted:
+        out.setdefault((obj["kind"], obj["metadata"]["name"]), ChildView.from_object(obj))
+    return out
+
+
+# --- observe, act, write --------------------------------------------------------------------
+
+
+async def _observe(ctx: Context, key: Key, spec: GSPOJobSpec) -> status.Observed:
+    """The JobSet and pods from the indexes; rank 0's progress while it runs."""
+    ns, name = key
+    js: status.JobSetView | None = None
+    if ctx.watch_jobsets:
+        found = ctx.indexed("jobsets", key)
+        js = found[0][1] if found else None
+    else:
+        jobset = await ctx.kube.get(render.JOBSET_API, "JobSet", ns, names.jobset(name))
+        js = None if jobset is None else status.JobSetView.from_jobset(jobset)
+    pods = sorted(ctx.indexed("pods", key), key=lambda p: p.name)
+    observed = status.Observed(jobset=js, pods=pods)
+    rank0 = next((p for p in observed.learners(js.restarts if js else 0) if p.index == 0), None)
+    if rank0 is not None and rank0.phase == "Running" and rank0.ip:
+        progress = await fetch_progress(ctx.session(), rank0.ip, spec.metrics.port)
+        observed = status.Observed(jobset=js, pods=pods, progress=progress)
+    return observed
+
+
+async def _act(ctx: Context, key: Key, uid: str, out: status.Outcome) -> None:
+    """Suspend, resume and delete what `out` asks for; every call tolerates a repeat."""
+    ns, name = key
+    jobset = names.jobset(name)
+    if out.suspend_jobset is not None:
+        patch = {"spec": {"suspend": out.suspend_jobset}}
+        await ctx.kube.patch(render.JOBSET_API, "JobSet", ns, jobset, patch)
+        log.info("%s JobSet %s in %s", "Suspended" if out.suspend_jobset else "Resumed", jobset, ns)
+    if out.delete_jobset and await ctx.kube.delete(render.JOBSET_API, "JobSet", ns, jobset):
+        log.info("Deleted JobSet %s in %s", jobset, ns)
+    if out.delete_job:
+        await ctx.kube.delete(JOB_API, "GSPOJob", ns, name)
+        ctx.deleted.add(uid)
+        log.info("Deleted GSPOJob %s in %s: ttlSecondsAfterFinished passed", name, ns)
+
+
+async def _write(
+    ctx: Context,
+    key: Key,
+    body: Obj,
+    original: Obj,
+    new: Obj,
+    events: list[status.Event],
+    *,
+    force: bool = False,
+) -> None:
+    """Post the Events; patch the status if it changed, progress alone at most so often."""
+    for event in events:
+        ctx.post(body, event)
+        log.info("%s/%s %s: %s", *key, event.reason, event.message)
+    if new == original:
+        return
+    last = ctx.last_write.get(key)
+    if (
+        not force
+        and _shape(new) == _shape(original)
+        and last is not None
+        and time.monotonic() - last < ctx.progress_write_s
+    ):
+        return  # progress only, written recently: the next poll after the window writes it
+    done = await ctx.kube.patch(
+        JOB_API, "GSPOJob", key[0], key[1], {"status": _diff(original, new)}, subresource="status"
+    )
+    ctx.last_write[key] = time.monotonic()
+    rv = done.get("metadata", {}).get("resourceVersion")
+    if rv:
+        ctx.own_write[key] = (rv, time.monotonic() + OWN_WRITE_WAIT_S)
+
+
+def _shape(st: Mapping[str, Any]) -> tuple[Any, ...]:
+    """A status without its progress: two statuses of equal shape differ in progress only."""
+    rest = {k: v for k, v in st.items() if k not in (*PROGRESS_FIELDS, "conditions")}
+    conditions = sorted(
+        (
+            c["type"],
+            c["status"],
+            c.get("reason"),
+            "" if c["type"] in PROGRESS_CONDITIONS else c.get("message"),
+        )
+        for c in st.get("conditions") or []
+    )
+    return (sorted(rest.items(), key=lambda kv: kv[0]).__repr__(), conditions)
+
+
+def _next_look(
+    ctx: Context,
+    key: Key,
+    spec: GSPOJobSpec,
+    st: Mapping[str, Any],
+    observed: status.Observed,
+    now: datetime,
+) -> float | None:
+    """When this job needs a look without any event: never, once it is finished for good."""
+    waits: list[float] = []
+    policy = spec.run_policy
+    if st.get("phase") in status.TERMINAL:
+        done = st.get("completionTime")
+        if policy.ttl_seconds_after_finished is not None and done:
+            due = status.parse_time(done).timestamp() + policy.ttl_seconds_after_finished
+            waits.append(max(due - now.timestamp(), 0.0) + 0.5)
+        return min(waits) if waits else None
+    if any(
+        p.phase == "Running"
+        for p in observed.learners(observed.jobset.restarts if observed.jobset else 0)
+    ):
+        waits.append(ctx.interval_s)
+    if not ctx.watch_jobsets:
+        waits.append(ctx.interval_s)
+    deadline = policy.active_deadline_seconds
+    if deadline is not None and st.get("startTime") and not policy.suspend:
+        due = status.parse_time(st["startTime"]).timestamp() + deadline
+        waits.append(max(due - now.timestamp(), 0.0) + 0.5)
+    waits.append(ctx.resync_s)
+    return min(waits)
+
+
+def _record(ctx: Context, key: Key, previous: Obj, new: Obj, spec: GSPOJobSpec) -> None:
+    phase = new.get("phase") or "Pending"
+    ctx.phases[key] = phase
+    ready = int(str(new.get("rolloutReady") or "0/0").split("/")[0])
+    ctx.metrics.set_job(*key, phase, ready, spec.rollout.replicas, int(new.get("step") or 0))
+    ctx.metrics.count_phases(list(ctx.phases.values()))  # type: ignore[arg-type]
+    gained = int(new.get("restarts") or 0) - int(previous.get("restarts") or 0)
+    if gained > 0:
+        ctx.metrics.learner_restarts.labels(*key).inc(gained)
+
+
+# --- the spec in effect ---------------------------------------------------------------------
+
+
+def _spec_in_config_map(ctx: Context, key: Key) -> GSPOJobSpec | None:
+    """The spec the job runs: the one its ConfigMap holds (written when it was accepted)."""
+    for view in ctx.indexed("children", key):
+        if view.kind == "ConfigMap" and view.name == names.config_map(key[1]):
+            data = view.fields.get("data") or {}
+            try:
+                return parse_spec(yaml.safe_load(data[ports.CONFIG_FILE])["spec"])
+            except (KeyError, TypeError, yaml.YAMLError, SpecError):
+                return None
+    return None
+
+
+def _effective(accepted: GSPOJobSpec, new: GSPOJobSpec) -> tuple[GSPOJobSpec, list[str]]:
+    """The accepted spec with the in-flight-changeable fields taken from `new`."""
+    refused = status.refused_fields(accepted, new)
+    if not refused:
+        return new, []
+    merged = accepted.to_manifest_dict()
+    current = new.to_manifest_dict()
+    for dotted in status.MUTABLE_FIELDS:
+        section, key = dotted.split(".")
+        merged[section][key] = current[section][key]
+    try:
+        return parse_spec(merged), refused
+    except SpecError:
+        return accepted, refused
+
+
+def _rejected_at_creation(st: Mapping[str, Any]) -> bool:
+    """Failed for an invalid spec before any child existed."""
+    return st.get("phase") == "Failed" and any(
+        c["type"] == "InvalidSpec" and c.get("reason") == "InvalidSpec" and c["status"] == "True"
+        for c in st.get("conditions") or []
+    )
+
+
+def _has(st: Mapping[str, Any], type_: str) -> bool:
+    return any(c.get("type") == type_ for c in st.get("conditions") or [])
+
+
+def _true(st: Mapping[str, Any], type_: str) -> bool:
+    return any(
+        c.get("type") == type_ and c.get("status") == "True" for c in st.get("conditions") or []
+    )
+
+
+def _diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> Obj:
+    """A merge patch from `old` to `new` (top-level status keys)."""
+    out = {k: v for k, v in new.items() if old.get(k) != v}
+    out.update({k: None for k in old if k not in new})
+    return out
