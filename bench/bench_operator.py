@@ -72,8 +72,9 @@ async def bench(args: argparse.Namespace) -> None:
 
         learner = asyncio.create_task(learning())
         options = {"interval_s": args.interval}
-        if "progress_write_s" in inspect.signature(operator).parameters:
+        if "progress_write_s" in inspect.signature(operator).parameters:  # not before
             options["progress_write_s"] = args.progress_write
+            options["progress_writes_per_minute"] = args.progress_budget
         async with operator(api, **options) as ctx:
             served_before = api.served
             docs = [tiny_job(f"job-{i:03d}", progress_port=prog.port) for i in range(args.jobs)]
@@ -103,7 +104,13 @@ async def bench(args: argparse.Namespace) -> None:
             # Steady state: let start-up settle for one interval, then count for a window.
             await asyncio.sleep(args.interval + 2)
             seen_before, served_at = len(api._requests), api.served
+            events_before = {e["metadata"]["name"] for e in api.list_kind("Event", NS)}
             await asyncio.sleep(args.window)
+            reasons = Counter(
+                e.get("reason")
+                for e in api.list_kind("Event", NS)
+                if e["metadata"]["name"] not in events_before
+            )
             steady = api.served - served_at
             kinds = Counter(
                 f"{r.method.value} {r.resource.plural if r.resource else '-'}"
@@ -119,6 +126,7 @@ async def bench(args: argparse.Namespace) -> None:
                 f"{per_job_min:.2f} per job per minute; by kind: {dict(kinds.most_common(6))}"
             )
             print(f"status step at the end: min {steps[0]}, max {steps[-1]}", flush=True)
+            print(f"Events posted in the window, by reason: {dict(reasons)}", flush=True)
         stop.set()
         await asyncio.gather(fake_kubelet, learner)
 
@@ -152,7 +160,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--jobs", type=int, default=200)
     p.add_argument("--interval", type=float, default=10.0, help="progress poll, seconds")
-    p.add_argument("--progress-write", type=float, default=60.0, help="status write, seconds")
+    p.add_argument(
+        "--progress-write", type=float, default=30.0, help="shortest progress write interval, s"
+    )
+    p.add_argument(
+        "--progress-budget", type=float, default=30.0, help="progress writes a minute, all jobs"
+    )
     p.add_argument("--window", type=float, default=60.0, help="steady-state seconds counted")
     p.add_argument("--step-seconds", type=float, default=2.0, help="a learner step, seconds")
     asyncio.run(bench(p.parse_args()))

@@ -23,7 +23,10 @@ from gspo_operator.handlers import DEFAULT_INTERVAL_S, Context, label_selectors,
 from gspo_operator.kube import Kube, load_api_client
 from gspo_operator.manifest import ClusterPolicy, PolicyError
 from gspo_operator.metrics import OperatorMetrics
-from gspo_operator.reconcile import DEFAULT_PROGRESS_WRITE_S
+from gspo_operator.reconcile import (
+    DEFAULT_PROGRESS_WRITE_S,
+    DEFAULT_PROGRESS_WRITES_PER_MINUTE,
+)
 from gspo_trainer import ports
 
 log = logging.getLogger("gspo_operator")
@@ -61,7 +64,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--progress-write-interval",
         type=float,
         default=DEFAULT_PROGRESS_WRITE_S,
-        help="seconds between status writes that only report progress (step, reward)",
+        help="shortest time between status writes of one job that only report progress "
+        "(step, reward)",
+    )
+    p.add_argument(
+        "--progress-writes-per-minute",
+        type=float,
+        default=DEFAULT_PROGRESS_WRITES_PER_MINUTE,
+        help="progress-only status writes a minute, shared by all running jobs (0: no limit)",
     )
     election = p.add_argument_group("leader election (several replicas, one reconciling)")
     election.add_argument(
@@ -306,6 +316,7 @@ def main(argv: list[str]) -> int:
         metrics=metrics,
         interval_s=args.interval,
         progress_write_s=args.progress_write_interval,
+        progress_writes_per_minute=args.progress_writes_per_minute,
         policy=policy,
     )
     namespaces = [] if args.all_namespaces else args.namespace

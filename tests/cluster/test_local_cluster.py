@@ -20,11 +20,14 @@ import shutil
 import signal
 from pathlib import Path
 
+import aiohttp
 import pytest
 import yaml
 from kubelet import pod_problems, scheduling_problems
 from local_cluster import LocalCluster, local_cluster
 from netns import unavailable_reason
+
+from gspo_trainer import ports
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = list(yaml.safe_load_all((REPO / "examples/local-cluster.yaml").read_text()))
@@ -129,6 +132,13 @@ async def test_a_job_trains_through_faults_suspend_and_resume_to_succeeded(tmp_p
         assert cluster.condition(JOB, "WeightsSynced").get("status") == "True"
         (held,) = cluster.status(JOB)["serverVersions"].values()  # the one server's version
         assert held is not None and held >= 1
+        # The learner generates with the job's token; anyone else reaching the pod is refused.
+        (server_pod,) = cluster.pods(JOB, "rollout", running=True)
+        url = f"http://{server_pod['status']['podIP']}:{ports.ROLLOUT_HTTP_PORT}/v1/generate"
+        async with aiohttp.ClientSession() as session:
+            body = {"prompts": ["1+2="], "sampling": {"max_tokens": 2}}
+            async with session.post(url, json=body) as resp:
+                assert resp.status == 401, await resp.text()
 
         # --- a learner rank SIGKILLed: the group restarts from the newest checkpoint ---------
         await cluster.wait(lambda: checkpoints(cluster), 300, "a first checkpoint", JOB)

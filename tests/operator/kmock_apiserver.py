@@ -211,7 +211,10 @@ class ApiServer(kmock.KubernetesScaffold):
     served: int = attrs.field(default=0, init=False)  # resource requests answered
     base_url: str = attrs.field(default="", init=False)  # set once an HTTP server serves it
     _rv: itertools.count = attrs.field(factory=lambda: itertools.count(1), init=False)
-    _changed: asyncio.Condition | None = attrs.field(default=None, init=False)
+    # Set, and replaced by a fresh one, at every change: what watches wait on. (A Condition
+    # whose waiters are cancelled mid-reacquire can stay locked on Python 3.11, and then every
+    # notifier queues behind it.)
+    _changed: asyncio.Event | None = attrs.field(default=None, init=False)
     _kinds: dict[Key, tuple[str, bool, bool]] = attrs.field(factory=dict, init=False)
     faults: list[Fault] = attrs.field(factory=list, init=False)  # tests add error answers
 
@@ -289,13 +292,8 @@ class ApiServer(kmock.KubernetesScaffold):
     def _emit(self, key: Key, type_: str, obj: Obj) -> None:
         self.history.append((int(obj["metadata"]["resourceVersion"]), key, type_, obj))
         if self._changed is not None:
-            cond = self._changed
-
-            async def notify() -> None:
-                async with cond:
-                    cond.notify_all()
-
-            asyncio.get_running_loop().create_task(notify())
+            changed, self._changed = self._changed, asyncio.Event()
+            changed.set()
 
     def _store_new(self, key: Key, namespace: str, body: Obj) -> Obj:
         kind, namespaced, _ = self._kinds[key]
@@ -412,7 +410,7 @@ class ApiServer(kmock.KubernetesScaffold):
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         if self._changed is None:
-            self._changed = asyncio.Condition()
+            self._changed = asyncio.Event()
         res = request.resource
         key = None if res is None else (res.group or "", res.version or "", res.plural or "")
         if key not in self._kinds:
@@ -585,15 +583,15 @@ class ApiServer(kmock.KubernetesScaffold):
         assert self._changed is not None
         try:
             while loop.time() < deadline:
+                changed = self._changed  # taken before the scan: a change after it sets this
                 for rv, k, type_, obj in self.history[self._index_after(cursor) :]:
                     cursor = rv
                     if k == key and wanted(obj):
                         await send(type_, obj)
-                async with self._changed:
-                    try:
-                        await asyncio.wait_for(self._changed.wait(), deadline - loop.time())
-                    except TimeoutError:
-                        break
+                try:
+                    await asyncio.wait_for(changed.wait(), deadline - loop.time())
+                except TimeoutError:
+                    break
         except (ConnectionResetError, asyncio.CancelledError):
             pass
         return response

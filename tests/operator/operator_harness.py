@@ -172,6 +172,7 @@ async def operator(
     interval_s: float = 0.2,
     liveness_port: int | None = None,
     progress_write_s: float = 0.0,
+    progress_writes_per_minute: float = 0.0,
     resync_s: float = 600.0,
 ) -> AsyncIterator[Context]:
     """Run the real operator (kopf tasks) against `api` until the block ends. Progress is
@@ -183,6 +184,7 @@ async def operator(
         kube=Kube.for_host(url),
         interval_s=interval_s,
         progress_write_s=progress_write_s,
+        progress_writes_per_minute=progress_writes_per_minute,
         resync_s=resync_s,
     )
 

@@ -19,6 +19,7 @@ def test_chart_arguments_parse() -> None:
     assert flags == {
         "--log-level",
         "--metrics-port",
+        "--progress-writes-per-minute",
         "--namespace",
         "--all-namespaces",
         "--leader-elect",
