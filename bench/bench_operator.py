@@ -87,8 +87,15 @@ async def bench(args: argparse.Namespace) -> None:
                         assert resp.status == 201, await resp.text()
 
                 await asyncio.gather(*(post(d) for d in docs))
+            shown = time.perf_counter()
             while running(api, args.jobs) < args.jobs:
                 await asyncio.sleep(0.05)
+                if time.perf_counter() - shown > 10:  # long work shows progress
+                    shown = time.perf_counter()
+                    phases = Counter(
+                        (j.get("status") or {}).get("phase") for j in api.list_kind("GSPOJob", NS)
+                    )
+                    print(f"  {shown - start:.0f} s: {dict(phases)}", flush=True)
             operator_s = time.perf_counter() - start
             jobsets = len(api.list_kind("JobSet", NS))
             assert jobsets == args.jobs, jobsets

@@ -93,6 +93,10 @@ class Context:
     own_write: dict[Key, tuple[str, float]] = field(default_factory=dict)
     checked: dict[Key, tuple[float, dict[ChildKey, ChildView]]] = field(default_factory=dict)
     failures: dict[Key, int] = field(default_factory=dict)  # API errors in a row
+    # The checked spec and the rendered children, per job uid and generation (and spec in
+    # effect): a pod's event re-validates and re-renders nothing.
+    checks: dict[Key, tuple[tuple[str, int], Any]] = field(default_factory=dict)
+    renders: dict[Key, tuple[tuple[str, int, str], list[Obj]]] = field(default_factory=dict)
     not_before: dict[Key, float] = field(default_factory=dict)  # monotonic: backing off
     deleted: set[str] = field(default_factory=set)  # uids of jobs this operator deleted (TTL)
     # What this operator just created or repaired, until its watch shows it (controller-
@@ -127,6 +131,8 @@ class Context:
         self.failures.pop(key, None)
         self.not_before.pop(key, None)
         self.expected.pop(key, None)
+        self.checks.pop(key, None)
+        self.renders.pop(key, None)
         self.metrics.forget_job(*key)
         self.metrics.count_phases(list(self.phases.values()))  # type: ignore[arg-type]
 
@@ -184,7 +190,7 @@ async def _reconcile(ctx: Context, key: Key, body: Obj) -> float | None:
     now = _now()
     original: Obj = copy.deepcopy(body.get("status") or {})
     current = copy.deepcopy(original)
-    spec, problems = check_job(body, ctx.policy)
+    spec, problems = _checked(ctx, key, body)
     was_created = _has(original, "Created")
     if spec is None and (not was_created or _rejected_at_creation(original)):
         current, event = status.invalid_spec(current, now, problems)
@@ -253,7 +259,7 @@ class Children:
 async def _ensure_children(
     ctx: Context, key: Key, body: Obj, spec: GSPOJobSpec, terminal: bool
 ) -> Children:
-    desired = render.render_job(body, spec, token=secrets.token_urlsafe(32), policy=ctx.policy)
+    desired = _rendered(ctx, key, body, spec)
     if terminal:  # a finished job's pods stay stopped
         desired = [o for o in desired if o["kind"] != "JobSet"]
     observed = _children_seen(ctx, key)
@@ -314,6 +320,30 @@ async def _ensure_children(
     if refusals:
         out.refusal = sorted(refusals, key=lambda r: r[0] != "invalid")[0]
     return out
+
+
+def _checked(ctx: Context, key: Key, body: Obj) -> tuple[GSPOJobSpec | None, list[Any]]:
+    meta = body["metadata"]
+    version = (meta.get("uid", ""), int(meta.get("generation") or 0))
+    cached = ctx.checks.get(key)
+    if cached is None or cached[0] != version:
+        cached = ctx.checks[key] = (version, check_job(body, ctx.policy))
+    return cached[1]  # type: ignore[no-any-return]
+
+
+def _rendered(ctx: Context, key: Key, body: Obj, spec: GSPOJobSpec) -> list[Obj]:
+    """The children as `render` makes them (the token is only used when the Secret is
+    created, so one rendering serves until the spec in effect changes)."""
+    meta = body["metadata"]
+    version = (meta.get("uid", ""), int(meta.get("generation") or 0), render.spec_hash(spec))
+    cached = ctx.renders.get(key)
+    if cached is None or cached[0] != version:
+        token = secrets.token_urlsafe(32)
+        cached = ctx.renders[key] = (
+            version,
+            render.render_job(body, spec, token=token, policy=ctx.policy),
+        )
+    return list(cached[1])  # read-only: nothing downstream edits them
 
 
 def _refusal(what: str, verb: str, exc: ApiError) -> tuple[str, str, str]:

@@ -480,7 +480,9 @@ class JobController(Reconciler):
 
     def _pods_of(self, namespace: str, uid: str) -> list[Obj]:
         """The Job's pods, by controller ownerReference (the stand-in has no selectors)."""
-        return [p for p in self.api.list_kind("Pod", namespace) if owned_by(p, uid)]
+        return [
+            p for p in self.api.owned(uid, "Pod") if p["metadata"].get("namespace") == namespace
+        ]
 
     async def sync_job(self, job: Obj) -> None:
         """syncJob for one Job: count finished pods, decide its fate, manage pods, write status."""

@@ -312,8 +312,8 @@ class JobSetController(Reconciler):
         failed: list[Obj] = []
         previous: list[Obj] = []
         restarts = int(status.get("restarts", 0))
-        for job in self.api.list_kind("Job", ns):
-            if not owned_by(job, uid):
+        for job in self.api.owned(uid, "Job"):
+            if job["metadata"].get("namespace", "") != ns:
                 continue
             attempt = _int_label(job, RESTARTS_KEY)
             if attempt is None or attempt < restarts:

@@ -176,6 +176,42 @@ def _age(stamp: str) -> str:
     return f"{s}s" if s < 120 else f"{s // 60}m" if s < 7200 else f"{s // 3600}h"
 
 
+def _controllers(obj: Obj) -> list[str]:
+    return [
+        r["uid"]
+        for r in obj.get("metadata", {}).get("ownerReferences") or []
+        if r.get("controller") and r.get("uid")
+    ]
+
+
+class Store(dict[tuple[Key, str, str], Obj]):
+    """The objects by (resource, namespace, name), also indexed by resource and by controller
+    owner uid, as informers' indexers do: a controller stand-in reading one Job's pods or one
+    kind must not scan every object of the cluster (at 200 jobs that scan was quadratic)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_key: dict[Key, dict[tuple[Key, str, str], Obj]] = {}
+        self.by_owner: dict[str, dict[tuple[Key, str, str], Obj]] = {}
+
+    def __setitem__(self, k: tuple[Key, str, str], v: Obj) -> None:
+        if k in self:
+            self._unindex(k, dict.__getitem__(self, k))
+        super().__setitem__(k, v)
+        self.by_key.setdefault(k[0], {})[k] = v
+        for uid in _controllers(v):
+            self.by_owner.setdefault(uid, {})[k] = v
+
+    def __delitem__(self, k: tuple[Key, str, str]) -> None:
+        self._unindex(k, dict.__getitem__(self, k))
+        super().__delitem__(k)
+
+    def _unindex(self, k: tuple[Key, str, str], v: Obj) -> None:
+        self.by_key.get(k[0], {}).pop(k, None)
+        for uid in _controllers(v):
+            self.by_owner.get(uid, {}).pop(k, None)
+
+
 @attrs.define
 class Fault:
     """An error answer a test makes the API server give, `times` times, to requests of one verb
@@ -206,7 +242,7 @@ class Fault:
 
 @attrs.define(kw_only=True)
 class ApiServer(kmock.KubernetesScaffold):
-    objects: dict[tuple[Key, str, str], Obj] = attrs.field(factory=dict, init=False)
+    objects: Store = attrs.field(factory=Store, init=False)
     history: list[tuple[int, Key, str, Obj]] = attrs.field(factory=list, init=False)
     served: int = attrs.field(default=0, init=False)  # resource requests answered
     base_url: str = attrs.field(default="", init=False)  # set once an HTTP server serves it
@@ -217,6 +253,7 @@ class ApiServer(kmock.KubernetesScaffold):
     _changed: asyncio.Event | None = attrs.field(default=None, init=False)
     _kinds: dict[Key, tuple[str, bool, bool]] = attrs.field(factory=dict, init=False)
     faults: list[Fault] = attrs.field(factory=list, init=False)  # tests add error answers
+    _uids: set[str] = attrs.field(factory=set, init=False)  # seen uids (garbage collection)
 
     def served_resources(self) -> list[tuple[str, str, str, str, bool, bool, list[str]]]:
         """The kinds this API server serves (a subclass adds its own)."""
@@ -258,17 +295,29 @@ class ApiServer(kmock.KubernetesScaffold):
         return self._store_new(key, obj.get("metadata", {}).get("namespace", ""), obj)
 
     def get(self, kind: str, namespace: str, name: str) -> Obj | None:
-        for (key, ns, n), obj in self.objects.items():
-            if self._kinds[key][0] == kind and ns == (namespace or "") and n == name:
+        for key in self._keys_of(kind):
+            obj = self.objects.get((key, namespace or "", name))
+            if obj is not None:
                 return obj
         return None
 
     def list_kind(self, kind: str, namespace: str | None = None) -> list[Obj]:
         return [
             o
-            for (key, ns, _), o in self.objects.items()
-            if self._kinds[key][0] == kind and (namespace is None or ns == namespace)
+            for key in self._keys_of(kind)
+            for (_, ns, _), o in self.objects.by_key.get(key, {}).items()
+            if namespace is None or ns == namespace
         ]
+
+    def owned(self, uid: str, kind: str | None = None) -> list[Obj]:
+        """Objects whose controller ownerReference is `uid` (of `kind`, if given)."""
+        found = self.objects.by_owner.get(uid, {})
+        return [
+            o for (key, _, _), o in found.items() if kind is None or self._kinds[key][0] == kind
+        ]
+
+    def _keys_of(self, kind: str) -> list[Key]:
+        return [key for key, (k, _, _) in self._kinds.items() if k == kind]
 
     async def patch_status(self, kind: str, namespace: str, name: str, status: Obj) -> Obj:
         """What a kubelet or a controller does: merge into an object's status."""
@@ -316,9 +365,10 @@ class ApiServer(kmock.KubernetesScaffold):
         if kind == "Pod":
             obj.setdefault("status", {"phase": "Pending"})
         self.objects[(key, meta.get("namespace", ""), meta["name"])] = obj
+        self._uids.add(meta["uid"])
         self._emit(key, "ADDED", obj)
         owners = {o.get("uid") for o in meta.get("ownerReferences") or []}
-        if owners and not owners & {o["metadata"]["uid"] for o in self.objects.values()}:
+        if owners and not any(self._uid_exists(uid) for uid in owners):
             # The garbage collector deletes a dependent whose every owner is gone.
             self._delete(key, meta.get("namespace", ""), meta["name"])
         return obj
@@ -396,8 +446,12 @@ class ApiServer(kmock.KubernetesScaffold):
         self._remove(key, namespace, name, gone)
         return gone
 
+    def _uid_exists(self, uid: str | None) -> bool:
+        return uid in self._uids
+
     def _remove(self, key: Key, namespace: str, name: str, last: Obj) -> None:
         del self.objects[(key, namespace, name)]
+        self._uids.discard(last["metadata"]["uid"])
         self._emit(key, "DELETED", last)
         # The garbage collector: children owned by the deleted object go too (background).
         uid = last["metadata"]["uid"]
