@@ -222,23 +222,12 @@ async def run(args: argparse.Namespace, spec: GSPOJobSpec) -> int:
             await rollout.close()
     if server is not None:
         server.shutdown()
-    _leave_group()
     # Stopped early, after a final checkpoint: not 0 (see ports). A rank under
     # torch.distributed.run exits 0 all the same; its launcher (launch_group) says it.
     stopped = code == 0 and learner.state.phase == "Suspending"
     if stopped and "TORCHELASTIC_RUN_ID" not in os.environ:
         return ports.LEARNER_STOPPED_EXIT_CODE
     return code
-
-
-def _leave_group() -> None:
-    """Destroy the process group before the interpreter exits: left to interpreter teardown,
-    gloo's worker threads could be destroyed while still joinable, and the rank aborted
-    ("terminate called without an active exception", SIGABRT) after a clean run."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def main(argv: list[str]) -> int:
