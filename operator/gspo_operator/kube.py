@@ -11,8 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 import urllib3
@@ -39,14 +38,6 @@ PLURALS = {
 JOB_API = f"{API_GROUP}/{API_VERSION}"
 MERGE_PATCH = "application/merge-patch+json"
 USER_AGENT = "gspo-operator"
-
-
-@dataclass
-class Created:
-    """What `create_all` did: 'Kind name' of each object made, and of each not served."""
-
-    made: list[str] = field(default_factory=list)
-    unserved: list[str] = field(default_factory=list)
 
 
 class ApiError(Exception):
@@ -176,31 +167,6 @@ class Kube:
         if found is None:  # deleted between the two requests: try once more
             return None if await self.create(obj) else await self.create_or_get(obj)
         return found
-
-    async def create_all(
-        self, objs: Iterable[Mapping[str, Any]], optional_kinds: Iterable[str] = ()
-    ) -> Created:
-        """Create every object concurrently. Objects of `optional_kinds` whose API the cluster
-        does not serve (404 on create) are skipped and named in `unserved`."""
-        objs, optional = list(objs), set(optional_kinds)
-
-        async def one(obj: Mapping[str, Any]) -> bool | None:
-            try:
-                return await self.create(obj)
-            except ApiError as exc:
-                if exc.status == 404 and obj["kind"] in optional:
-                    return None
-                raise
-
-        results = await asyncio.gather(*(one(o) for o in objs))
-        out = Created()
-        for obj, result in zip(objs, results, strict=True):
-            what = f"{obj['kind']} {obj['metadata']['name']}"
-            if result is None:
-                out.unserved.append(what)
-            elif result:
-                out.made.append(what)
-        return out
 
     async def serves(self, api_version: str, kind: str) -> bool:
         """Whether the API server serves `kind` (discovery of its group version)."""

@@ -14,26 +14,24 @@ KUBECTL = shutil.which("kubectl")
 NS = "default"
 
 
+def write_kubeconfig(url: str, path: Path, namespace: str = NS) -> Path:
+    """A kubeconfig for the API stand-in at `url`: no auth, `namespace` by default."""
+    context = {"cluster": "stand-in", "user": "user", "namespace": namespace}
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "stand-in",
+        "clusters": [{"name": "stand-in", "cluster": {"server": url}}],
+        "users": [{"name": "user", "user": {}}],
+        "contexts": [{"name": "stand-in", "context": context}],
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
 class Kubectl:
     def __init__(self, url: str, home: Path) -> None:
-        self.config = home / "kubeconfig"
-        self.config.write_text(
-            yaml.safe_dump(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Config",
-                    "current-context": "stand-in",
-                    "clusters": [{"name": "stand-in", "cluster": {"server": url}}],
-                    "users": [{"name": "user", "user": {}}],
-                    "contexts": [
-                        {
-                            "name": "stand-in",
-                            "context": {"cluster": "stand-in", "user": "user", "namespace": NS},
-                        }
-                    ],
-                }
-            )
-        )
+        self.config = write_kubeconfig(url, home / "kubeconfig")
         self.transcript: list[str] = []
 
     async def __call__(self, *args: str, ok: bool = True, timeout_s: float = 60) -> str:

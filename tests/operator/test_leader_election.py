@@ -20,11 +20,11 @@ from typing import Any
 import aiohttp
 import kmock
 import pytest
-import yaml
 from apiserver import ClusterApiServer
 from checkout import REPO, checkout_env
 from jobset_webhook import admit
 from kmock_apiserver import ApiServer
+from kubectl import write_kubeconfig
 from operator_harness import NS, eventually, free_port, tiny_job
 
 from gspo_operator import names
@@ -406,24 +406,6 @@ async def eventually_async(
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def kubeconfig_for(url: str, path: Path) -> Path:
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "current-context": "stand-in",
-                "clusters": [{"name": "stand-in", "cluster": {"server": url}}],
-                "users": [{"name": "user", "user": {}}],
-                "contexts": [
-                    {"name": "stand-in", "context": {"cluster": "stand-in", "user": "user"}}
-                ],
-            }
-        )
-    )
-    return path
-
-
 async def create_job(api: ApiServer, name: str) -> None:
     url = f"{api.base_url}/apis/gspo.dev/v1alpha1/namespaces/{NS}/gspojobs"
     async with aiohttp.ClientSession() as s, s.post(url, json=tiny_job(name)) as resp:
@@ -470,7 +452,7 @@ async def test_two_replicas_one_leader_and_takeovers(
 ) -> None:
     loop = asyncio.get_running_loop()
     async with stand_in(ClusterApiServer(admission=[admit])) as api:
-        kubeconfig = kubeconfig_for(api.base_url, tmp_path / "kubeconfig")
+        kubeconfig = write_kubeconfig(api.base_url, tmp_path / "kubeconfig")
         replicas += [
             await start_replica("op-a", kubeconfig),
             await start_replica("op-b", kubeconfig),
