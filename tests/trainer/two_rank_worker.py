@@ -17,7 +17,12 @@ from pathlib import Path
 
 import torch
 
-from gspo_trainer.engine import full_parameters, load_model, resolve_model_path
+from gspo_trainer.engine import (
+    full_parameters,
+    leave_distributed,
+    load_model,
+    resolve_model_path,
+)
 from gspo_trainer.jobs import tiny_manifest
 from gspo_trainer.learner import Learner
 from gspo_trainer.rollout.local import LocalRollout
@@ -60,6 +65,7 @@ def main(out: str, cache: str, stage: int, micro_tokens: int, ckpt: str | None =
         params = {n: t.detach().clone() for n, t in named}
     if learner.rank == 0:
         torch.save({"params": params, "history": learner.state.history}, out)
+    leave_distributed()  # as the learner's command does after a run to maxSteps
 
 
 if __name__ == "__main__":

@@ -44,6 +44,22 @@ def init_distributed() -> None:
     deepspeed.init_distributed(dist_backend="nccl" if has_gpu() else "gloo", verbose=False)
 
 
+def leave_distributed() -> None:
+    """Destroy the learner group once every rank has finished with it (a run that trained to
+    maxSteps: its last collectives, the final checkpoint and export, are behind every rank).
+
+    Left to interpreter exit, gloo's worker threads can still hold finished work whose tensors
+    are freed during finalization; a rank of a clean run then aborts (SIGABRT, "terminate
+    called without an active exception", pytorch/pytorch#179291) and its launcher reports a
+    failure. Not on the stop path: there a peer may already be gone, and destroying waits on
+    work it would never complete.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _free_port() -> int:
     import socket
 

@@ -222,6 +222,10 @@ async def run(args: argparse.Namespace, spec: GSPOJobSpec) -> int:
             await rollout.close()
     if server is not None:
         server.shutdown()
+    if code == 0 and learner.state.phase == "Succeeded":
+        from gspo_trainer.engine import leave_distributed
+
+        leave_distributed()
     # Stopped early, after a final checkpoint: not 0 (see ports). A rank under
     # torch.distributed.run exits 0 all the same; its launcher (launch_group) says it.
     stopped = code == 0 and learner.state.phase == "Suspending"
