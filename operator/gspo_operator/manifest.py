@@ -1,14 +1,15 @@
-"""`gspo validate FILE...`: check GSPOJob manifests offline, with the operator's own checks.
+"""Reading and checking GSPOJob manifests: the operator's checks, and `gspo validate`'s.
 
 `check_job` is exactly what the operator runs before it creates anything, so a manifest that
-passes here is one the operator accepts. `ClusterPolicy` is what the cluster admin set in the
-chart's values; the operator reads it from its environment at start-up and refuses to start
-on a value it cannot use, naming the chart value (a typo must not silently widen access).
+`gspo validate` passes is one the operator accepts. `ClusterPolicy` is what the cluster admin
+set in the chart's values; the operator reads it from its environment at start-up and refuses
+to start on a value it cannot use, naming the chart value (a typo must not silently widen
+access).
 """
 
 from __future__ import annotations
 
-import argparse
+import copy
 import fnmatch
 import json
 import os
@@ -20,10 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
 
 from gspo_operator import names
+from gspo_operator.gpu_requests import check_gpu_requests
 from gspo_trainer.config import API_GROUP, API_VERSION, KIND, GSPOJobSpec
-from gspo_trainer.validation import Problem, SpecError, parse_spec
+from gspo_trainer.validation import Problem, SpecError, check_spec, parse_spec
 
 API = f"{API_GROUP}/{API_VERSION}"
 ENV_ALLOW_HOST_PATH = "GSPO_ALLOW_HOST_PATH"
@@ -406,7 +409,12 @@ def check_job(
         spec = parse_spec(doc.get("spec"))
     except SpecError as exc:
         problems.extend(exc.problems)
-    name = (doc.get("metadata") or {}).get("name")
+        problems.extend(_problems_beside_field_errors(doc.get("spec"), exc, policy))
+    metadata = doc.get("metadata") or {}
+    if not isinstance(metadata, Mapping):
+        problems.insert(0, Problem("metadata", f"must be a mapping, got {type(metadata).__name__}"))
+        metadata = {}
+    name = metadata.get("name")
     if not name:
         problems.insert(0, Problem("metadata.name", "required field is missing; add it"))
     else:
@@ -415,7 +423,43 @@ def check_job(
             problems.insert(0, Problem("metadata.name", why))
     if spec is not None:
         problems.extend(check_policy(spec, policy))
+        problems.extend(check_gpu_requests(spec))
     return (spec if not problems else None), problems
+
+
+def _problems_beside_field_errors(raw: Any, exc: SpecError, policy: ClusterPolicy) -> list[Problem]:
+    """The cross-field and policy problems of a spec that also has field-level errors, so
+    one run of `gspo validate` names them all (the models stop at the field errors).
+
+    The fields pydantic refused are set aside (their defaults apply) and the rest checked
+    again; a problem that names a set-aside field is dropped, as its value is not the
+    author's. Nothing is added when the spec cannot be checked that way: a required field is
+    missing, or a list item is wrong (setting it aside would renumber the others).
+    """
+    cause = exc.__cause__
+    if not isinstance(cause, ValidationError) or not isinstance(raw, Mapping):
+        return []
+    trimmed = copy.deepcopy(dict(raw))
+    set_aside = []
+    for err in cause.errors():
+        *parents, leaf = err["loc"] or ("",)
+        if err["type"] == "missing" or any(isinstance(part, int) for part in err["loc"]):
+            return []
+        node: Any = trimmed
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node:
+            return []  # a location that is not a plain key (a union member, say)
+        del node[leaf]
+        if err["type"] != "extra_forbidden":  # a misspelt key never held a value in use
+            set_aside.append(str(leaf))
+    try:
+        spec = GSPOJobSpec.model_validate(trimmed)
+    except ValidationError:
+        return []
+    found = [*check_spec(spec), *check_policy(spec, policy)]
+    names_set_aside = [re.compile(rf"\b{re.escape(name)}\b") for name in set_aside]
+    return [p for p in found if not any(n.search(f"{p.path} {p.message}") for n in names_set_aside)]
 
 
 def is_other_kind(doc: Any) -> bool:
@@ -426,71 +470,114 @@ def is_other_kind(doc: Any) -> bool:
     return bool(version and kind) and not version.startswith(API_GROUP + "/") and kind != KIND
 
 
-def load_documents(path: Path) -> list[Any]:
-    """Every non-empty YAML document in `path`."""
-    with path.open(encoding="utf-8") as fh:
-        return [doc for doc in yaml.safe_load_all(fh) if doc is not None]
+STDIN = "-"
 
 
-def validate_file(path: Path, policy: ClusterPolicy = ClusterPolicy()) -> list[str]:
-    """One line per problem: `file: field.path: message`."""
+class ManifestError(ValueError):
+    """A file that holds no manifest to check: missing, unreadable, not YAML, or empty. Its
+    message names the file and says why, in one line for a terminal."""
+
+
+def source_name(source: str | Path) -> str:
+    return "<stdin>" if str(source) == STDIN else str(source)
+
+
+def _read_text(source: str | Path) -> str:
+    name = source_name(source)
     try:
-        docs = load_documents(path)
-    except (OSError, yaml.YAMLError) as exc:
-        return [f"{path}: cannot read: {exc}"]
+        if str(source) == STDIN:
+            return sys.stdin.read()
+        return Path(source).read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise ManifestError(f"{name}: no such file") from exc
+    except IsADirectoryError as exc:
+        raise ManifestError(f"{name}: is a directory; give a manifest file") from exc
+    except PermissionError as exc:
+        raise ManifestError(f"{name}: permission denied") from exc
+    except UnicodeDecodeError as exc:
+        raise ManifestError(f"{name}: not a YAML file (not UTF-8 text)") from exc
+    except OSError as exc:
+        raise ManifestError(f"{name}: cannot read: {exc.strerror or exc}") from exc
+
+
+def load_documents(source: str | Path) -> list[Any]:
+    """Every non-empty YAML document in `source` (a path, or "-" for stdin); ManifestError
+    when there is none or the file cannot be read or parsed."""
+    name, text = source_name(source), _read_text(source)
+    try:
+        docs = [doc for doc in yaml.safe_load_all(text) if doc is not None]
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        context = f" ({exc.context})" if exc.context else ""
+        raise ManifestError(
+            f"{name}: not valid YAML at {where}{exc.problem}{context}; fix the YAML there"
+        ) from exc
+    except yaml.YAMLError as exc:
+        raise ManifestError(f"{name}: not valid YAML: {exc}") from exc
     if not docs:
-        return [f"{path}: no YAML documents found"]
+        raise ManifestError(f"{name}: no {KIND} manifest in it")
+    return docs
+
+
+@dataclass(frozen=True)
+class FileProblem:
+    """One problem of a file: in document `document` (0-based; None: the file as a whole)."""
+
+    document: int | None
+    field: str | None
+    message: str
+
+
+@dataclass(frozen=True)
+class FileResult:
+    """What `gspo validate` found in one file."""
+
+    file: str
+    documents: int
+    problems: list[FileProblem]
+
+    @property
+    def valid(self) -> bool:
+        return not self.problems
+
+    def lines(self) -> list[str]:
+        """One line per problem: `file: field.path: message` (`file[i]` in a multi-document
+        file)."""
+        out = []
+        for p in self.problems:
+            where = (
+                self.file
+                if p.document is None or self.documents == 1
+                else (f"{self.file}[{p.document}]")
+            )
+            out.append(f"{where}: {p.field}: {p.message}" if p.field else f"{where}: {p.message}")
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        problems = [{"field": p.field, "message": p.message} for p in self.problems]
+        if self.documents > 1:
+            for shown, p in zip(problems, self.problems, strict=True):
+                shown["document"] = p.document
+        return {"file": self.file, "valid": self.valid, "problems": problems}
+
+
+def validate_source(source: str | Path, policy: ClusterPolicy = ClusterPolicy()) -> FileResult:
+    """Check every GSPOJob in `source` (a path, or "-" for stdin) as the operator would."""
+    name = source_name(source)
+    try:
+        docs = load_documents(source)
+    except ManifestError as exc:
+        message = str(exc).removeprefix(f"{name}: ")
+        return FileResult(name, 0, [FileProblem(None, None, message)])
     # Other kinds beside a GSPOJob (the claim its data lives on, say) are kubectl's business.
     ours = [(i, d) for i, d in enumerate(docs) if not is_other_kind(d)]
     if not ours:
-        return [f"{path}: no {KIND} ({API}) among its {len(docs)} documents"]
-    lines = []
-    for index, doc in ours:
-        where = str(path) if len(docs) == 1 else f"{path}[{index}]"
-        _, problems = check_job(doc, policy)
-        lines.extend(f"{where}: {problem}" for problem in problems)
-    return lines
-
-
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="gspo validate", description=__doc__.split("\n")[0])
-    parser.add_argument("files", nargs="+", type=Path, metavar="FILE")
-    parser.add_argument(
-        "--allow-host-path", action="store_true", help="as on a cluster that allows hostPath"
-    )
-    parser.add_argument(
-        "--jobset-restart-job-gate",
-        action="store_true",
-        help="as on a cluster whose JobSet has the RestartJob feature gate on",
-    )
-    parser.add_argument(
-        "--allowed-image",
-        action="append",
-        default=[],
-        metavar="PATTERN",
-        help="as on a cluster whose policy.allowedImages lists PATTERN (an image prefix or "
-        "glob, e.g. 'ghcr.io/gspo-dev/*'; repeatable)",
-    )
-    parser.add_argument(
-        "--allowed-priority-class",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="as on a cluster whose policy.allowedPriorityClasses lists NAME (repeatable)",
-    )
-    args = parser.parse_args(argv)
-    policy = ClusterPolicy(
-        args.allow_host_path,
-        args.jobset_restart_job_gate,
-        allowed_images=tuple(args.allowed_image),
-        allowed_priority_classes=tuple(args.allowed_priority_class),
-    )
-    failed = False
-    for path in args.files:
-        lines = validate_file(path, policy)
-        for line in lines:
-            print(line)
-        failed = failed or bool(lines)
-    if not failed:
-        print(f"{len(args.files)} file(s) valid", file=sys.stderr)
-    return 1 if failed else 0
+        message = f"no {KIND} ({API}) among its {len(docs)} documents"
+        return FileResult(name, len(docs), [FileProblem(None, None, message)])
+    problems = [
+        FileProblem(index, p.path, p.message)
+        for index, doc in ours
+        for p in check_job(doc, policy)[1]
+    ]
+    return FileResult(name, len(docs), problems)

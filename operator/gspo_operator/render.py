@@ -20,10 +20,10 @@ from typing import Any
 import yaml
 
 from gspo_operator import names
+from gspo_operator.gpu_requests import render_resources
 from gspo_operator.manifest import ClusterPolicy
 from gspo_trainer import ports
 from gspo_trainer.config import API_GROUP, API_VERSION, KIND, GSPOJobSpec, PodSettings
-from gspo_trainer.validation import GPU_RESOURCE
 
 Obj = dict[str, Any]
 
@@ -373,7 +373,7 @@ def render_learner_pod_template(ctx: _Ctx) -> Obj:
             "periodSeconds": 10,
             "failureThreshold": 3,
         },
-        "resources": _resources(learner.resources.model_dump(), learner.gpus_per_replica),
+        "resources": render_resources(learner.resources.model_dump(), learner.gpus_per_replica),
         "volumeMounts": [
             {"name": "config", "mountPath": ports.CONFIG_DIR, "readOnly": True},
             {"name": "checkpoints", "mountPath": ports.CHECKPOINT_DIR},
@@ -467,7 +467,7 @@ def render_rollout_pod_template(ctx: _Ctx) -> Obj:
             "timeoutSeconds": 5,
             "failureThreshold": 4,
         },
-        "resources": _resources(rollout.resources.model_dump(), rollout.gpus_per_replica),
+        "resources": render_resources(rollout.resources.model_dump(), rollout.gpus_per_replica),
         "volumeMounts": [
             {"name": "dshm", "mountPath": "/dev/shm"},
             *_writable_mounts(),
@@ -651,19 +651,6 @@ def _service_port(name: str, port: int) -> Obj:
 
 def _claim(ctx: _Ctx) -> str:
     return ctx.spec.checkpoint.claim_name or names.checkpoint_claim(ctx.job)
-
-
-def _resources(resources: Mapping[str, Mapping[str, Any]], gpus: int) -> Obj:
-    """The user's requests and limits, GPUs from gpusPerReplica in both (the API server
-    requires an extended resource's request to equal its limit)."""
-    out: Obj = {}
-    for section in ("requests", "limits"):
-        values = {k: str(v) for k, v in resources.get(section, {}).items()}
-        if gpus > 0:
-            values[GPU_RESOURCE] = str(gpus)
-        if values:
-            out[section] = values
-    return out
 
 
 def _pod_security() -> Obj:

@@ -1,4 +1,4 @@
-"""`gspo render FILE`: print what the operator would create for a GSPOJob, like helm template.
+"""`gspo render FILE`: what the operator would create for a GSPOJob, like helm template.
 
 Secret values are printed as `<redacted>` unless `--show-secrets` is given: rendered output
 ends up in terminals, CI logs and pull requests, and the weight-sync token guards the rollout
@@ -7,15 +7,21 @@ servers' control endpoints.
 
 from __future__ import annotations
 
-import argparse
 import secrets
-import sys
 from pathlib import Path
+from typing import Any
 
 import yaml
 
-from gspo_operator.manifest import check_job, is_other_kind, load_documents
+from gspo_operator.manifest import (
+    ManifestError,
+    check_job,
+    is_other_kind,
+    load_documents,
+    source_name,
+)
 from gspo_operator.render import Obj, render_job
+from gspo_trainer.config import KIND
 
 REDACTED = "<redacted>"
 
@@ -43,31 +49,29 @@ def redact(obj: Obj) -> Obj:
     return out
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="gspo render", description=__doc__.split("\n")[0])
-    parser.add_argument("file", type=Path, metavar="FILE")
-    parser.add_argument("-n", "--namespace", default=None, help="namespace if the file has none")
-    parser.add_argument(
-        "--show-secrets",
-        action="store_true",
-        help=f"print Secret values (the generated sync token) instead of {REDACTED}",
-    )
-    args = parser.parse_args(argv)
+def render_source(
+    source: str | Path, namespace: str | None = None, show_secrets: bool = False
+) -> list[Obj]:
+    """The objects of every GSPOJob in `source` (a path, or "-" for stdin), other kinds left
+    out; ManifestError naming every problem (one per line) when a job is invalid."""
+    name = source_name(source)
     objects = []
-    for doc in load_documents(args.file):
+    for doc in load_documents(source):
         if is_other_kind(doc):
             continue  # a claim or Secret beside the job: kubectl applies it as it is
         spec, problems = check_job(doc)
         if spec is None:
-            for problem in problems:
-                print(f"{args.file}: {problem}", file=sys.stderr)
-            return 1
+            raise ManifestError("\n".join(f"{name}: {problem}" for problem in problems))
         meta = dict(doc["metadata"])
-        meta["namespace"] = meta.get("namespace") or args.namespace or "default"
+        meta["namespace"] = meta.get("namespace") or namespace or "default"
         job = {**doc, "metadata": meta}
         # The operator generates the token once per job; a rendered file gets a fresh one.
         objects.extend(render_job(job, spec, token=secrets.token_urlsafe(32)))
-    if not args.show_secrets:
-        objects = [redact(o) for o in objects]
-    sys.stdout.write(yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False, explicit_start=True))
-    return 0
+    if not objects:
+        raise ManifestError(f"{name}: no {KIND} manifest in it")
+    return objects if show_secrets else [redact(o) for o in objects]
+
+
+def dump_yaml(objects: list[Any]) -> str:
+    """A multi-document YAML stream, as kubectl apply -f takes it."""
+    return yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False, explicit_start=True)

@@ -7,6 +7,7 @@ start-up, so every entry point refuses the same specs with the same words.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,16 +88,83 @@ def _pydantic_problems(exc: ValidationError, prefix: str) -> list[Problem]:
     problems = []
     for err in exc.errors():
         loc = tuple(err["loc"])
-        if err["type"] == "extra_forbidden":
-            allowed = _fields_at(loc[:-1])
-            hint = f"; allowed here: {', '.join(allowed)}" if allowed else ""
-            message = f"unknown field; remove it or fix its spelling{hint}"
-        elif err["type"] == "missing":
-            message = "required field is missing; add it"
-        else:
-            message = f"{err['msg'].removeprefix('Value error, ')} (got {err.get('input')!r})"
-        problems.append(Problem(_join(prefix, loc), message))
+        allowed = _fields_at(loc[:-1]) if err["type"] == "extra_forbidden" else None
+        problems.append(Problem(_join(prefix, loc), explain_error(err, allowed)))
     return problems
+
+
+def _shown(value: Any) -> str:
+    """A value as the manifest's author wrote it in YAML, with what kind of value it is."""
+    if value is None:
+        return "nothing (null)"
+    if isinstance(value, bool):
+        return f"{str(value).lower()} (a boolean)"
+    if isinstance(value, str):
+        return f"{value!r} (a string)"
+    if isinstance(value, int):
+        return f"{value} (an integer)"
+    if isinstance(value, float):
+        return f"{value} (a number)"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return f"{value!r}"
+
+
+def _plain(value: Any) -> str:
+    """A bound from pydantic's context (ge=1, gt=0.0): 1, 0 (not 0.0)."""
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+# pydantic error type -> (what was expected, the fix); `{...}` are filled from the error's ctx.
+_EXPLAINED: dict[str, tuple[str, str]] = {
+    "int_parsing": ("an integer", "write a whole number such as 8, without quotes"),
+    "int_type": ("an integer", "write a whole number such as 8, without quotes"),
+    "int_from_float": ("an integer", "write a whole number such as 8, without a fraction"),
+    "float_parsing": ("a number", "write a number such as 0.5 or 1e-6, without quotes"),
+    "float_type": ("a number", "write a number such as 0.5 or 1e-6, without quotes"),
+    "bool_parsing": ("true or false", "write true or false"),
+    "bool_type": ("true or false", "write true or false"),
+    "string_type": ("a string", 'quote the value, e.g. "8" instead of 8'),
+    "dict_type": ("a mapping", "write its keys below it, indented (key: value)"),
+    "model_type": ("a mapping", "write its fields below it, indented (field: value)"),
+    "model_attributes_type": ("a mapping", "write its fields below it, indented (field: value)"),
+    "list_type": ("a list", "write one '- item' per line below it, or [] for none"),
+    "literal_error": ("one of {expected}", "use one of those values"),
+    "enum": ("one of {expected}", "use one of those values"),
+    "greater_than": ("a number greater than {gt}", "raise it above {gt}"),
+    "greater_than_equal": ("a number of at least {ge}", "set it to {ge} or more"),
+    "less_than": ("a number below {lt}", "lower it below {lt}"),
+    "less_than_equal": ("a number of at most {le}", "set it to {le} or less"),
+    "string_too_short": ("at least {min_length} character(s)", "fill it in"),
+    "string_too_long": ("at most {max_length} characters", "shorten it"),
+    "string_pattern_mismatch": ("text matching {pattern}", "change it to match"),
+    "too_short": ("at least {min_length} item(s)", "add items"),
+    "too_long": ("at most {max_length} item(s)", "remove items"),
+}
+
+
+def explain_error(err: Mapping[str, Any], allowed: Sequence[str] | None = None) -> str:
+    """One pydantic error (an item of ValidationError.errors()) in plain words with its fix:
+    "expected an integer, got 'abc' (a string); fix: ...". `allowed` lists the field names
+    valid beside an unknown field. Pure: the path is the caller's."""
+    kind, value = err["type"], err.get("input")
+    ctx = {k: _plain(v) for k, v in (err.get("ctx") or {}).items()}
+    if kind == "extra_forbidden":
+        hint = f"; allowed here: {', '.join(allowed)}" if allowed else ""
+        return f"unknown field; remove it or fix its spelling{hint}"
+    if kind == "missing":
+        return "required field is missing; add it"
+    if kind in _EXPLAINED:
+        expected, fix = _EXPLAINED[kind]
+        try:
+            expected, fix = expected.format(**ctx), fix.format(**ctx)
+        except (KeyError, IndexError):
+            expected = err["msg"].removeprefix("Input should be ")  # an unexpected ctx
+        return f"expected {expected}, got {_shown(value)}; fix: {fix}"
+    # value_error from the models' own validators already says what is wrong and the fix.
+    return f"{err['msg'].removeprefix('Value error, ')} (got {value!r})"
 
 
 def check_spec(spec: GSPOJobSpec, *, prefix: str = "spec") -> list[Problem]:
