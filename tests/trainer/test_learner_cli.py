@@ -9,6 +9,7 @@ import pytest
 import yaml
 from checkout import REPO
 
+from gspo_trainer.config import GSPOJobSpec
 from gspo_trainer.jobs import tiny_manifest
 from gspo_trainer.learner_cli import load_spec, main
 from gspo_trainer.rollout.client import RolloutClient
@@ -27,7 +28,9 @@ def test_config_may_be_a_manifest_or_a_bare_spec(tmp_path: Path) -> None:
     bare = tmp_path / "spec.yaml"
     bare.write_text(yaml.safe_dump(tiny_manifest()["spec"]))
     assert load_spec(manifest) == load_spec(bare)
-    assert load_spec(bare).algorithm.learning_rate == 3e-4
+    written = tiny_manifest()["spec"]["algorithm"]["learningRate"]
+    assert written != GSPOJobSpec.model_fields["algorithm"].default_factory().learning_rate
+    assert load_spec(bare).algorithm.learning_rate == written  # the file's, not the default
 
 
 def test_a_bad_config_exits_2_naming_the_field(tmp_path: Path, capsys) -> None:

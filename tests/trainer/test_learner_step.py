@@ -28,7 +28,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_a_step_updates_the_policy_and_reports_every_number(cache: Path) -> None:
-    learner = make_learner(cache, None)
+    learner = make_learner(cache, None, tiny_spec(miniBatches=1))
     before = params(learner)
     asyncio.run(learner.sync(0))
     stats = asyncio.run(learner.train_step(1))
@@ -77,7 +77,8 @@ def test_a_raising_reward_scores_zero_and_the_run_goes_on(cache: Path) -> None:
 
 
 def test_kl_to_the_starting_policy_is_measured_and_grows(cache: Path) -> None:
-    learner = make_learner(cache, None, tiny_spec(klCoef=0.05, learningRate=1e-3))
+    # One update per batch: its only mini-batch is scored before any update.
+    learner = make_learner(cache, None, tiny_spec(klCoef=0.05, learningRate=1e-3, miniBatches=1))
     assert learner.ref_model is not None
     asyncio.run(learner.sync(0))
     first = asyncio.run(learner.train_step(1))
@@ -100,8 +101,9 @@ def test_zero3_with_moe_leaf_blocks_takes_the_zero1_step(cache: Path, tmp_path: 
         assert asyncio.run(learner.run()) == 0
         runs[stage] = AutoModelForCausalLM.from_pretrained(tmp_path / f"z{stage}" / "export")
     z1 = dict(runs[1].named_parameters())
+    # Within a tenth of one lr step: Adam's near-zero-gradient noise (see the test below).
     for name, p in runs[3].named_parameters():
-        torch.testing.assert_close(p, z1[name], rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(p, z1[name], rtol=1e-4, atol=1e-4, msg=name)
 
 
 def test_micro_batches_cut_rows_within_the_token_budget() -> None:
@@ -140,6 +142,8 @@ def test_micro_batched_step_equals_the_whole_mini_batch(
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
         assert b["clip_fraction"] == pytest.approx(a["clip_fraction"], abs=1e-6)
     reference = dict(whole.named_parameters())
-    # Adam turns float-order noise in near-zero gradients into ~1e-6 moves; a step is 1e-3.
+    # Adam turns float-order noise in near-zero gradients into moves of up to ~2e-5 (one
+    # element of 2,048 with this batch's samples); a step is 1e-3, so a real difference
+    # shows ten times above the 1e-4 allowed.
     for name, p in micro.named_parameters():
-        torch.testing.assert_close(p, reference[name], rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(p, reference[name], rtol=1e-4, atol=1e-4, msg=name)

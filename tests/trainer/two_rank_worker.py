@@ -39,6 +39,7 @@ def main(out: str, cache: str, stage: int, micro_tokens: int, ckpt: str | None =
     logging.basicConfig(level=logging.INFO, format=f"[rank{os.environ['RANK']}] %(message)s")
     world = int(os.environ["WORLD_SIZE"])
     manifest = tiny_manifest()
+    manifest["spec"]["model"]["name"] = "builtin:tiny-qwen3-moe"  # the smallest: cheapest steps
     manifest["spec"]["algorithm"].update(maxSteps=max_steps, miniBatches=2, learningRate=1e-3)
     manifest["spec"]["checkpoint"].update(everySteps=1, keep=5)
     manifest["spec"]["reward"] = {"kind": "python", "function": "two_rank_worker:varied"}

@@ -50,7 +50,12 @@ DEFAULT_CLIP = {
     "gspo-token": (3e-4, 4e-4),
     "grpo": (0.2, 0.27),
 }
-BUILTIN_MODELS = ("builtin:tiny-qwen3-moe", "builtin:tiny-qwen3")
+BUILTIN_MODELS = (
+    "builtin:tiny-qwen3-moe",
+    "builtin:tiny-qwen3",
+    "builtin:small-qwen3-moe",
+    "builtin:small-qwen3",
+)
 # Bounds on what the CRD's CEL rules iterate or compare (crd_rules.py): the API server refuses a
 # CRD whose rules it cannot bound, estimating an unbounded list from the 3 MiB request limit.
 # Far above what a pod uses (the operator adds 6 volumes of its own).
@@ -108,7 +113,11 @@ class ModelConfig(Section):
     name: str = Field(
         ...,
         min_length=1,
-        description="HF model name, local path, or builtin:tiny-qwen3-moe / builtin:tiny-qwen3.",
+        description=(
+            "HF model name, local path, or a built-in random model: builtin:tiny-qwen3-moe, "
+            "builtin:tiny-qwen3 (hidden 64), builtin:small-qwen3-moe, builtin:small-qwen3 "
+            "(hidden 128)."
+        ),
     )
     revision: str | None = Field(None, description="HF revision (branch, tag or commit).")
     tokenizer: str | None = Field(None, description="Tokenizer name or path; defaults to name.")
@@ -156,6 +165,14 @@ class DataConfig(Section):
         None, description="Python format string applied to the prompt, e.g. '{prompt}\\nAnswer:'."
     )
     shuffle_seed: int = Field(0, description="Seed of the per-epoch shuffle.")
+    eval_source: str | None = Field(
+        None,
+        description=(
+            "Held-out evaluation set in the format of source (same fields and templates), "
+            "never trained on; needed for algorithm.evalEverySteps with a data set of your own. "
+            "builtin:addition evaluates on all of its 100 problems."
+        ),
+    )
     max_prompt_tokens: int = Field(2048, ge=1, description="Longer prompts are dropped.")
 
 
@@ -206,6 +223,15 @@ class AlgorithmConfig(Section):
         ),
     )
     max_steps: int = Field(1000, ge=1, description="Training steps (rollout batches).")
+    eval_every_steps: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Evaluate every N steps and after the last (0: never): greedy accuracy (temperature "
+            "0, one answer per prompt) and mean@k (k = groupSize samples at the training "
+            "temperature) on data.evalSource, by rank 0 through the rollout servers."
+        ),
+    )
     seed: int = Field(0, description="Seed for sampling, shuffling and initialisation.")
 
     @model_validator(mode="after")

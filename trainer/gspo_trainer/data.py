@@ -98,6 +98,19 @@ def load_examples(cfg: DataConfig, tokenizer: Any | None = None) -> list[Example
     return out
 
 
+def load_eval_examples(cfg: DataConfig, tokenizer: Any | None = None) -> list[Example] | None:
+    """The evaluation set, kept apart from the training stream: data.evalSource (held out,
+    read like source), or for builtin:addition all of its 100 problems, which are also its
+    training problems (the task has no others, so its evaluation measures how much of the
+    table the policy has learned, not generalisation). None: a data set of your own without
+    an evalSource, which is not evaluated (evaluating on training prompts would flatter it)."""
+    if cfg.eval_source:
+        return load_examples(cfg.model_copy(update={"source": cfg.eval_source}), tokenizer)
+    if _format_of(cfg) == "builtin":
+        return load_examples(cfg, tokenizer)
+    return None
+
+
 class PromptStream:
     """Endless batches of examples: a new seeded shuffle every epoch."""
 

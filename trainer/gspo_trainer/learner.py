@@ -15,20 +15,20 @@ import itertools
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gspo_trainer import checkpoint as ckpt
 from gspo_trainer import ports
 from gspo_trainer.config import GSPOJobSpec
-from gspo_trainer.data import PromptStream, load_examples
+from gspo_trainer.data import PromptStream, load_eval_examples, load_examples
 from gspo_trainer.engine import begin_forward
 from gspo_trainer.metrics import LearnerMetrics
 from gspo_trainer.progress import LearnerProgress
 from gspo_trainer.rewards import Scored, build_scorer
 from gspo_trainer.rollout.client import RolloutError
-from gspo_trainer.rollout.types import RolloutBatch, SamplingParams
+from gspo_trainer.rollout.types import RolloutBatch, SamplingParams, step_seed
 
 if TYPE_CHECKING:
     import torch
@@ -161,6 +161,13 @@ class Learner:
         )
         self.stream = PromptStream(load_examples(spec.data, self.tokenizer),
                                    spec.data.shuffle_seed)  # fmt: skip
+        self.eval_examples = None
+        if spec.algorithm.eval_every_steps > 0:
+            self.eval_examples = load_eval_examples(spec.data, self.tokenizer)
+            if self.eval_examples is None and self.rank == 0:
+                log.warning("algorithm.evalEverySteps is set but data.evalSource is not: a "
+                            "data set of your own is evaluated only on a held-out set, so "
+                            "this run is not evaluated")  # fmt: skip
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.tokenizer.eos_token_id
@@ -287,17 +294,60 @@ class Learner:
     # --- one step ------------------------------------------------------------------------
 
     def sampling(self, step: int) -> SamplingParams:
-        """Sampling of step `step`. A seed only for sources that draw a fresh stream per
-        prompt from it (LocalRollout): vLLM seeds each request with it, so every prompt of
-        a batch would share one random stream and the batch would lose its diversity."""
+        """Sampling of step `step`, seeded from (algorithm.seed, step): sample j of prompt i
+        draws with its own seed (SamplingParams.seed), so a run is repeatable and every
+        sample of a batch has a stream of its own (one seed shared by every prompt's request
+        would draw every prompt's samples from one random stream)."""
         alg = self.spec.algorithm
-        seeded = getattr(self.rollout, "seeds_per_batch", False)
         return SamplingParams(
             n=alg.group_size, max_tokens=alg.max_response_tokens, temperature=alg.temperature,
-            top_p=alg.top_p, top_k=-1,
-            seed=(alg.seed * 1_000_003 + step) % (2**31) if seeded else None,
+            top_p=alg.top_p, top_k=-1, seed=step_seed(alg.seed, step),
             stop_token_ids=(self.eos_id,),
         )  # fmt: skip
+
+    def eval_due(self, step: int) -> bool:
+        """Evaluate at every evalEverySteps-th step and after the last (so a run always ends
+        with its final accuracy)."""
+        every = self.spec.algorithm.eval_every_steps
+        if every <= 0 or self.eval_examples is None:
+            return False
+        return step % every == 0 or step == self.spec.algorithm.max_steps
+
+    async def evaluate(self, step: int) -> dict[str, float]:
+        """Rank 0: the policy the rollout servers hold (synced just before) on the evaluation
+        set, through the same engine as the rollouts: `eval_accuracy`, the share of prompts
+        whose greedy answer (temperature 0) scores full reward, and `eval_mean_at_k`, the
+        mean reward of k = groupSize samples per prompt at the training temperature (what
+        training sees, without its prompt order). {} on other ranks, or when no server could
+        serve (logged; training goes on)."""
+        if self.rank != 0 or self.eval_examples is None:
+            return {}
+        alg = self.spec.algorithm
+        examples = self.eval_examples
+        prompts = [self.tokenizer(e.prompt, add_special_tokens=False).input_ids for e in examples]
+        greedy = SamplingParams(n=1, max_tokens=alg.max_response_tokens, temperature=0.0,
+                                stop_token_ids=(self.eos_id,))  # fmt: skip
+        sampled = replace(self.sampling(step), seed=step_seed(alg.seed, step, "eval"))
+        t0 = time.perf_counter()
+        try:
+            scores = []
+            for params in (greedy, sampled):
+                batch = await self.rollout.generate(prompts, params)
+                scores.append(self.scorer.score([
+                    Scored(examples[c.prompt_index].prompt,
+                           self.tokenizer.decode(c.token_ids, skip_special_tokens=True),
+                           examples[c.prompt_index].answer, c.finish_reason == "stop")
+                    for group in batch.groups for c in group
+                ]))  # fmt: skip
+        except RolloutError as exc:
+            log.warning("Step %d: evaluation skipped: %s", step, exc)
+            return {}
+        greedy_scores, sampled_scores = scores
+        return {
+            "eval_accuracy": sum(r >= 1.0 for r in greedy_scores) / len(greedy_scores),
+            "eval_mean_at_k": sum(sampled_scores) / len(sampled_scores),
+            "eval_seconds": time.perf_counter() - t0,
+        }
 
     async def collect(
         self, step: int, examples: list[Any]
@@ -510,9 +560,12 @@ class Learner:
         t2 = time.perf_counter()
         # --- weight sync -----------------------------------------------------------------
         sent = None
-        if step % self.spec.weight_sync.every_steps == 0:
+        evaluating = self.eval_due(step)
+        # An evaluation reads the servers' weights: they get this step's update first.
+        if step % self.spec.weight_sync.every_steps == 0 or evaluating:
             sent = await self.sync(step)
         t3 = time.perf_counter()
+        evaluation = await self.evaluate(step) if evaluating else {}
         # --- stats, averaged over ranks --------------------------------------------------
         mb = alg.mini_batches
         local = {key: value / mb for key, value in sums.items()}
@@ -521,7 +574,8 @@ class Learner:
         if drift is not None:
             local["routing_drift"] = drift
         stats = self._mean_over_ranks(local)
-        step_s = time.perf_counter() - t_step
+        # The step's own time: an evaluation is reported apart (eval_seconds).
+        step_s = time.perf_counter() - t_step - evaluation.get("eval_seconds", 0.0)
         tokens = float(packed.lengths.sum())
         stats.update(
             reward_mean=float(adv_stats["reward_mean"]),
@@ -534,6 +588,7 @@ class Learner:
             stats["grad_norm"] = float(grad_norm)
         if sent is not None:
             stats["weight_sync_bytes"] = sent
+        stats.update(evaluation)  # rank 0 only, like the history and the metrics
         # --- metrics, progress, history (rank 0) -----------------------------------------
         self.state.step = step
         self.state.reward = stats["reward_mean"]

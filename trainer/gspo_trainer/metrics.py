@@ -1,5 +1,9 @@
 """The learner's Prometheus metrics: the names the chart's alert rules and dashboard read.
 
+What `gspo train` shows (reward_mean, entropy, zero_advantage_fraction, eval_accuracy,
+eval_mean_at_k) has one name everywhere: the key in history.jsonl and in its progress bar,
+and `gspo_` + that key here, so a number seen on a laptop is found on a dashboard as is.
+
 One registry per learner (not the process-global one) so tests and `gspo train` can run
 several learners in a process. Gauges hold the last step's value; histograms the timings.
 """
@@ -43,6 +47,15 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
     ),
     "router_aux_loss": ("gspo_moe_router_aux_loss", "Router load-balancing loss (MoE only)."),
     "weight_sync_bytes": ("gspo_weight_sync_bytes", "Bytes sent by the last weight sync."),
+    # Set at each evaluation (algorithm.evalEverySteps) and held until the next.
+    "eval_accuracy": (
+        "gspo_eval_accuracy",
+        "Share of evaluation prompts answered with full reward by greedy decoding.",
+    ),
+    "eval_mean_at_k": (
+        "gspo_eval_mean_at_k",
+        "Mean reward of k = groupSize samples per evaluation prompt at the training temperature.",
+    ),
 }
 
 # Phase timings of one step, in seconds.

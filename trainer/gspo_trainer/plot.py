@@ -1,4 +1,5 @@
-"""Reward curves as a PNG: each run's per-step mean reward, faint, and its moving average."""
+"""Training curves as PNGs: per-step mean reward (faint) and its moving average, evaluations,
+and the collapse signals (entropy, zero-advantage share)."""
 
 from __future__ import annotations
 
@@ -63,6 +64,80 @@ def plot_rewards(
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left")
+    fig.tight_layout()
+    path = Path(out)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_training(
+    runs: Mapping[str, Sequence[Mapping[str, float]]],
+    out: str | Path,
+    *,
+    window: int = 10,
+    title: str = "GSPO training",
+    target: float | None = None,
+) -> Path:
+    """runs: label -> history records. Two panels sharing the step axis, so a collapse shows
+    beside the reward it explains. Top: mean reward per step (faint), its moving average, and
+    the evaluations (eval_accuracy, greedy: dots; eval_mean_at_k: crosses). Bottom: token
+    entropy (left axis) and the share of zero-advantage groups (right axis, dashed); entropy
+    falling to ~0 while that share goes to 1 with a low reward is a collapse (every group
+    answers alike, so no group carries a learning signal; BENCHMARKS.md's tuning table)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), dpi=110, sharex=True,
+                                      gridspec_kw={"height_ratios": [3, 2]})  # fmt: skip
+    share_ax = bottom.twinx()
+    for i, (label, records) in enumerate(runs.items()):
+        if not records:
+            continue
+        color = f"C{i}"
+        steps = [int(r["step"]) for r in records]
+        rewards = [r["reward_mean"] for r in records]
+        top.plot(steps, rewards, color=color, alpha=0.2, linewidth=0.8)
+        top.plot(steps, moving_average(rewards, window), color=color, linewidth=1.8,
+                 label=f"{label} reward_mean ({window}-step mean)")  # fmt: skip
+        evals = [r for r in records if "eval_accuracy" in r]
+        if evals:
+            top.plot([int(r["step"]) for r in evals], [r["eval_accuracy"] for r in evals],
+                     "o-", color=color, markersize=3.5, linewidth=1,
+                     label=f"{label} eval_accuracy (greedy)")  # fmt: skip
+            at_k = [r for r in evals if "eval_mean_at_k" in r]
+            top.plot([int(r["step"]) for r in at_k], [r["eval_mean_at_k"] for r in at_k],
+                     "x", color=color, markersize=4,
+                     label=f"{label} eval_mean_at_k")  # fmt: skip
+        ent = [(int(r["step"]), r["entropy"]) for r in records if "entropy" in r]
+        if ent:
+            bottom.plot([s for s, _ in ent], moving_average([e for _, e in ent], window),
+                        color=color, linewidth=1.5, label=f"{label} entropy")  # fmt: skip
+        zero = [(int(r["step"]), r["zero_advantage_fraction"]) for r in records
+                if "zero_advantage_fraction" in r]  # fmt: skip
+        if zero:
+            share_ax.plot([s for s, _ in zero], moving_average([z for _, z in zero], window),
+                          color=color, linewidth=1.2, linestyle="--", alpha=0.8,
+                          label=f"{label} zero_advantage_fraction")  # fmt: skip
+    if target is not None:
+        top.axhline(target, color="grey", linestyle="--", linewidth=1)
+    top.set_ylabel("reward / accuracy")
+    top.set_ylim(-0.02, 1.02)
+    top.set_title(title)
+    top.grid(alpha=0.3)
+    top.legend(loc="upper left", fontsize=7)
+    bottom.set_xlabel("step")
+    bottom.set_ylabel("entropy (nats/token)")
+    bottom.set_ylim(bottom=0)
+    bottom.grid(alpha=0.3)
+    share_ax.set_ylabel("zero-advantage share (dashed)")
+    share_ax.set_ylim(-0.02, 1.02)
+    lines = bottom.get_legend_handles_labels()
+    more = share_ax.get_legend_handles_labels()
+    if lines[0] or more[0]:
+        bottom.legend(lines[0] + more[0], lines[1] + more[1], loc="center right", fontsize=7)
     fig.tight_layout()
     path = Path(out)
     fig.savefig(path)

@@ -56,22 +56,28 @@ def check_reward(spec: GSPOJobSpec) -> list[Problem]:
 
 def check_data(spec: GSPOJobSpec) -> list[Problem]:
     """Rows are read and checked as the learner will (templates are applied later, with the
-    model's tokenizer)."""
+    model's tokenizer): the training set, and the held-out evaluation set if one is named
+    (found missing only at the first evaluation, it would end a run hours in)."""
     from gspo_trainer.data import load_examples
 
-    src = spec.data.source
-    if not src.startswith("builtin:") and not Path(src).exists():
-        return [Problem("spec.data.source", f"{src!r} does not exist on this node; mount the "
-                        "data set or fix the path")]  # fmt: skip
-    try:
-        load_examples(spec.data, tokenizer=None)
-    except (ValueError, OSError) as exc:
-        message, field = str(exc), "spec.data.source"
-        if f"has no field {spec.data.answer_field!r}" in message:
-            field = "spec.data.answerField"
-        elif "has no field" in message:
-            field = "spec.data.promptField"
-        return [Problem(field, message.removeprefix("data.source "))]
+    sets = [("spec.data.source", spec.data)]
+    if spec.data.eval_source:
+        eval_cfg = spec.data.model_copy(update={"source": spec.data.eval_source})
+        sets.append(("spec.data.evalSource", eval_cfg))
+    for where, cfg in sets:
+        src = cfg.source
+        if not src.startswith("builtin:") and not Path(src).exists():
+            return [Problem(where, f"{src!r} does not exist on this node; mount the "
+                            "data set or fix the path")]  # fmt: skip
+        try:
+            load_examples(cfg, tokenizer=None)
+        except (ValueError, OSError) as exc:
+            message, field = str(exc), where
+            if f"has no field {cfg.answer_field!r}" in message:
+                field = "spec.data.answerField"
+            elif "has no field" in message:
+                field = "spec.data.promptField"
+            return [Problem(field, message.removeprefix("data.source "))]
     return []
 
 

@@ -19,7 +19,17 @@ from typing import Any
 ARITHMETIC_ALPHABET = "0123456789+="
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, EOS, UNK)
-TINY_KINDS = {"builtin:tiny-qwen3-moe": "qwen3_moe", "builtin:tiny-qwen3": "qwen3"}
+# name -> (architecture, hidden size). `tiny` (hidden 64, ~0.1M parameters) is what tests
+# train: cheapest per step. `small` (hidden 128, ~0.5M) is the embedded default's: on the
+# built-in addition task it reaches a given greedy accuracy in about a third of tiny's steps,
+# at about 1.5x the cost of a step on CPU (BENCHMARKS.md).
+TINY_KINDS = {
+    "builtin:tiny-qwen3-moe": ("qwen3_moe", 64),
+    "builtin:tiny-qwen3": ("qwen3", 64),
+    "builtin:small-qwen3-moe": ("qwen3_moe", 128),
+    "builtin:small-qwen3": ("qwen3", 128),
+}
+HEAD_DIM = 32
 
 
 def build_tokenizer(alphabet: str = ARITHMETIC_ALPHABET) -> Any:
@@ -37,17 +47,21 @@ def build_tokenizer(alphabet: str = ARITHMETIC_ALPHABET) -> Any:
     )
 
 
-def tiny_config(kind: str, vocab_size: int, *, pad_id: int, eos_id: int) -> Any:
-    """A transformers config for a ~0.1M-parameter Qwen3 (dense) or Qwen3-MoE model."""
+def tiny_config(kind: str, vocab_size: int, *, pad_id: int, eos_id: int, hidden: int = 64) -> Any:
+    """A transformers config for a small Qwen3 (dense) or Qwen3-MoE model of width `hidden`
+    (a multiple of 64): heads of 32, one key/value head per two query heads, MLPs twice as
+    wide as the model, 4 experts of the model's width with 2 routed per token."""
     from transformers import Qwen3Config, Qwen3MoeConfig
 
+    if hidden % 64:
+        raise ValueError(f"hidden must be a multiple of 64, got {hidden}")
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
-        hidden_size=64,
+        hidden_size=hidden,
         num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
+        num_attention_heads=hidden // HEAD_DIM,
+        num_key_value_heads=hidden // (2 * HEAD_DIM),
+        head_dim=HEAD_DIM,
         max_position_embeddings=256,
         tie_word_embeddings=False,
         pad_token_id=pad_id,
@@ -56,11 +70,11 @@ def tiny_config(kind: str, vocab_size: int, *, pad_id: int, eos_id: int) -> Any:
         torch_dtype="float32",
     )
     if kind == "qwen3":
-        return Qwen3Config(intermediate_size=128, **common)
+        return Qwen3Config(intermediate_size=2 * hidden, **common)
     if kind == "qwen3_moe":
         return Qwen3MoeConfig(
-            intermediate_size=128,
-            moe_intermediate_size=64,
+            intermediate_size=2 * hidden,
+            moe_intermediate_size=hidden,
             num_experts=4,
             num_experts_per_tok=2,
             decoder_sparse_step=1,
@@ -68,7 +82,8 @@ def tiny_config(kind: str, vocab_size: int, *, pad_id: int, eos_id: int) -> Any:
             router_aux_loss_coef=0.001,
             **common,
         )
-    raise ValueError(f"unknown tiny model kind {kind!r}; use one of {sorted(TINY_KINDS.values())}")
+    kinds = sorted({k for k, _ in TINY_KINDS.values()})
+    raise ValueError(f"unknown tiny model kind {kind!r}; use one of {kinds}")
 
 
 def build_tiny_model(name: str, *, seed: int = 0, alphabet: str = ARITHMETIC_ALPHABET) -> Any:
@@ -79,12 +94,11 @@ def build_tiny_model(name: str, *, seed: int = 0, alphabet: str = ARITHMETIC_ALP
     if name not in TINY_KINDS:
         raise ValueError(f"unknown built-in model {name!r}; use one of {sorted(TINY_KINDS)}")
     tokenizer = build_tokenizer(alphabet)
+    kind, hidden = TINY_KINDS[name]
     config = tiny_config(
-        TINY_KINDS[name],
-        len(tokenizer),
-        pad_id=tokenizer.pad_token_id,
-        eos_id=tokenizer.eos_token_id,
-    )
+        kind, len(tokenizer), pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
+        hidden=hidden,
+    )  # fmt: skip
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model, tokenizer

@@ -146,6 +146,7 @@ class ProgressView:
         self.history, self.max_steps, self.out = history, max_steps, out
         self.offset = 0
         self.records: list[dict[str, float]] = []
+        self.last_eval: dict[str, float] | None = None
         self.bar = None
         if bar:
             from tqdm import tqdm
@@ -161,43 +162,68 @@ class ProgressView:
             chunk = f.read()
         lines = chunk.split("\n")
         self.offset += len(chunk) - len(lines[-1])
-        for line in lines[:-1]:
-            if line.strip():
-                self.show(json.loads(line))
+        new = [json.loads(line) for line in lines[:-1] if line.strip()]
+        for r in new:
+            self.show(r)
+        if new and self.bar is not None:
+            # Once per poll, not per step: `gspo train` may share the learner's core (one
+            # core here), and every redraw is time the learner does not get.
+            self.bar.refresh()
 
     def show(self, r: dict[str, float]) -> None:
         self.records.append(r)
-        recent = [x["reward_mean"] for x in self.records[-10:]]
-        mean10 = sum(recent) / len(recent)
+        if "eval_accuracy" in r:
+            self.last_eval = r
+        text = self.describe(r)
         if self.bar is not None:
             self.bar.n = int(r["step"])
-            self.bar.set_postfix_str(
-                f"reward {r['reward_mean']:.3f} (10-step {mean10:.3f}) "
-                f"clip {r.get('clip_fraction', 0.0):.4f}", refresh=False,
-            )  # fmt: skip
-            self.bar.refresh()
-        elif int(r["step"]) % 10 == 0:
-            print(f"step {int(r['step'])}/{self.max_steps} reward {r['reward_mean']:.3f} "
-                  f"(10-step {mean10:.3f}) clip {r.get('clip_fraction', 0.0):.4f}",
-                  file=self.out, flush=True)  # fmt: skip
+            self.bar.set_postfix_str(text, refresh=False)
+        elif int(r["step"]) % 10 == 0 or "eval_accuracy" in r:
+            print(f"step {int(r['step'])}/{self.max_steps} {text}", file=self.out, flush=True)
+
+    def describe(self, r: dict[str, float]) -> str:
+        """The step's numbers, each under its history key (the Prometheus metric is gspo_ +
+        key): reward, the latest evaluation, and the collapse signals, entropy and the share
+        of zero-advantage groups (entropy near 0 with that share near 1 and a low reward:
+        the policy answers every prompt alike and has stopped learning)."""
+        recent = [x["reward_mean"] for x in self.records[-10:]]
+        parts = [f"reward_mean={r['reward_mean']:.3f} (10-step {sum(recent) / len(recent):.3f})"]
+        if self.last_eval is not None:
+            parts.append(f"eval_accuracy={self.last_eval['eval_accuracy']:.3f}")
+            if "eval_mean_at_k" in self.last_eval:
+                parts.append(f"eval_mean_at_k={self.last_eval['eval_mean_at_k']:.3f}")
+        if "entropy" in r:
+            parts.append(f"entropy={r['entropy']:.3f}")
+        parts.append(f"zero_advantage_fraction={r.get('zero_advantage_fraction', 0.0):.2f}")
+        parts.append(f"clip_fraction={r.get('clip_fraction', 0.0):.4f}")
+        return " ".join(parts)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
 
 
-def summary(out: Path, records: list[dict[str, float]], wall_s: float, code: int) -> str:
+def summary(out: Path, records: list[dict[str, float]], wall_s: float, code: int,
+            eval_every: int = 0) -> str:  # fmt: skip
+    """The run in a few lines; the last one ends with the final evaluation accuracy, the
+    number the run is judged by (the training reward of a 16-prompt step is noisy)."""
     from gspo_trainer import checkpoint as ckpt
 
     lines = [f"Run {'finished' if code == 0 else f'ended with exit code {code}'} "
              f"in {wall_s:.0f}s: {out}"]  # fmt: skip
+    evals = [r for r in records if "eval_accuracy" in r]
     if records:
         rewards = [r["reward_mean"] for r in records]
         k = min(20, len(rewards))
         first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
         lines.append(f"  steps        {int(records[-1]['step'])}")
-        lines.append(f"  reward       {first:.3f} (first {k} steps) -> {last:.3f} (last {k})")
-        lines.append(f"  clip frac    {records[-1].get('clip_fraction', 0.0):.4f} (last step)")
+        lines.append(f"  reward_mean  {first:.3f} (first {k} steps) -> {last:.3f} (last {k})")
+        if "entropy" in records[0]:
+            lines.append(f"  entropy      {records[0]['entropy']:.3f} (first step) -> "
+                         f"{records[-1].get('entropy', 0.0):.3f} (last)")  # fmt: skip
+        zero = [r.get("zero_advantage_fraction", 0.0) for r in records[-k:]]
+        lines.append(f"  zero_advantage_fraction {sum(zero) / k:.2f} (last {k} steps)")
+        lines.append(f"  clip_fraction {records[-1].get('clip_fraction', 0.0):.4f} (last step)")
     latest = ckpt.latest(out / "checkpoints")
     if latest is not None:
         lines.append(f"  checkpoint   {latest}")
@@ -206,6 +232,15 @@ def summary(out: Path, records: list[dict[str, float]], wall_s: float, code: int
     if (out / "reward.png").exists():
         lines.append(f"  reward curve {out / 'reward.png'}")
     lines.append(f"  logs         {out / 'logs'}")
+    if evals:
+        e = evals[-1]
+        at_k = f", eval_mean_at_k {e['eval_mean_at_k']:.3f}" if "eval_mean_at_k" in e else ""
+        lines.append(f"  eval at step {int(e['step'])} (greedy{at_k}): "
+                     f"eval_accuracy {e['eval_accuracy']:.3f}")  # fmt: skip
+    elif eval_every <= 0:
+        lines.append("  eval         off (algorithm.evalEverySteps is 0)")
+    else:
+        lines.append("  eval         none finished (no evaluation set, or the run ended first)")
     return "\n".join(lines)
 
 
@@ -304,7 +339,7 @@ def main(argv: list[str]) -> int:
                             bar=not args.no_progress, out=sys.stderr)  # fmt: skip
         while learner.popen.poll() is None:
             view.poll()
-            time.sleep(0.5)
+            time.sleep(1.0)
         view.poll()
         view.close()
         code = int(learner.popen.returncode)
@@ -323,12 +358,13 @@ def main(argv: list[str]) -> int:
             proc.stop(timeout_s=30)
         for s, handler in old.items():
             signal.signal(s, handler)
-    from gspo_trainer.plot import plot_rewards, read_history
+    from gspo_trainer.plot import plot_training, read_history
 
     records = read_history(out / "checkpoints" / "history.jsonl")
     if records:
         label = spec.algorithm.loss_level.upper()
-        plot_rewards({label: [(int(r["step"]), r["reward_mean"]) for r in records]},
-                     out / "reward.png", title=f"gspo train: {spec.model.name}")  # fmt: skip
-    print(summary(out, records, time.monotonic() - start, code), flush=True)
+        plot_training({label: records}, out / "reward.png",
+                      title=f"gspo train: {spec.model.name}")  # fmt: skip
+    print(summary(out, records, time.monotonic() - start, code,
+                  spec.algorithm.eval_every_steps), flush=True)  # fmt: skip
     return code

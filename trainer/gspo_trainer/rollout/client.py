@@ -219,7 +219,9 @@ class RolloutClient:
             server = min(candidates, key=lambda s: s.outstanding)
             server.outstanding += work
             try:
-                body = {"prompts": chunk, "sampling": _sampling_json(params)}
+                # The chunk's base seed: its prompts keep the seeds they have in the batch.
+                sampling = _sampling_json(params.for_prompt(start))
+                body = {"prompts": chunk, "sampling": sampling}
                 payload = await self._post(server.url, "/v1/generate", body, self.timeout_s)
                 results = _parse_results(payload, len(chunk), params.n, self.policy_version)
             except (aiohttp.ClientError, TimeoutError, ServerError, ValueError) as exc:

@@ -1,8 +1,10 @@
 """An in-process rollout source: transformers `generate` on a private copy of the policy.
 
 Same interface as `RolloutClient` (generate, sync_weights), so the learner runs unchanged on
-it. Sampling is seeded per request (SamplingParams.seed), which makes runs repeatable: the
-exact-resume test and quick benchmarks use it. Production always uses the vLLM fleet.
+it. Sampling is seeded per prompt from SamplingParams.seed (prompt i draws its n samples
+from the stream seeded `seed + i * n`), which makes runs repeatable: the exact-resume test
+and quick benchmarks use it. Temperature 0 is greedy decoding, as in vLLM. Production always
+uses the vLLM fleet.
 """
 
 from __future__ import annotations
@@ -22,8 +24,6 @@ class LocalSyncReport:
 
 
 class LocalRollout:
-    seeds_per_batch = True  # one seed draws every prompt's samples from one stream
-
     def __init__(self, model: Any, pad_id: int, eos_id: int) -> None:
         self.model = model.eval()
         self.pad_id, self.eos_id = pad_id, eos_id
@@ -56,19 +56,22 @@ class LocalRollout:
 
         groups = []
         with torch.random.fork_rng(), torch.no_grad():
-            if params.seed is not None:
-                torch.manual_seed(params.seed)
             for i, prompt in enumerate(prompts):
-                groups.append(self._sample(i, list(prompt), params))
+                one = params.for_prompt(i)
+                if one.seed is not None:  # the prompt's own stream, not one for the batch
+                    torch.manual_seed(one.seed)
+                groups.append(self._sample(i, list(prompt), one))
         return RolloutBatch([list(p) for p in prompts], groups)
 
     def _sample(self, index: int, prompt: list[int], params: SamplingParams) -> list[Completion]:
         import torch
 
         ids = torch.tensor([prompt])  # (1, P)
+        greedy = params.temperature == 0
+        sampling = {} if greedy else {"temperature": params.temperature, "top_p": params.top_p,
+                                      "top_k": max(params.top_k, 0)}  # fmt: skip
         out = self.model.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=True,
-            temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
+            ids, attention_mask=torch.ones_like(ids), do_sample=not greedy, **sampling,
             max_new_tokens=params.max_tokens, num_return_sequences=params.n,
             pad_token_id=self.pad_id, eos_token_id=self.eos_id,
             output_scores=True, return_dict_in_generate=True,

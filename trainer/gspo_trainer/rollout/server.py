@@ -251,7 +251,11 @@ async def generate(request: web.Request) -> web.Response:
     try:
         async with state.gate.admit(timeout_s):
             version = state.policy_version
-            groups = await asyncio.gather(*(engine.generate(p, params) for p in token_prompts))
+            # Each prompt its own seed (SamplingParams.seed): one seed for every request
+            # would draw every prompt's samples from one random stream.
+            groups = await asyncio.gather(
+                *(engine.generate(p, params.for_prompt(i)) for i, p in enumerate(token_prompts))
+            )
     except Exception as exc:
         state.requests.labels("error").inc()
         log.exception("generation failed")
