@@ -41,3 +41,15 @@ def test_expert_load_is_labelled_by_layer_and_expert() -> None:
     m.observe_expert_load({0: [0.5, 0.25, 0.25, 0.0]})
     labels = {"layer": "0", "expert": "1"}
     assert m.registry.get_sample_value("gspo_moe_expert_load", labels) == 0.25
+
+
+@pytest.mark.parametrize("every", [7, 50])
+def test_the_learner_exports_its_checkpoint_interval(tmp_path, every: int) -> None:  # type: ignore[no-untyped-def]
+    """GSPOCheckpointTooOld scales its threshold by gspo_checkpoint_every_steps; unset, the
+    alert collapsed to its floor. The learner sets it from the spec as it starts."""
+    from learner_helpers import make_learner, tiny_spec
+
+    manifest = tiny_spec()
+    manifest["spec"]["checkpoint"]["everySteps"] = every
+    learner = make_learner(tmp_path / "models", None, manifest)
+    assert learner.metrics.registry.get_sample_value("gspo_checkpoint_every_steps") == every

@@ -33,6 +33,25 @@ def test_train_syncs_every_step_through_the_shared_volume(tmp_path) -> None:  # 
     server_log = (out / "logs" / "rollout-0.log").read_text()
     loaded = [int(v) for v in re.findall(r"Loaded policy version (\d+)", server_log)]
     assert loaded == list(range(STEPS + 1)), server_log[-3000:]
+    # Every reload ran (above) and none warned about the rotary embedding's computed cache.
+    assert "RotaryEmbedding: Failed to load weights" not in server_log
     weights = out / "checkpoints" / ports.WEIGHTS_SUBDIR
     assert [p.name for p in weights.iterdir()] == [f"v{STEPS:08d}"]  # only the newest kept
     assert "sync group" not in learner_log.lower()
+
+
+def test_the_reload_warning_of_computed_layers_is_dropped_and_no_other() -> None:
+    """vLLM warns "<Layer>: Failed to load weights" at every reload for each layer whose
+    tensors the update did not carry; for the rotary embedding (a computed cache) that is
+    noise, for any other layer a missing weight."""
+    import logging
+
+    from gspo_trainer.rollout.worker_ext import RELOAD_LOGGER, keep_reload_record
+
+    def record(message: str) -> logging.LogRecord:
+        return logging.LogRecord(RELOAD_LOGGER, logging.WARNING, __file__, 1, message, (), None)
+
+    assert not keep_reload_record(record("RotaryEmbedding: Failed to load weights"))
+    assert keep_reload_record(record("QKVParallelLinear: Failed to load weights"))
+    assert keep_reload_record(record("RotaryEmbedding: Delayed processing"))
+    assert keep_reload_record in logging.getLogger(RELOAD_LOGGER).filters

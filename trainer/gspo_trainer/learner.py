@@ -143,6 +143,8 @@ class Learner:
             self.history_path.parent.mkdir(parents=True, exist_ok=True)
         self.state = LearnerState()
         self.checkpoint_failures = 0  # consecutive
+        # GSPOCheckpointTooOld scales its threshold by this: unset, it fell to its floor.
+        self.metrics.checkpoint_every_steps.set(spec.checkpoint.every_steps)
         eng.init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         path = model_path or eng.resolve_model_path(spec)

@@ -16,11 +16,31 @@ that the kernel reads. `reload_weights` below runs that step again after each re
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from gspo_trainer.rollout import weight_files, weight_sync
+
+# vLLM's layerwise reload warns "<Layer>: Failed to load weights" for every layer that holds
+# tensors the update did not carry, and puts that layer's own tensors back. A policy update
+# never carries the rotary embedding's cos/sin cache (computed from the config, not a weight;
+# no checkpoint has it either), so each sync warned once per layer for nothing. Only that
+# layer's message is dropped: the same warning for any other layer still shows, as it would
+# mean a weight was missing from the update.
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+COMPUTED_LAYERS = ("RotaryEmbedding",)
+
+
+def keep_reload_record(record: logging.LogRecord) -> bool:
+    """A logging filter: False (drop) for vLLM's reload warning about a layer whose tensors
+    are all computed, True for every other record."""
+    message = record.getMessage()
+    return not any(message == f"{name}: Failed to load weights" for name in COMPUTED_LAYERS)
+
+
+logging.getLogger(RELOAD_LOGGER).addFilter(keep_reload_record)
 
 
 def reload_weights(model_runner: Any, weights: Iterable[tuple[str, Any]]) -> None:
