@@ -40,7 +40,16 @@ from gspo_operator import names
 from gspo_operator.status import MUTABLE_FIELDS
 from gspo_trainer.config import BUILTIN_MODELS, VOLUME_SOURCES
 from gspo_trainer.ports import RESERVED_PORTS
-from gspo_trainer.validation import GPU_RESOURCE, RESERVED_MOUNT_PATHS, RESERVED_VOLUMES
+from gspo_trainer.validation import (
+    GPU_RESOURCE,
+    RESERVED_MOUNT_PATHS,
+    RESERVED_VOLUMES,
+    REWARD_EXCLUSIVE,
+    REWARD_EXCLUSIVE_FIX,
+    REWARD_NAMES_UNIQUE,
+    REWARD_PYTHON_NEEDS,
+    REWARD_TARGET_FIX,
+)
 
 Rule = dict[str, Any]
 Node = dict[str, Any]
@@ -96,6 +105,10 @@ def add_rules(root: Node) -> None:
     _attach(sections["model"], _model_rules())
     _attach(sections["model"]["properties"]["moe"], _moe_rules())
     _attach(sections["reward"], _reward_rules())
+    functions = sections["reward"]["properties"]["functions"]
+    _attach(functions, _reward_functions_rules())
+    _attach(functions["items"], _reward_function_rules())
+    _attach(spec, _reward_target_rules())
     _attach(sections["checkpoint"], _checkpoint_rules())
     _attach(sections["metrics"], _metrics_rules())
     _attach(sections["rollout"], _rollout_rules())
@@ -324,10 +337,12 @@ def _rollout_rules() -> list[Rule]:
 
 
 def _reward_rules() -> list[Rule]:
-    fn = f"self.{prop('function')}"
+    fn, many = f"self.{prop('function')}", "has(self.functions)"
+    exclusive = f"{REWARD_EXCLUSIVE}; {REWARD_EXCLUSIVE_FIX}"
     return [
         rule(
-            f"self.kind != 'python' || (has({fn}) && {fn}.matches('(?s)^[^:]+:.+$'))",
+            f"{many} || !has(self.kind) || self.kind != 'python' || "
+            f"(has({fn}) && {fn}.matches('(?s)^[^:]+:.+$'))",
             "must be 'module:function' when reward.kind is python",
             message_expression=(
                 f"\"'\" + (has({fn}) ? {fn} : '') + \"' must be 'module:function' when "
@@ -336,14 +351,56 @@ def _reward_rules() -> list[Rule]:
             field_path=".function",
         ),
         rule(
-            f"self.kind == 'python' || !has({fn})",
+            f"{many} || (has(self.kind) && self.kind == 'python') || !has({fn})",
             "is only read when reward.kind is python",
             message_expression=(
-                "'is only read when reward.kind is python (it is ' + self.kind + ')'"
+                "'is only read when reward.kind is python (it is ' + "
+                "(has(self.kind) ? self.kind : 'math') + ')'"
             ),
             field_path=".function",
             reason=FORBIDDEN,
         ),
+        rule(f"!{many} || !has(self.kind)", exclusive, field_path=".kind", reason=FORBIDDEN),
+        rule(f"!{many} || !has({fn})", exclusive, field_path=".function", reason=FORBIDDEN),
+    ]
+
+
+def _reward_functions_rules() -> list[Rule]:
+    """On reward.functions: names are unique."""
+    return [rule("self.all(f, self.exists_one(g, g.name == f.name))", REWARD_NAMES_UNIQUE)]
+
+
+def _reward_function_rules() -> list[Rule]:
+    """On each reward.functions entry: what its kind reads, and only that."""
+    fn = f"self.{prop('function')}"
+    out = [
+        rule(
+            f"self.kind != 'python' || (has({fn}) && {fn}.matches('(?s)^[^:]+:.+$'))",
+            REWARD_PYTHON_NEEDS,
+            field_path=".function",
+        )
+    ]
+    for field, kind in (("function", "python"), ("pattern", "format"), ("targetTokens", "length")):
+        out.append(
+            rule(
+                f"self.kind == '{kind}' || !has(self.{prop(field)})",
+                f"is only read when kind is {kind}; remove it",
+                field_path=f".{field}",
+                reason=FORBIDDEN,
+            )
+        )
+    return out
+
+
+def _reward_target_rules() -> list[Rule]:
+    """At the spec: a length component's targetTokens below algorithm.maxResponseTokens."""
+    return [
+        rule(
+            "!has(self.reward) || !has(self.reward.functions) || self.reward.functions.all(f, "
+            "!has(f.targetTokens) || f.targetTokens < self.algorithm.maxResponseTokens)",
+            REWARD_TARGET_FIX,
+            field_path=".reward.functions",
+        )
     ]
 
 

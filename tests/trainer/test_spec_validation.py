@@ -72,6 +72,7 @@ def test_list_items_are_indexed_in_paths() -> None:
 
 # (spec sections over `minimal()`, the path refused, words of the message). The CRD's CEL rules
 # refuse the same specs (tests/contract/test_crd_cel.py).
+FORMAT = {"name": "format", "kind": "format"}
 CROSS_FIELD_CASES = [
     ({"algorithm": {"groupSize": 1}}, "spec.algorithm.groupSize", "2 or more"),
     ({"algorithm": {"clipLow": 0}}, "spec.algorithm.clipLow", "(0, 1)"),
@@ -97,6 +98,24 @@ CROSS_FIELD_CASES = [
     ({"model": {"maxModelLen": 4096}}, "spec.model.maxModelLen", "10240"),
     ({"reward": {"kind": "python"}}, "spec.reward.function", "module:function"),
     ({"reward": {"function": "a:b"}}, "spec.reward.function", "only read"),
+    ({"reward": {"kind": "math", "functions": [FORMAT]}}, "spec.reward.kind", "remove reward.kind"),
+    ({"reward": {"function": "a:b", "functions": [FORMAT]}}, "spec.reward.function", "replaces"),
+    ({"reward": {"functions": [FORMAT, FORMAT]}}, "spec.reward.functions", "used twice"),
+    (
+        {"reward": {"functions": [{"name": "f", "kind": "python"}]}},
+        "spec.reward.functions[0].function",
+        "module:function",
+    ),
+    (
+        {"reward": {"functions": [{**FORMAT, "targetTokens": 3}]}},
+        "spec.reward.functions[0].targetTokens",
+        "only read when kind is length",
+    ),
+    (
+        {"reward": {"functions": [{"name": "n", "kind": "length", "targetTokens": 8192}]}},
+        "spec.reward.functions",
+        "below algorithm.maxResponseTokens",
+    ),
     (
         {"checkpoint": {"claimName": "c", "storageClassName": "fast"}},
         "spec.checkpoint.storageClassName",

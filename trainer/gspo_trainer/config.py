@@ -11,7 +11,14 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 API_GROUP = "gspo.dev"
@@ -21,6 +28,7 @@ KIND = "GSPOJob"
 LossLevel = Literal["gspo", "gspo-token", "grpo"]
 OldLogprobSource = Literal["learner", "engine"]
 Dtype = Literal["bfloat16", "float16", "float32"]
+TrackerName = Literal["tensorboard", "wandb", "mlflow"]  # metrics.reportTo (trackers.py)
 # Kubernetes' resource.Quantity, non-negative: 8, "500m", "64Gi", "1e3".
 _QUANTITY = re.compile(
     r"(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?"
@@ -63,6 +71,9 @@ MAX_ENV = 256
 MAX_VOLUMES = 64
 MAX_MOUNT_PATH = 1024
 MAX_CONDITIONS = 16  # the status holds one condition per ConditionType
+MAX_REWARD_FUNCTIONS = 16  # reward.functions: its rules compare every pair of names
+MAX_REWARD_NAME = 63
+MAX_REWARD_FUNCTION = 256
 
 
 class Section(BaseModel):
@@ -147,6 +158,13 @@ class ModelConfig(Section):
         description="A volume that keeps downloaded models between pods and runs (HF_HOME).",
     )
 
+    @property
+    def hub_offline(self) -> bool:
+        """Whether processes loading this model run with HF_HUB_OFFLINE=1: when the job asks,
+        or for a built-in model (built on the spot; nothing to download). Otherwise a Hub
+        name downloads as transformers and vLLM would, into the model cache."""
+        return self.offline or self.name.startswith("builtin:")
+
 
 class DataConfig(Section):
     source: str = Field(
@@ -176,20 +194,85 @@ class DataConfig(Section):
     max_prompt_tokens: int = Field(2048, ge=1, description="Longer prompts are dropped.")
 
 
+RewardKind = Literal["arithmetic", "math", "python"]
+RewardComponentKind = Literal["arithmetic", "math", "python", "format", "length"]
+
+
+class RewardFunctionConfig(Section):
+    """One weighted component of the reward (TRL's reward_funcs + reward_weights)."""
+
+    name: str = Field(
+        ...,
+        min_length=1,
+        max_length=MAX_REWARD_NAME,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="Unique name: history key reward/<name>, gspo_reward_component{name}.",
+    )
+    kind: RewardComponentKind = Field(
+        ...,
+        description=(
+            "arithmetic, math, python as reward.kind; format: 1 when the response ended with "
+            "EOS, is not empty and (with pattern) fully matches pattern, else 0; length: 0 up "
+            "to targetTokens response tokens, then linearly down to -1 at "
+            "algorithm.maxResponseTokens."
+        ),
+    )
+    function: str | None = Field(
+        None, max_length=MAX_REWARD_FUNCTION, description="module:function, for kind python."
+    )
+    weight: float = Field(1.0, description="The reward is the sum of weight x component.")
+    pattern: str | None = Field(
+        None,
+        max_length=MAX_REWARD_FUNCTION,
+        description=(
+            "For kind format: a regular expression the stripped response must match whole, "
+            "e.g. '-?[0-9]+' for builtin:addition (a single answer, then EOS)."
+        ),
+    )
+    target_tokens: int | None = Field(
+        None, ge=0, description="For kind length: response tokens allowed before the penalty."
+    )
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"{value!r} is not a regular expression ({exc})") from exc
+        return value
+
+
 class RewardConfig(Section):
-    kind: Literal["arithmetic", "math", "python"] = Field(
-        "math",
+    kind: RewardKind | None = Field(
+        None,
         description=(
             "arithmetic: the built-in toy task; math: boxed/final answers checked with "
-            "math-verify; python: the function named in `function`."
+            "math-verify; python: the function named in `function`. math when neither this "
+            "nor functions is set; not with functions."
         ),
     )
     function: str | None = Field(
         None, description="module:function returning a float, for kind python."
     )
+    functions: list[RewardFunctionConfig] | None = Field(
+        None,
+        max_length=MAX_REWARD_FUNCTIONS,
+        description=(
+            "Weighted reward components, instead of kind/function: the reward is the sum of "
+            "weight x component, each component logged on its own."
+        ),
+    )
     timeout_seconds: float = Field(
         10.0, gt=0, description="A reward call that takes longer scores 0 and is counted."
     )
+
+    @model_validator(mode="after")
+    def _fill_kind_default(self) -> RewardConfig:
+        if self.kind is None and self.functions is None:
+            self.kind = "math"
+        return self
 
 
 class AlgorithmConfig(Section):
@@ -484,6 +567,34 @@ class MetricsConfig(Section):
     )
     pod_monitor: bool = Field(True, description="Create a PodMonitor for the Prometheus Operator.")
     interval: str = Field("30s", pattern=r"^[0-9]+(ms|s|m|h)$", description="Scrape interval.")
+    samples_every_steps: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Every N steps (0: never) learner rank 0 logs a few prompts with their responses, "
+            "rewards and advantages, and keeps them in history.jsonl under samples."
+        ),
+    )
+    samples_per_log: int = Field(4, ge=1, description="Samples shown each samplesEverySteps.")
+    report_to: list[TrackerName] = Field(
+        default_factory=list,
+        description=(
+            "Experiment trackers learner rank 0 sends each step's history record to "
+            "(tensorboard, wandb, mlflow), under the history.jsonl names. Their settings and "
+            "secrets come from the learner's env/envFrom (WANDB_API_KEY, WANDB_PROJECT, "
+            "MLFLOW_TRACKING_URI, ...); by default they write under the checkpoint volume. "
+            "A tracker that fails is counted in gspo_tracker_failures_total, never fatal."
+        ),
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+    )
+
+    @field_validator("report_to")
+    @classmethod
+    def _each_tracker_once(cls, names: list[str]) -> list[str]:
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"names {', '.join(twice)} more than once; list each tracker once")
+        return names
 
 
 class GSPOJobSpec(Section):

@@ -9,7 +9,8 @@ needed 700 steps and still turned deterministic on wrong answers in one seed of 
 (accuracy 0.76, entropy 0.1); at lr 3e-4 the wider one learned three times faster but did
 the same (0.85); at 1.5e-4 every seed passed a greedy accuracy of 0.9 by step 250 and ended
 at 0.97-1.0. An evaluation every 50 steps covers all 100 problems of the task, greedily,
-and the last one closes the run.
+and the last one closes the run. Every 50 steps too, four sample completions go to the
+learner's log and history.jsonl (metrics.samplesEverySteps).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def tiny_manifest() -> dict[str, Any]:
         },
         "weightSync": {"bucketSizeMb": 16},
         "checkpoint": {"everySteps": 50, "keep": 2},
-        "metrics": {"port": 9090},
+        "metrics": {"port": 9090, "samplesEverySteps": 50},
     }
     return {
         "apiVersion": f"{API_GROUP}/{API_VERSION}",

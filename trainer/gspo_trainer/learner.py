@@ -29,6 +29,8 @@ from gspo_trainer.progress import LearnerProgress
 from gspo_trainer.rewards import Scored, build_scorer
 from gspo_trainer.rollout.client import RolloutError
 from gspo_trainer.rollout.types import RolloutBatch, SamplingParams, step_seed
+from gspo_trainer.samples import format_samples, pick_samples, samples_due
+from gspo_trainer.trackers import build_trackers
 
 if TYPE_CHECKING:
     import torch
@@ -128,6 +130,7 @@ class Learner:
         model_path: str | None = None,
         metrics: LearnerMetrics | None = None,
         history_path: str | Path | None = None,
+        tracker_dir: str | Path | None = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -147,6 +150,9 @@ class Learner:
         self.metrics.checkpoint_every_steps.set(spec.checkpoint.every_steps)
         eng.init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        where = tracker_dir or checkpoint_dir
+        failures = self.metrics.tracker_failures
+        self.trackers = build_trackers(spec.metrics.report_to, where, self.rank, failures)
         path = model_path or eng.resolve_model_path(spec)
         model, self.tokenizer = eng.load_model(spec, path)
         self.hf_config = model.config
@@ -159,7 +165,9 @@ class Learner:
         self.engine = eng.build_engine(spec, model)
         self.moe = moe_shape(model.config) if spec.model.moe is not None else None
         self.scorer = build_scorer(
-            spec.reward, on_failure=lambda r: self.metrics.reward_failures.labels(r).inc()
+            spec.reward,
+            on_failure=lambda r: self.metrics.reward_failures.labels(r).inc(),
+            max_response_tokens=spec.algorithm.max_response_tokens,
         )
         self.stream = PromptStream(load_examples(spec.data, self.tokenizer),
                                    spec.data.shuffle_seed)  # fmt: skip
@@ -189,7 +197,15 @@ class Learner:
     # --- the run -------------------------------------------------------------------------
 
     async def run(self) -> int:
-        """Resume, sync, train to maxSteps (or until asked to stop), checkpoint, export."""
+        """Resume, sync, train to maxSteps (or until asked to stop), checkpoint, export; the
+        trackers (rank 0) see the whole run, however it ends."""
+        self.trackers.start(self.spec.to_manifest_dict())
+        try:
+            return await self._run()
+        finally:
+            self.trackers.finish(self.state.phase)
+
+    async def _run(self) -> int:
         alg = self.spec.algorithm
         self.resume()
         self.state.phase = "Running"
@@ -338,7 +354,8 @@ class Learner:
                 scores.append(self.scorer.score([
                     Scored(examples[c.prompt_index].prompt,
                            self.tokenizer.decode(c.token_ids, skip_special_tokens=True),
-                           examples[c.prompt_index].answer, c.finish_reason == "stop")
+                           examples[c.prompt_index].answer, c.finish_reason == "stop",
+                           len(c.token_ids))
                     for group in batch.groups for c in group
                 ]))  # fmt: skip
         except RolloutError as exc:
@@ -371,16 +388,20 @@ class Learner:
         scored = [
             Scored(examples[c.prompt_index].prompt,
                    self.tokenizer.decode(c.token_ids, skip_special_tokens=True),
-                   examples[c.prompt_index].answer, c.finish_reason == "stop")
+                   examples[c.prompt_index].answer, c.finish_reason == "stop",
+                   len(c.token_ids))
             for c in completions
         ]  # fmt: skip
-        rewards = self.scorer.score(scored)
+        rewards, components = self.scorer.score_components(scored)  # components: reward/<name>
+        due = samples_due(step, self.spec.metrics.samples_every_steps)
         t2 = time.perf_counter()
         payload = {
             "prompts": prompts,
             "responses": [c.token_ids for c in completions],
             "engine_logps": [c.logprobs for c in completions],
             "rewards": rewards,
+            "reward_components": components,
+            "texts": ([s.prompt for s in scored], [s.completion for s in scored]) if due else None,
         }
         return payload, {"rollout": t1 - t0, "reward": t2 - t1}
 
@@ -591,6 +612,10 @@ class Learner:
         if sent is not None:
             stats["weight_sync_bytes"] = sent
         stats.update(evaluation)  # rank 0 only, like the history and the metrics
+        stats.update(payload["reward_components"])
+        if payload["texts"] is not None:  # samples.py; trackers read stats["samples"]
+            stats["samples"] = pick_samples(*payload["texts"], packed.rewards.tolist(),
+                advantages.tolist(), G, self.spec.metrics.samples_per_log)  # fmt: skip
         # --- metrics, progress, history (rank 0) -----------------------------------------
         self.state.step = step
         self.state.reward = stats["reward_mean"]
@@ -612,6 +637,7 @@ class Learner:
             if self.history_path is not None:
                 with open(self.history_path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(record) + "\n")
+            self.trackers.log(step, record)
             log.info(
                 "step %d reward %.3f clip %.4f |log s| %.2e entropy %.3f len %.1f "
                 "mismatch %.2e drift %s %.2fs", step, stats["reward_mean"],
@@ -619,6 +645,8 @@ class Learner:
                 stats["response_length"], stats["logprob_mismatch"],
                 f"{drift:.3f}" if drift is not None else "-", step_s,
             )  # fmt: skip
+            if "samples" in stats:
+                log.info("%s", format_samples(step, stats["samples"]))
         return stats
 
     def _mean_over_ranks(self, local: dict[str, float]) -> dict[str, float]:

@@ -31,6 +31,7 @@ from typing import Any
 
 from gspo_trainer import ports
 from gspo_trainer.config import GSPOJobSpec
+from gspo_trainer.trackers import ENV_TRACKER_DIR
 
 log = logging.getLogger("gspo.learner")
 
@@ -61,6 +62,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--metrics-host", default="0.0.0.0")
     p.add_argument("--history", default=None, help="one JSON line per step (default: in the "
                    "checkpoint dir, history.jsonl)")  # fmt: skip
+    p.add_argument("--tracker-dir", default=os.environ.get(ENV_TRACKER_DIR),
+                   help="where metrics.reportTo trackers write (default: the checkpoint dir; "
+                   f"${ENV_TRACKER_DIR})")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -189,7 +193,8 @@ async def run(args: argparse.Namespace, spec: GSPOJobSpec) -> int:
     ckpt_dir = Path(args.checkpoint_dir)
     history = args.history or (ckpt_dir / "history.jsonl")
     learner = Learner(spec, rollout, checkpoint_dir=ckpt_dir,
-                      history_path=history if rank == 0 else None)  # fmt: skip
+                      history_path=history if rank == 0 else None,
+                      tracker_dir=args.tracker_dir)  # fmt: skip
     loop = asyncio.get_running_loop()
 
     def request_stop() -> None:

@@ -13,8 +13,11 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
+from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from gspo_trainer.config import TrackerName
 
 # Step-level values: key in the learner's per-step stats -> (metric name, help).
 STEP_GAUGES: dict[str, tuple[str, str]] = {
@@ -57,6 +60,9 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
         "Mean reward of k = groupSize samples per evaluation prompt at the training temperature.",
     ),
 }
+
+# A reward.functions component's mean, in the step's stats and history: reward/<name>.
+REWARD_COMPONENT_PREFIX = "reward/"
 
 # Phase timings of one step, in seconds.
 PHASES = ("rollout", "reward", "logprob", "update", "weight_sync", "checkpoint", "step")
@@ -109,6 +115,13 @@ class LearnerMetrics:
         )
         for reason in ("error", "timeout"):
             self.reward_failures.labels(reason)
+        self.reward_component = Gauge(
+            "gspo_reward_component",
+            "Mean of each reward.functions component over the last step's responses "
+            "(unweighted; history key reward/<name>).",
+            ["name"],
+            registry=r,
+        )
         self.checkpoint_time = Gauge(
             "gspo_checkpoint_last_success_timestamp_seconds",
             "Unix time of the newest complete checkpoint (0 before the first).",
@@ -120,6 +133,14 @@ class LearnerMetrics:
         self.checkpoint_failures = Counter(
             "gspo_checkpoint_failures", "Checkpoint writes that failed.", registry=r
         )
+        self.tracker_failures = Counter(
+            "gspo_tracker_failures",
+            "Experiment tracker calls (start, log, finish) that failed; training went on.",
+            ["tracker"],
+            registry=r,
+        )
+        for tracker in get_args(TrackerName):
+            self.tracker_failures.labels(tracker)
         self.run_start = Gauge(
             "gspo_run_start_timestamp_seconds", "Unix time this learner started.", registry=r
         )
@@ -127,13 +148,16 @@ class LearnerMetrics:
         self.last_step_time.set(time.time())
 
     def observe_step(self, step: int, stats: Mapping[str, float]) -> None:
-        """Record one finished step; keys not in STEP_GAUGES are ignored."""
+        """Record one finished step: STEP_GAUGES keys, and reward/<name> components; other
+        keys (samples, timings) are ignored."""
         self.step.set(step)
         self.last_step_time.set(time.time())
         for key, value in stats.items():
             gauge = self.gauges.get(key)
             if gauge is not None:
                 gauge.set(value)
+            elif key.startswith(REWARD_COMPONENT_PREFIX):
+                self.reward_component.labels(key.removeprefix(REWARD_COMPONENT_PREFIX)).set(value)
         loss = stats.get("loss")
         if loss is not None:
             finite = math.isfinite(loss)

@@ -45,13 +45,24 @@ def check_model(spec: GSPOJobSpec) -> list[Problem]:
 
 
 def check_reward(spec: GSPOJobSpec) -> list[Problem]:
-    from gspo_trainer.rewards import reward_function
+    """reward.function, or every python component of reward.functions, imports."""
+    from gspo_trainer.rewards import load_function, reward_function
 
+    reward, problems = spec.reward, []
     try:
-        reward_function(spec.reward)
+        if reward.functions is None:
+            reward_function(reward)
     except ValueError as exc:
-        return [Problem("spec.reward.function", str(exc).removeprefix("reward.function "))]
-    return []
+        problems.append(Problem("spec.reward.function", str(exc).removeprefix("reward.function ")))
+    for i, f in enumerate(reward.functions or []):
+        if f.kind != "python":
+            continue
+        try:
+            load_function(f.function or "")
+        except ValueError as exc:
+            message = str(exc).removeprefix("reward.function ")
+            problems.append(Problem(f"spec.reward.functions[{i}].function", message))
+    return problems
 
 
 def check_data(spec: GSPOJobSpec) -> list[Problem]:

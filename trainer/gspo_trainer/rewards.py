@@ -5,6 +5,11 @@ EOS); `math`, answers checked with math-verify (boxed or final answers against t
 reference); `python`, any `module:function(prompt, completion, answer) -> float`.
 A call that raises, returns a non-finite value, or runs past `timeout_seconds` scores 0 and
 is counted by reason ("error", "timeout"); the run goes on.
+
+Or several weighted components (spec.reward.functions, TRL's reward_funcs + reward_weights):
+the reward is sum(weight_i x r_i), each component scored (and failing) on its own. Two more
+kinds serve as components: `format` (finished, non-empty, optionally matching a pattern) and
+`length` (a penalty past a target length).
 """
 
 from __future__ import annotations
@@ -12,15 +17,18 @@ from __future__ import annotations
 import importlib
 import logging
 import math
+import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from gspo_trainer.config import RewardConfig
+from gspo_trainer.config import RewardConfig, RewardFunctionConfig
+from gspo_trainer.metrics import REWARD_COMPONENT_PREFIX
 
 log = logging.getLogger("gspo.rewards")
 
 RewardFn = Callable[[str, str, str], float]
+ItemFn = Callable[["Scored"], float]  # built-in components that read more than the text
 
 
 @dataclass(frozen=True)
@@ -29,6 +37,7 @@ class Scored:
     completion: str  # decoded response without special tokens
     answer: str
     finished: bool  # the response ended with EOS (not cut at max tokens)
+    tokens: int | None = None  # response tokens, read by the length component
 
 
 def arithmetic_reward(prompt: str, completion: str, answer: str) -> float:
@@ -45,6 +54,23 @@ def math_reward(prompt: str, completion: str, answer: str) -> float:
                  parsing_timeout=None)  # fmt: skip
     pred = parse(completion, parsing_timeout=None)
     return 1.0 if gold and pred and verify(gold, pred, timeout_seconds=None) else 0.0
+
+
+def format_reward(item: Scored, pattern: str | None = None) -> float:
+    """1 when the response is well-formed: it ended with EOS (not cut at max tokens), is not
+    empty once stripped, and, given `pattern`, the stripped text matches it whole (for
+    builtin:addition, '-?[0-9]+': a single answer, then EOS). Correctness is not checked."""
+    text = item.completion.strip()
+    if not item.finished or not text:
+        return 0.0
+    return 1.0 if pattern is None or re.fullmatch(pattern, text) else 0.0
+
+
+def length_penalty(tokens: int, target_tokens: int, max_tokens: int) -> float:
+    """0 up to `target_tokens`, then linearly down to -1 at `max_tokens` (and below none)."""
+    if tokens <= target_tokens:
+        return 0.0
+    return -min(1.0, (tokens - target_tokens) / max(1, max_tokens - target_tokens))
 
 
 def load_function(path: str) -> RewardFn:
@@ -78,13 +104,18 @@ class RewardScorer:
     `failures` counts zero scores by reason since the scorer was made.
     """
 
-    fn: RewardFn
+    fn: RewardFn | ItemFn
     timeout_s: float = 10.0
     require_finished: bool = False
     parallel: int = 16
     inline: bool = False  # call in this thread: for built-in functions that cannot hang
     on_failure: Callable[[str], None] | None = None
+    takes_item: bool = False  # fn(item: Scored), the built-in format and length components
     failures: dict[str, int] = field(default_factory=lambda: {"error": 0, "timeout": 0})
+
+    def score_components(self, items: Sequence[Scored]) -> tuple[list[float], dict[str, float]]:
+        """The scores, and no components (a single reward function)."""
+        return self.score(items), {}
 
     def score(self, items: Sequence[Scored]) -> list[float]:
         scores = [0.0] * len(items)
@@ -123,7 +154,10 @@ class RewardScorer:
             results[i] = 0.0
             return
         try:
-            results[i] = float(self.fn(item.prompt, item.completion, item.answer))
+            if self.takes_item:
+                results[i] = float(self.fn(item))  # type: ignore[call-arg,arg-type]
+            else:
+                results[i] = float(self.fn(item.prompt, item.completion, item.answer))
         except BaseException as exc:
             results[i] = exc
 
@@ -140,11 +174,84 @@ def _now() -> float:
     return time.monotonic()
 
 
-def build_scorer(cfg: RewardConfig, on_failure: Callable[[str], None] | None = None):
-    return RewardScorer(
-        reward_function(cfg),
-        timeout_s=cfg.timeout_seconds,
-        require_finished=cfg.kind == "arithmetic",
-        inline=cfg.kind == "arithmetic",
-        on_failure=on_failure,
-    )
+def build_scorer(
+    cfg: RewardConfig,
+    on_failure: Callable[[str], None] | None = None,
+    max_response_tokens: int | None = None,
+) -> RewardScorer | WeightedScorer:
+    """The scorer of reward.kind, or of every reward.functions component (the length component
+    needs `max_response_tokens`, algorithm.maxResponseTokens)."""
+    if cfg.functions is None:
+        return RewardScorer(
+            reward_function(cfg),
+            timeout_s=cfg.timeout_seconds,
+            require_finished=cfg.kind == "arithmetic",
+            inline=cfg.kind == "arithmetic",
+            on_failure=on_failure,
+        )
+    return WeightedScorer([
+        Component(f.name, f.weight,
+                  _component_scorer(f, cfg.timeout_seconds, on_failure, max_response_tokens))
+        for f in cfg.functions
+    ])  # fmt: skip
+
+
+def _component_scorer(f: RewardFunctionConfig, timeout_s: float,
+                      on_failure: Callable[[str], None] | None,
+                      max_response_tokens: int | None) -> RewardScorer:  # fmt: skip
+    kw = dict(timeout_s=timeout_s, on_failure=on_failure)
+    if f.kind == "format":
+        return RewardScorer(lambda item: format_reward(item, f.pattern), inline=True,
+                            takes_item=True, **kw)  # fmt: skip
+    if f.kind == "length":
+        if max_response_tokens is None:
+            raise ValueError(f"reward.functions {f.name!r}: kind length needs the maximum "
+                             "response length (algorithm.maxResponseTokens)")  # fmt: skip
+        target = f.target_tokens or 0
+
+        def length(item: Scored) -> float:
+            if item.tokens is None:
+                raise ValueError("the response's token count is unknown")
+            return length_penalty(item.tokens, target, max_response_tokens)
+
+        return RewardScorer(length, inline=True, takes_item=True, **kw)
+    one = RewardConfig(kind=f.kind, function=f.function)
+    arithmetic = f.kind == "arithmetic"
+    return RewardScorer(reward_function(one), require_finished=arithmetic, inline=arithmetic, **kw)
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str
+    weight: float
+    scorer: RewardScorer
+
+
+@dataclass
+class WeightedScorer:
+    """reward = sum(weight_i x r_i) over the components, each scored by its own RewardScorer
+    (a failing call scores that component 0 and is counted; the others still count)."""
+
+    components: list[Component]
+
+    def score(self, items: Sequence[Scored]) -> list[float]:
+        return self.score_components(items)[0]
+
+    def score_components(self, items: Sequence[Scored]) -> tuple[list[float], dict[str, float]]:
+        """The weighted rewards, and each component's mean over `items` (unweighted), keyed
+        reward/<name> as in history.jsonl."""
+        totals = [0.0] * len(items)
+        means: dict[str, float] = {}
+        for c in self.components:
+            scores = c.scorer.score(items)
+            totals = [t + c.weight * s for t, s in zip(totals, scores, strict=True)]
+            means[REWARD_COMPONENT_PREFIX + c.name] = sum(scores) / max(1, len(scores))
+        return totals, means
+
+    @property
+    def failures(self) -> dict[str, int]:
+        out = {"error": 0, "timeout": 0}
+        for c in self.components:
+            for reason, n in c.scorer.failures.items():
+                out[reason] += n
+        return out

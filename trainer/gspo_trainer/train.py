@@ -23,10 +23,13 @@ import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from gspo_trainer import ports
 from gspo_trainer.jobs import tiny_manifest
+
+if TYPE_CHECKING:
+    from gspo_trainer.config import GSPOJobSpec
 
 SERVER_START_TIMEOUT_S = 300.0
 
@@ -170,7 +173,15 @@ class ProgressView:
             # core here), and every redraw is time the learner does not get.
             self.bar.refresh()
 
-    def show(self, r: dict[str, float]) -> None:
+    def show(self, r: dict[str, Any]) -> None:
+        if r.get("samples"):  # metrics.samplesEverySteps: what the policy writes, above the bar
+            from gspo_trainer.samples import format_samples
+
+            block = format_samples(int(r["step"]), r["samples"])
+            if self.bar is not None:
+                self.bar.write(block, file=self.out)
+            else:
+                print(block, file=self.out, flush=True)
         self.records.append(r)
         if "eval_accuracy" in r:
             self.last_eval = r
@@ -203,6 +214,11 @@ class ProgressView:
             self.bar.close()
 
 
+# metrics.reportTo's trackers and the directories they write under the output directory
+# (trackers.py), for the summary.
+TRACKER_OUTPUTS = (("tensorboard", "tensorboard"), ("wandb", "wandb"), ("mlflow", "mlruns"))
+
+
 def summary(out: Path, records: list[dict[str, float]], wall_s: float, code: int,
             eval_every: int = 0) -> str:  # fmt: skip
     """The run in a few lines; the last one ends with the final evaluation accuracy, the
@@ -232,6 +248,9 @@ def summary(out: Path, records: list[dict[str, float]], wall_s: float, code: int
     if (out / "reward.png").exists():
         lines.append(f"  reward curve {out / 'reward.png'}")
     lines.append(f"  logs         {out / 'logs'}")
+    for name, sub in TRACKER_OUTPUTS:  # metrics.reportTo's local output, where there is one
+        if (out / sub).is_dir():
+            lines.append(f"  {name:<12} {out / sub}")
     if evals:
         e = evals[-1]
         at_k = f", eval_mean_at_k {e['eval_mean_at_k']:.3f}" if "eval_mean_at_k" in e else ""
@@ -242,6 +261,19 @@ def summary(out: Path, records: list[dict[str, float]], wall_s: float, code: int
     else:
         lines.append("  eval         none finished (no evaluation set, or the run ended first)")
     return "\n".join(lines)
+
+
+def process_env(spec: GSPOJobSpec, environ: Mapping[str, str], cache: Path,
+                token: str) -> dict[str, str]:  # fmt: skip
+    """The environment of the servers and the learner `gspo train` starts: the caller's
+    (less any torch.distributed group it runs in), the model cache, the sync token, and
+    HF_HUB_OFFLINE=1 exactly where a cluster's pods get it (`model.hub_offline`): a model
+    named on the Hugging Face Hub downloads as transformers and vLLM would."""
+    env = {**own_group_env(environ), "GSPO_CACHE": str(cache), ports.ENV_SYNC_TOKEN: token}
+    if spec.model.hub_offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return env
 
 
 def main(argv: list[str]) -> int:
@@ -277,9 +309,7 @@ def main(argv: list[str]) -> int:
     config.write_text(yaml.safe_dump(manifest, sort_keys=False))
 
     token = secrets.token_hex(16)
-    base_env = {**own_group_env(os.environ), "HF_HUB_OFFLINE": "1", "GSPO_CACHE": str(cache),
-                ports.ENV_SYNC_TOKEN: token}  # fmt: skip
-    base_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    base_env = process_env(spec, os.environ, cache, token)
     n_servers = max(1, args.rollout_servers or spec.rollout.replicas)
     servers: list[tuple[Proc, str]] = []
     learner: Proc | None = None
@@ -319,6 +349,7 @@ def main(argv: list[str]) -> int:
             **base_env,
             ports.ENV_ROLLOUT_URLS: ",".join(url for _, url in servers),
             ports.ENV_POD_IP: "127.0.0.1",
+            ports.ENV_JOB_NAME: str((manifest.get("metadata") or {}).get("name") or "gspo"),
             # The vLLM CPU worker busy-polls a core between requests; a one-thread learner
             # leaves it that core instead of stalling its own thread team (8x faster here).
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
@@ -332,6 +363,7 @@ def main(argv: list[str]) -> int:
         learner = spawn("learner", [
             "learner", "--config", str(config), "--checkpoint-dir", str(out / "checkpoints"),
             "--weight-sync-port", str(free_port()), "--metrics-host", "127.0.0.1",
+            "--tracker-dir", str(out),  # metrics.reportTo: out/tensorboard, out/wandb, out/mlruns
         ], learner_env, out / "logs" / "learner.log")  # fmt: skip
         print(f"Learner started; metrics at http://127.0.0.1:{metrics_port}/metrics "
               f"(progress at /progress); logs in {out / 'logs'}", flush=True)  # fmt: skip

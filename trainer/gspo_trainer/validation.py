@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+from pydantic.alias_generators import to_snake
 
 from gspo_trainer.config import BUILTIN_MODELS, GSPOJobSpec, PodSettings
 from gspo_trainer.ports import RESERVED_PORTS
@@ -233,14 +234,8 @@ def check_spec(spec: GSPOJobSpec, *, prefix: str = "spec") -> list[Problem]:
             f"({rollout.gpus_per_replica}); each server's GPUs form whole tensor-parallel groups",
         )
 
-    reward = spec.reward
-    if reward.kind == "python":
-        fn = reward.function or ""
-        module, _, attr = fn.partition(":")
-        if not module or not attr:
-            bad("reward.function", f"{fn!r} must be 'module:function' when reward.kind is python")
-    elif reward.function is not None:
-        bad("reward.function", f"is only read when reward.kind is python (it is {reward.kind})")
+    for path, message in _reward_problems(spec):
+        bad(path, message)
 
     ckpt = spec.checkpoint
     if ckpt.claim_name and ckpt.storage_class_name:
@@ -351,3 +346,59 @@ def check_pod_settings(pods: PodSettings, path: str) -> list[Problem]:
                 )
             )
     return out
+
+
+def _module_function(path: str | None) -> bool:
+    module, _, attr = (path or "").partition(":")
+    return bool(module and attr)
+
+
+def _reward_problems(spec: GSPOJobSpec) -> list[tuple[str, str]]:
+    """reward.kind/function, or reward.functions (never both): (field, problem) pairs."""
+    reward, out = spec.reward, []
+    if reward.functions is None:
+        fn = reward.function
+        if reward.kind == "python" and not _module_function(fn):
+            message = f"{fn or ''!r} must be 'module:function' when reward.kind is python"
+            out.append(("reward.function", message))
+        elif reward.kind != "python" and fn is not None:
+            message = f"is only read when reward.kind is python (it is {reward.kind})"
+            out.append(("reward.function", message))
+        return out
+    for name in ("kind", "function"):
+        if getattr(reward, name) is not None:
+            out.append((f"reward.{name}", f"{REWARD_EXCLUSIVE}; {REWARD_EXCLUSIVE_FIX}"))
+    seen: set[str] = set()
+    max_tokens = spec.algorithm.max_response_tokens
+    for i, f in enumerate(reward.functions):
+        at = f"reward.functions[{i}]"
+        if f.name in seen:  # at the list, as the CEL rule (which cannot name an index)
+            out.append(("reward.functions", f"{f.name!r} is used twice: {REWARD_NAMES_UNIQUE}"))
+        seen.add(f.name)
+        if f.kind == "python" and not _module_function(f.function):
+            out.append((f"{at}.function", f"{f.function or ''!r}: {REWARD_PYTHON_NEEDS}"))
+        for field, kind in (("function", "python"), ("pattern", "format"),
+                            ("targetTokens", "length")):  # fmt: skip
+            if f.kind != kind and getattr(f, to_snake(field)) is not None:
+                message = f"is only read when kind is {kind}; remove it (kind is {f.kind})"
+                out.append((f"{at}.{field}", message))
+        if f.target_tokens is not None and f.target_tokens >= max_tokens:
+            message = (
+                f"{f.name}: targetTokens {f.target_tokens} is not below "
+                f"algorithm.maxResponseTokens ({max_tokens}); {REWARD_TARGET_FIX}"
+            )
+            out.append(("reward.functions", message))
+    return out
+
+
+# Said alike by validate and the CRD's CEL rules (gspo_operator.crd_rules).
+REWARD_EXCLUSIVE = "reward.functions replaces reward.kind and reward.function"
+REWARD_EXCLUSIVE_FIX = (
+    "remove reward.kind and reward.function, or make them an entry of reward.functions "
+    "({name, kind, function, weight})"
+)
+REWARD_NAMES_UNIQUE = "each reward.functions entry needs a name of its own; rename one"
+REWARD_PYTHON_NEEDS = "must be 'module:function' when kind is python"
+REWARD_TARGET_FIX = (
+    "lower targetTokens below algorithm.maxResponseTokens, or the penalty never applies"
+)
