@@ -41,10 +41,19 @@ LOST_STOP_GRACE_S = 3.0
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="gspo operator", description=__doc__.split("\n")[0])
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--metrics-port", type=int, default=ports.OPERATOR_METRICS_PORT)
-    p.add_argument("--health-port", type=int, default=ports.OPERATOR_HEALTH_PORT)
+    p = argparse.ArgumentParser(
+        prog="gspo operator",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"],
+        help="the operator's and kopf's log level",
+    )  # fmt: skip
+    p.add_argument("--metrics-port", type=int, default=ports.OPERATOR_METRICS_PORT,
+                   help="Prometheus /metrics port")  # fmt: skip
+    p.add_argument("--health-port", type=int, default=ports.OPERATOR_HEALTH_PORT,
+                   help="/healthz port (liveness and readiness)")  # fmt: skip
     scope = p.add_mutually_exclusive_group()
     scope.add_argument(
         "--namespace",

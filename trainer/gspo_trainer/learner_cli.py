@@ -49,22 +49,48 @@ def load_spec(path: str | os.PathLike[str]) -> GSPOJobSpec:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="gspo learner", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="gspo learner",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     default_config = os.environ.get(ports.ENV_CONFIG_PATH) or str(
         Path(ports.CONFIG_DIR) / ports.CONFIG_FILE
     )
     p.add_argument("--config", default=default_config, help="GSPOJob manifest or bare spec")
     ckpt_default = os.environ.get(ports.ENV_CHECKPOINT_DIR, ports.CHECKPOINT_DIR)
-    p.add_argument("--checkpoint-dir", default=ckpt_default)
-    p.add_argument("--rollout-urls", default=os.environ.get(ports.ENV_ROLLOUT_URLS, ""),
-                   help=f"default ${ports.ENV_ROLLOUT_URLS}")  # fmt: skip
-    p.add_argument("--weight-sync-port", type=int, default=ports.WEIGHT_SYNC_PORT)
-    p.add_argument("--metrics-host", default="0.0.0.0")
-    p.add_argument("--history", default=None, help="one JSON line per step (default: in the "
-                   "checkpoint dir, history.jsonl)")  # fmt: skip
-    p.add_argument("--tracker-dir", default=os.environ.get(ENV_TRACKER_DIR),
-                   help="where metrics.reportTo trackers write (default: the checkpoint dir; "
-                   f"${ENV_TRACKER_DIR})")  # fmt: skip
+    p.add_argument(
+        "--checkpoint-dir",
+        default=ckpt_default,
+        help=f"checkpoints, the export and history (${ports.ENV_CHECKPOINT_DIR})",
+    )
+    p.add_argument(
+        "--rollout-urls",
+        default=os.environ.get(ports.ENV_ROLLOUT_URLS, ""),
+        help=f"default ${ports.ENV_ROLLOUT_URLS}",
+    )
+    p.add_argument(
+        "--weight-sync-port",
+        type=int,
+        default=ports.WEIGHT_SYNC_PORT,
+        help="port of the weight-sync process group rank 0 hosts",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default="0.0.0.0",
+        help="address of the status server (/metrics, /progress, /healthz)",
+    )
+    p.add_argument(
+        "--history",
+        default=None,
+        help="one JSON line per step (default: in the checkpoint dir, history.jsonl)",
+    )
+    p.add_argument(
+        "--tracker-dir",
+        default=os.environ.get(ENV_TRACKER_DIR),
+        help="where metrics.reportTo trackers write (default: the checkpoint dir; "
+        f"${ENV_TRACKER_DIR})",
+    )
     return p.parse_args(argv)
 
 

@@ -41,8 +41,10 @@ def free_port() -> int:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="gspo train", description=__doc__.split("\n")[0])
-    p.add_argument("config", nargs="?", help="GSPOJob manifest (default: the tiny built-in job)")
+    p = argparse.ArgumentParser(prog="gspo train", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    p.add_argument("config", nargs="?",
+                   help="GSPOJob manifest (default: examples/tiny.yaml, embedded)")  # fmt: skip
     p.add_argument("--output-dir", default="gspo-run", help="checkpoints, export, logs, plot")
     p.add_argument("--max-steps", type=int, help="override spec.algorithm.maxSteps")
     p.add_argument("--loss-level", choices=["gspo", "gspo-token", "grpo"],

@@ -440,26 +440,70 @@ def build_app(
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="gspo rollout-server", description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, help="HF name, local path, or builtin:tiny-*")
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=ports.ROLLOUT_HTTP_PORT)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra vLLM engine argument (repeatable); VALUE is parsed as JSON "
-                        "when it can be")  # fmt: skip
-    p.add_argument("--require-token-for-generate", action="store_true")
-    p.add_argument("--initial-policy-version", type=int, default=None,
-                   help="serve the loaded weights as this version at once; without it the "
-                        "server is not ready until the learner's first update")  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="gspo rollout-server",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help="HF name, local path, or a built-in model (builtin:tiny-qwen3-moe, ...)",
+    )
+    p.add_argument("--host", default="0.0.0.0", help="address the HTTP API listens on")
+    p.add_argument("--port", type=int, default=ports.ROLLOUT_HTTP_PORT, help="HTTP API port")
+    p.add_argument("--dtype", default="auto", help="vLLM's dtype (model.dtype)")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="vLLM's max_model_len (model.maxModelLen); None: the model's",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=64,
+        help="vLLM's max_num_seqs: sequences in flight (rollout.maxNumSeqs)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="vLLM's gpu_memory_utilization (rollout.gpuMemoryUtilization)",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="vLLM's tensor_parallel_size (rollout.tensorParallelSize)",
+    )
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra vLLM engine argument (repeatable); VALUE is parsed as JSON when it can be",
+    )
+    p.add_argument(
+        "--require-token-for-generate",
+        action="store_true",
+        help="/v1/generate needs the sync token too (the control API always does)",
+    )
+    p.add_argument(
+        "--initial-policy-version",
+        type=int,
+        default=None,
+        help="serve the loaded weights as this version at once; without it the "
+        "server is not ready until the learner's first update",
+    )
     p.add_argument("--cache-dir", default=None, help="where builtin:* models are written")
-    p.add_argument("--weights-dir", type=Path, default=None,
-                   help="the learner's weight directory on a shared volume, for "
-                        "weightSync.method filesystem (/control/sync/load)")  # fmt: skip
+    p.add_argument(
+        "--weights-dir",
+        type=Path,
+        default=None,
+        help="the learner's weight directory on a shared volume, for "
+        "weightSync.method filesystem (/control/sync/load)",
+    )
     return p.parse_args(argv)
 
 
