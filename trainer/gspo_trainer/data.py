@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 from gspo_trainer.config import DataConfig
 
 BUILTIN_ADDITION = "builtin:addition"
+log = logging.getLogger("gspo.data")
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,31 @@ def load_eval_examples(cfg: DataConfig, tokenizer: Any | None = None) -> list[Ex
     if _format_of(cfg) == "builtin":
         return load_examples(cfg, tokenizer)
     return None
+
+
+def fit_prompts(examples: list[Example], tokenizer: Any, limit: int,
+                what: str = "data.source") -> tuple[list[Example], int]:  # fmt: skip
+    """(the examples whose prompt is at most `limit` tokens, how many were left out).
+
+    Tokens are counted as the learner sends prompts (no special tokens added). A prompt past
+    data.maxPromptTokens would be refused by every rollout server it reached (the engine's
+    context is maxPromptTokens + maxResponseTokens), so it is dropped here, once, with one
+    log line, rather than failing a step. None fitting is an error naming the field.
+    """
+    lengths = [len(tokenizer(e.prompt, add_special_tokens=False).input_ids) for e in examples]
+    kept = [e for e, n in zip(examples, lengths, strict=True) if n <= limit]
+    dropped = len(examples) - len(kept)
+    if not kept:
+        raise ValueError(
+            f"{what}: all {len(examples)} prompts are longer than data.maxPromptTokens={limit} "
+            f"tokens (the shortest has {min(lengths)}); raise data.maxPromptTokens (and "
+            "model.maxModelLen with it) or shorten the prompts"
+        )
+    if dropped:
+        log.warning("%s: %d of %d prompts are longer than data.maxPromptTokens=%d tokens "
+                    "(the longest has %d) and are left out", what, dropped, len(examples),
+                    limit, max(lengths))  # fmt: skip
+    return kept, dropped
 
 
 class PromptStream:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from gspo_trainer import checkpoint as ckpt
 from gspo_trainer import ports
 from gspo_trainer.config import GSPOJobSpec
-from gspo_trainer.data import PromptStream, load_eval_examples, load_examples
+from gspo_trainer.data import PromptStream, fit_prompts, load_eval_examples, load_examples
 from gspo_trainer.engine import begin_forward
 from gspo_trainer.metrics import LearnerMetrics
 from gspo_trainer.progress import LearnerProgress
@@ -169,11 +169,20 @@ class Learner:
             on_failure=lambda r: self.metrics.reward_failures.labels(r).inc(),
             max_response_tokens=spec.algorithm.max_response_tokens,
         )
-        self.stream = PromptStream(load_examples(spec.data, self.tokenizer),
-                                   spec.data.shuffle_seed)  # fmt: skip
+        limit = spec.data.max_prompt_tokens
+        examples, dropped = fit_prompts(load_examples(spec.data, self.tokenizer),
+                                        self.tokenizer, limit)  # fmt: skip
+        self.metrics.prompts_dropped.labels("train").inc(dropped)
+        self.stream = PromptStream(examples, spec.data.shuffle_seed)
         self.eval_examples = None
         if spec.algorithm.eval_every_steps > 0:
             self.eval_examples = load_eval_examples(spec.data, self.tokenizer)
+            if self.eval_examples is not None:
+                self.eval_examples, dropped = fit_prompts(
+                    self.eval_examples, self.tokenizer, limit,
+                    "data.evalSource" if spec.data.eval_source else "data.source",
+                )  # fmt: skip
+                self.metrics.prompts_dropped.labels("eval").inc(dropped)
             if self.eval_examples is None and self.rank == 0:
                 log.warning("algorithm.evalEverySteps is set but data.evalSource is not: a "
                             "data set of your own is evaluated only on a held-out set, so "

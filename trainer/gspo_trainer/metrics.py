@@ -130,6 +130,12 @@ class LearnerMetrics:
         self.checkpoint_every_steps = Gauge(
             "gspo_checkpoint_every_steps", "Configured steps between checkpoints.", registry=r
         )
+        self.prompts_dropped = Counter(
+            "gspo_prompts_dropped",
+            "Prompts left out at start because they are longer than data.maxPromptTokens.",
+            ["set"],
+            registry=r,
+        )
         self.checkpoint_failures = Counter(
             "gspo_checkpoint_failures", "Checkpoint writes that failed.", registry=r
         )

@@ -1,0 +1,46 @@
+"""data.maxPromptTokens is enforced before anything is sent: a prompt no rollout server would
+accept is left out at start, counted and logged once; none fitting is an error naming the field."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+from learner_helpers import make_learner, tiny_spec
+
+from gspo_trainer.data import Example, fit_prompts
+from gspo_trainer.tiny import build_tokenizer
+
+
+def test_prompts_past_the_limit_are_left_out_and_counted(caplog) -> None:  # type: ignore[no-untyped-def]
+    tok = build_tokenizer()  # one token per character
+    examples = [Example("1+2=", "3"), Example("11+22+33=", "6"), Example("4+5=", "9")]
+    with caplog.at_level(logging.WARNING, logger="gspo.data"):
+        kept, dropped = fit_prompts(examples, tok, 4)
+    assert [e.prompt for e in kept] == ["1+2=", "4+5="] and dropped == 1
+    assert len(caplog.records) == 1
+    assert "1 of 3 prompts are longer than data.maxPromptTokens=4" in caplog.text
+    assert "the longest has 9" in caplog.text
+    assert fit_prompts(examples, tok, 9) == (examples, 0)  # the limit itself fits
+
+
+def test_none_fitting_names_the_field_and_the_fix() -> None:
+    tok = build_tokenizer()
+    with pytest.raises(ValueError, match=r"data.maxPromptTokens=3 .*shortest has 4.*raise"):
+        fit_prompts([Example("1+2=", "3")], tok, 3)
+
+
+def test_the_learner_trains_only_on_prompts_that_fit(tmp_path: Path) -> None:
+    rows = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "1+2+3+4+5=", "answer": "5"},
+            {"prompt": "2+2=", "answer": "4"}]  # fmt: skip
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    manifest = tiny_spec()
+    manifest["spec"]["data"].update(source=str(data), maxPromptTokens=8)
+    manifest["spec"]["reward"] = {"kind": "math"}
+    learner = make_learner(tmp_path / "models", None, manifest)
+    assert sorted(e.prompt for e in learner.stream.examples) == ["1+2=", "2+2="]
+    get = learner.metrics.registry.get_sample_value
+    assert get("gspo_prompts_dropped_total", {"set": "train"}) == 1
