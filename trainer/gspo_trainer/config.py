@@ -289,7 +289,14 @@ class AlgorithmConfig(Section):
     )
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the reference policy (beta).")
     learning_rate: float = Field(1e-6, gt=0, description="Peak learning rate.")
-    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up, in steps.")
+    warmup_steps: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Linear learning-rate warm-up, in training steps: update k of the first "
+            "warmupSteps x miniBatches runs at lr x (k + 1) / (warmupSteps x miniBatches)."
+        ),
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     prompts_per_step: int = Field(64, ge=1, description="Prompts in one rollout batch.")

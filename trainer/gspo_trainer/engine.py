@@ -95,17 +95,36 @@ def ds_config(spec: GSPOJobSpec) -> dict[str, Any]:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    if alg.warmup_steps > 0:
-        cfg["scheduler"] = {
-            "type": "WarmupLR",
-            "params": {
-                "warmup_min_lr": 0.0,
-                "warmup_max_lr": alg.learning_rate,
-                "warmup_num_steps": alg.warmup_steps,
-                "warmup_type": "linear",
-            },
-        }
     return cfg
+
+
+def warmup_factor(update: int, warmup_updates: int) -> float:
+    """The lr multiplier of optimizer update `update` (0-based): (update + 1) / warmup_updates
+    during the warm-up, then 1. The first update already moves (DeepSpeed's WarmupLR starts
+    at its minimum, 0, and would spend the first updates at lr 0)."""
+    if warmup_updates <= 0:
+        return 1.0
+    return min(1.0, (update + 1) / warmup_updates)
+
+
+def warmup_updates(spec: GSPOJobSpec) -> int:
+    """algorithm.warmupSteps counts training steps; the scheduler counts optimizer updates,
+    one per mini-batch (every rank steps together on each mini-batch's share)."""
+    return spec.algorithm.warmup_steps * spec.algorithm.mini_batches
+
+
+def _warmup_scheduler(spec: GSPOJobSpec) -> Any:
+    """A callable deepspeed.initialize turns into the lr scheduler (None: constant lr). A
+    LambdaLR: its state (the update count) goes into DeepSpeed's checkpoints and resumes."""
+    updates = warmup_updates(spec)
+    if updates <= 0:
+        return None
+    from functools import partial
+
+    import torch
+
+    factor = partial(warmup_factor, warmup_updates=updates)
+    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def resolve_model_path(spec: GSPOJobSpec, cache_dir: str | None = None) -> str:
@@ -159,7 +178,8 @@ def build_engine(spec: GSPOJobSpec, model: Any) -> Any:
         deepspeed.zero.register_external_parameter(getattr(model, HEAD_SCORER), head.weight)
     params = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params,
-                                      config=ds_config(spec))  # fmt: skip
+                                      config=ds_config(spec),
+                                      lr_scheduler=_warmup_scheduler(spec))  # fmt: skip
     return engine
 
 
