@@ -180,6 +180,10 @@ def build_engine(spec: GSPOJobSpec, model: Any) -> Any:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params,
                                       config=ds_config(spec),
                                       lr_scheduler=_warmup_scheduler(spec))  # fmt: skip
+    # from_pretrained returns the model in eval mode, and transformers recomputes activations
+    # (model.gradientCheckpointing) only in training mode: without this it silently kept
+    # every activation. The models trained here have no dropout, so nothing else changes.
+    engine.train()
     return engine
 
 
