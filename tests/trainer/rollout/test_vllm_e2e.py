@@ -29,20 +29,22 @@ SAMPLE = SamplingParams(n=3, max_tokens=10, temperature=1.0, seed=7)
 GREEDY = SamplingParams(n=1, max_tokens=10, temperature=0.0)
 
 
-def hf_logprobs(model: Any, prompt: list[int], response: list[int]) -> torch.Tensor:
-    """log pi(response_t | prompt, response_<t) from a transformers forward.  # (T,)"""
+def hf_logprobs(model: Any, prompt: list[int], response: list[int],
+                temperature: float = 1.0) -> torch.Tensor:  # fmt: skip
+    """log pi(response_t | prompt, response_<t) from a transformers forward, under the
+    sampling temperature (the distribution the tokens were drawn from).  # (T,)"""
     ids = torch.tensor([prompt + response])  # (1, P+T)
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0].float()  # (P+T, V)
-    logp = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)  # (T, V)
+    logp = torch.log_softmax(logits[len(prompt) - 1 : -1] / temperature, dim=-1)  # (T, V)
     return logp.gather(1, torch.tensor(response)[:, None])[:, 0]
 
 
-def max_logprob_gap(model: Any, batch: RolloutBatch) -> float:
+def max_logprob_gap(model: Any, batch: RolloutBatch, temperature: float = 1.0) -> float:
     gaps = []
     for prompt, group in zip(batch.prompts, batch.groups, strict=True):
         for c in group:
-            ref = hf_logprobs(model, prompt, c.token_ids)
+            ref = hf_logprobs(model, prompt, c.token_ids, temperature)
             gaps.append((ref - torch.tensor(c.logprobs)).abs().max().item())
     return max(gaps)
 
@@ -165,6 +167,17 @@ def test_dense_generation_logprobs_match_transformers(dense_pair: list[Any], den
     check_batch(batch, SAMPLE, version=0)
     model, _ = build_tiny_model("builtin:tiny-qwen3")
     assert max_logprob_gap(model, batch) < LOGPROB_ATOL
+
+
+def test_engine_logprobs_are_those_of_the_sampling_distribution(dense_pair: list[Any]) -> None:  # type: ignore[no-untyped-def]
+    """At T != 1 the engine reports log-probs after temperature (what the learner computes
+    for the same tokens), so their gap is numerics only; before temperature it would be the
+    temperature's effect, which the mismatch metric and alert would then measure."""
+    params = SamplingParams(n=3, max_tokens=10, temperature=0.7, seed=7)
+    batch = generate([s.url for s in dense_pair], params)
+    model, _ = build_tiny_model("builtin:tiny-qwen3")
+    assert max_logprob_gap(model, batch, temperature=0.7) < 1e-4
+    assert max_logprob_gap(model, batch, temperature=1.0) > 0.05  # raw log-probs would be these
 
 
 def test_update_without_token_is_refused_and_changes_nothing(dense_pair: list[Any]) -> None:

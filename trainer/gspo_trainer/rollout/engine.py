@@ -94,7 +94,10 @@ class VLLMEngine:
             gpu_memory_utilization=options.gpu_memory_utilization,
             tensor_parallel_size=options.tensor_parallel_size,
             worker_extension_cls=WORKER_EXTENSION,
-            logprobs_mode="raw_logprobs",
+            # The log-probs of the distribution the sampler drew from (after temperature):
+            # the learner's are computed under the same temperature, so their gap (the
+            # mismatch metric; oldLogprobSource engine) is numerics only.
+            logprobs_mode="processed_logprobs",
         )
         if _on_cpu():
             kwargs["enforce_eager"] = True
