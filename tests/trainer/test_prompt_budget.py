@@ -44,3 +44,19 @@ def test_the_learner_trains_only_on_prompts_that_fit(tmp_path: Path) -> None:
     assert sorted(e.prompt for e in learner.stream.examples) == ["1+2=", "2+2="]
     get = learner.metrics.registry.get_sample_value
     assert get("gspo_prompts_dropped_total", {"set": "train"}) == 1
+
+
+def test_chat_template_kwargs_reach_the_template() -> None:
+    """data.chatTemplateKwargs, as vLLM's chat_template_kwargs: Qwen3's enable_thinking."""
+    from gspo_trainer.config import DataConfig
+    from gspo_trainer.data import render_prompt
+
+    tok = build_tokenizer()
+    tok.chat_template = (
+        "{% if enable_thinking is defined and not enable_thinking %}<nothink>{% endif %}"
+        "{{ messages[-1]['content'] }}="
+    )
+    plain = DataConfig(source="x.jsonl")
+    assert render_prompt(plain, "1+2", tok) == "1+2="
+    off = DataConfig(source="x.jsonl", chatTemplateKwargs={"enable_thinking": False})
+    assert render_prompt(off, "1+2", tok) == "<nothink>1+2="

@@ -14,6 +14,7 @@ from gspo_trainer.rewards import (
     Scored,
     arithmetic_reward,
     build_scorer,
+    final_part,
     load_function,
     math_reward,
 )
@@ -88,3 +89,16 @@ def test_raising_hanging_and_nan_rewards_score_zero_and_are_counted() -> None:
 def test_user_function_scores_pass_through() -> None:
     cfg = RewardConfig(kind="python", function="test_rewards:always_half")
     assert build_scorer(cfg).score([item("x"), item("y", finished=False)]) == [0.5, 0.5]
+
+
+def test_math_reads_the_answer_after_the_reasoning_and_needs_a_finished_response() -> None:
+    """A reasoning model's intermediate numbers are not its answer; a response cut at
+    maxResponseTokens (or still thinking) has none."""
+    scorer = build_scorer(RewardConfig(kind="math"))
+    think = "<think>3+4 is 7, but let me say 12 first</think>The answer is \\boxed{7}."
+    assert scorer.score([item(think)]) == [1.0]
+    assert scorer.score([item(think, answer="12")]) == [0.0]  # 12 only inside the reasoning
+    assert scorer.score([item("<think>it is \\boxed{7}")]) == [0.0]  # never left the reasoning
+    assert scorer.score([item("\\boxed{7}", finished=False)]) == [0.0]  # cut at max tokens
+    assert scorer.score([item("\\boxed{7}")]) == [1.0]
+    assert final_part("a</think>b</think>c") == "c"

@@ -179,6 +179,14 @@ class DataConfig(Section):
     answer_field: str = Field("answer", description="Row field holding the reference answer.")
     chat_template: bool = Field(True, description="Wrap prompts in the tokenizer's chat template.")
     system_prompt: str | None = Field(None, description="System message for chat templates.")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "Extra arguments to the chat template, as vLLM's chat_template_kwargs: e.g. "
+            "{enable_thinking: false} for Qwen3's non-thinking mode."
+        ),
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
     prompt_template: str | None = Field(
         None, description="Python format string applied to the prompt, e.g. '{prompt}\\nAnswer:'."
     )
@@ -191,7 +199,11 @@ class DataConfig(Section):
             "builtin:addition evaluates on all of its 100 problems."
         ),
     )
-    max_prompt_tokens: int = Field(2048, ge=1, description="Longer prompts are dropped.")
+    max_prompt_tokens: int = Field(
+        2048,
+        ge=1,
+        description="Longer prompts are left out at start, counted in gspo_prompts_dropped_total.",
+    )
 
 
 RewardKind = Literal["arithmetic", "math", "python"]

@@ -75,7 +75,8 @@ def render_prompt(cfg: DataConfig, text: str, tokenizer: Any | None) -> str:
         messages = [{"role": "user", "content": text}]
         if cfg.system_prompt:
             messages.insert(0, {"role": "system", "content": cfg.system_prompt})
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             **cfg.chat_template_kwargs)  # fmt: skip
     return text
 
 

@@ -45,9 +45,28 @@ def arithmetic_reward(prompt: str, completion: str, answer: str) -> float:
     return 1.0 if completion.strip() == answer.strip() else 0.0
 
 
+THINK_END = "</think>"
+
+
+def final_part(completion: str) -> str | None:
+    """The answer part of a reasoning model's response: after its last </think>; None when a
+    <think> block was opened and never closed (the response ended while still thinking).
+    A response without thinking tags is all answer."""
+    if THINK_END in completion:
+        return completion.rsplit(THINK_END, 1)[1]
+    if "<think>" in completion:
+        return None
+    return completion
+
+
 def math_reward(prompt: str, completion: str, answer: str) -> float:
-    """1 when math-verify finds the completion's final answer equal to the reference."""
+    """1 when math-verify finds the final answer of the completion (after any </think>: the
+    reasoning's intermediate numbers do not count) equal to the reference."""
     from math_verify import parse, verify
+
+    completion = final_part(completion)
+    if completion is None:
+        return 0.0
 
     # Signal-based timeouts only work in the main thread; the scorer bounds the call instead.
     gold = parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$",
@@ -174,6 +193,11 @@ def _now() -> float:
     return time.monotonic()
 
 
+# Built-in kinds that score a response cut at maxResponseTokens 0: its final answer is not
+# there (a math answer cut mid-number, or still inside the reasoning, would otherwise count).
+FINISHED_ONLY = ("arithmetic", "math")
+
+
 def build_scorer(
     cfg: RewardConfig,
     on_failure: Callable[[str], None] | None = None,
@@ -185,7 +209,7 @@ def build_scorer(
         return RewardScorer(
             reward_function(cfg),
             timeout_s=cfg.timeout_seconds,
-            require_finished=cfg.kind == "arithmetic",
+            require_finished=cfg.kind in FINISHED_ONLY,
             inline=cfg.kind == "arithmetic",
             on_failure=on_failure,
         )
@@ -217,7 +241,8 @@ def _component_scorer(f: RewardFunctionConfig, timeout_s: float,
         return RewardScorer(length, inline=True, takes_item=True, **kw)
     one = RewardConfig(kind=f.kind, function=f.function)
     arithmetic = f.kind == "arithmetic"
-    return RewardScorer(reward_function(one), require_finished=arithmetic, inline=arithmetic, **kw)
+    return RewardScorer(reward_function(one), require_finished=f.kind in FINISHED_ONLY,
+                        inline=arithmetic, **kw)  # fmt: skip
 
 
 @dataclass(frozen=True)
