@@ -21,7 +21,10 @@ def moe_shape(config: Any) -> tuple[int, int] | None:
 
 
 def router_aux_loss(router_logits, mask: torch.Tensor, num_experts: int, top_k: int):
-    """Switch-style load-balancing loss, E * sum_e f_e P_e over masked tokens and all layers.
+    """Switch-style load-balancing loss, E * sum_e f_e P_e over masked tokens and all layers,
+    as transformers' `load_balancing_loss_func` (so model.moe.routerAuxLossCoef means what
+    the model's own router_aux_loss_coef means): f_e counts the tokens that routed to e in
+    any of their top-k slots per token, so f sums to k and a uniform router scores k.
 
     router_logits: tuple of (N, E); mask (N,) bool. Differentiable in the logits.
     """
@@ -39,7 +42,7 @@ def router_aux_loss(router_logits, mask: torch.Tensor, num_experts: int, top_k: 
         rows += probs.shape[0]
     if rows == 0:
         return prob.sum() * 0.0
-    return num_experts * ((count / (rows * top_k)) * (prob / rows)).sum()
+    return num_experts * ((count / rows) * (prob / rows)).sum()
 
 
 def top_k_experts(router_logits, mask: torch.Tensor, top_k: int) -> list[torch.Tensor]:
