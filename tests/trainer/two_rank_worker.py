@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from gspo_trainer.engine import (
+    exit_rank,
     full_parameters,
-    leave_distributed,
     load_model,
     resolve_model_path,
 )
@@ -66,7 +66,6 @@ def main(out: str, cache: str, stage: int, micro_tokens: int, ckpt: str | None =
         params = {n: t.detach().clone() for n, t in named}
     if learner.rank == 0:
         torch.save({"params": params, "history": learner.state.history}, out)
-    leave_distributed()  # as the learner's command does after a run to maxSteps
 
 
 if __name__ == "__main__":
@@ -77,3 +76,4 @@ if __name__ == "__main__":
     else:
         main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     Path(sys.argv[1] + ".done").write_text("ok")
+    exit_rank(0)  # as the learner's command ends a rank: no interpreter teardown

@@ -9,9 +9,12 @@ from tripping ZeRO-3's prefetch trace.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import sys
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from gspo_trainer.config import GSPOJobSpec
 
@@ -44,20 +47,21 @@ def init_distributed() -> None:
     deepspeed.init_distributed(dist_backend="nccl" if has_gpu() else "gloo", verbose=False)
 
 
-def leave_distributed() -> None:
-    """Destroy the learner group once every rank has finished with it (a run that trained to
-    maxSteps: its last collectives, the final checkpoint and export, are behind every rank).
+def exit_rank(code: int) -> NoReturn:
+    """End a rank of a torch.distributed.run group with `code`, skipping interpreter teardown.
 
-    Left to interpreter exit, gloo's worker threads can still hold finished work whose tensors
-    are freed during finalization; a rank of a clean run then aborts (SIGABRT, "terminate
-    called without an active exception", pytorch/pytorch#179291) and its launcher reports a
-    failure. Not on the stop path: there a peer may already be gone, and destroying waits on
-    work it would never complete.
+    Call it only once the rank's work is done (its last collective behind it, its files
+    closed). Left to interpreter exit, gloo's worker threads and the work they still hold are
+    torn down with the interpreter, and a rank of a clean run could abort (SIGABRT,
+    "terminate called without an active exception", pytorch/pytorch#179291) after everything
+    succeeded, which its launcher reports as a failed group; destroying the group first did
+    not make it go away. The OS closes the sockets; logs and standard streams are flushed.
     """
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def _free_port() -> int:

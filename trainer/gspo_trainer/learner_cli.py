@@ -253,10 +253,6 @@ async def run(args: argparse.Namespace, spec: GSPOJobSpec) -> int:
             await rollout.close()
     if server is not None:
         server.shutdown()
-    if code == 0 and learner.state.phase == "Succeeded":
-        from gspo_trainer.engine import leave_distributed
-
-        leave_distributed()
     # Stopped early, after a final checkpoint: not 0 (see ports). A rank under
     # torch.distributed.run exits 0 all the same; its launcher (launch_group) says it.
     stopped = code == 0 and learner.state.phase == "Suspending"
@@ -291,7 +287,12 @@ def main(argv: list[str]) -> int:
     if nnodes * nproc > 1 and "RANK" not in os.environ:
         return launch_group(argv)
     try:
-        return asyncio.run(run(args, spec))
+        code = asyncio.run(run(args, spec))
     except ValueError as exc:
         print(f"gspo learner: {exc}", file=sys.stderr)
         return 1
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank of a group: no interpreter teardown
+        from gspo_trainer.engine import exit_rank
+
+        exit_rank(code)
+    return code
