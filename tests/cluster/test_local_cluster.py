@@ -205,7 +205,16 @@ async def test_a_job_trains_through_faults_suspend_and_resume_to_succeeded(tmp_p
         cluster.mark(f"suspended: final checkpoint at step {max(stopped)}")
         await cluster.kubectl("patch", "gspojob", JOB, "--type=merge",
                               "-p", '{"spec":{"runPolicy":{"suspend":false}}}')  # fmt: skip
-        await cluster.wait(lambda: (cluster.status(JOB).get("step") or 0) > max(stopped), 600,
+
+        def trained_past(step: int) -> bool:
+            """From the running learners' logs, not the status: progress reaches the status
+            at most every 30 s per job (the operator's write budget), time enough for the
+            learner to finish every step left and leave nothing running to evict."""
+            logs = "".join(cluster.log(p["metadata"]["name"], "learner")
+                           for p in cluster.pods(JOB, "learner", running=True))  # fmt: skip
+            return any(int(n) > step for n in re.findall(r"\bstep (\d+) reward", logs))
+
+        await cluster.wait(lambda: trained_past(max(stopped)), 600,
                            "training again after the resume", JOB)  # fmt: skip
         cluster.mark("resumed -> training again")
 
