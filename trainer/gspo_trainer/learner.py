@@ -351,7 +351,7 @@ class Learner:
             return {}
         alg = self.spec.algorithm
         examples = self.eval_examples
-        prompts = [self.tokenizer(e.prompt, add_special_tokens=False).input_ids for e in examples]
+        prompts = self._prompt_ids(examples)
         greedy = SamplingParams(n=1, max_tokens=alg.max_response_tokens, temperature=0.0,
                                 stop_token_ids=(self.eos_id,))  # fmt: skip
         sampled = replace(self.sampling(step), seed=step_seed(alg.seed, step, "eval"))
@@ -360,13 +360,8 @@ class Learner:
             scores = []
             for params in (greedy, sampled):
                 batch = await self.rollout.generate(prompts, params)
-                scores.append(self.scorer.score([
-                    Scored(examples[c.prompt_index].prompt,
-                           self.tokenizer.decode(c.token_ids, skip_special_tokens=True),
-                           examples[c.prompt_index].answer, c.finish_reason == "stop",
-                           len(c.token_ids))
-                    for group in batch.groups for c in group
-                ]))  # fmt: skip
+                completions = [c for group in batch.groups for c in group]
+                scores.append(self.scorer.score(self._scored(examples, completions)))
         except RolloutError as exc:
             log.warning("Step %d: evaluation skipped: %s", step, exc)
             return {}
@@ -377,6 +372,22 @@ class Learner:
             "eval_seconds": time.perf_counter() - t0,
         }
 
+    def _prompt_ids(self, examples: list[Any]) -> list[list[int]]:
+        """The prompts' token ids as the rollout servers get them (no special tokens added;
+        data.fit_prompts counts them the same way)."""
+        return [self.tokenizer(e.prompt, add_special_tokens=False).input_ids for e in examples]
+
+    def _scored(self, examples: list[Any], completions: list[Any]) -> list[Scored]:
+        """What the reward sees of each completion: its prompt, decoded text, reference
+        answer, whether it ended with EOS, and its length in tokens."""
+        return [
+            Scored(examples[c.prompt_index].prompt,
+                   self.tokenizer.decode(c.token_ids, skip_special_tokens=True),
+                   examples[c.prompt_index].answer, c.finish_reason == "stop",
+                   len(c.token_ids))
+            for c in completions
+        ]  # fmt: skip
+
     async def collect(
         self, step: int, examples: list[Any]
     ) -> tuple[dict[str, Any], dict[str, float]]:
@@ -385,7 +396,7 @@ class Learner:
 
         if self.rank != 0:
             return {}, {}
-        prompts = [self.tokenizer(e.prompt, add_special_tokens=False).input_ids for e in examples]
+        prompts = self._prompt_ids(examples)
         t0 = time.perf_counter()
         try:
             batch = await self.rollout.generate(prompts, self.sampling(step))
@@ -394,13 +405,7 @@ class Learner:
             return {"retry": True}, {}
         t1 = time.perf_counter()
         completions = [c for group in batch.groups for c in group]
-        scored = [
-            Scored(examples[c.prompt_index].prompt,
-                   self.tokenizer.decode(c.token_ids, skip_special_tokens=True),
-                   examples[c.prompt_index].answer, c.finish_reason == "stop",
-                   len(c.token_ids))
-            for c in completions
-        ]  # fmt: skip
+        scored = self._scored(examples, completions)
         rewards, components = self.scorer.score_components(scored)  # components: reward/<name>
         due = samples_due(step, self.spec.metrics.samples_every_steps)
         t2 = time.perf_counter()
