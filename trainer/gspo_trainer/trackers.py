@@ -60,6 +60,10 @@ MLFLOW_STATUS: dict[Outcome, str] = {
     "failed": "FAILED",
 }
 
+# Where each tracker writes under its directory by default (the summary of `gspo train`
+# lists them); wandb's is its own choice (it adds /wandb to the directory it is given).
+LOCAL_DIRS: dict[str, str] = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlruns"}
+
 
 class Tracker(Protocol):
     """One tracker: started once, a log per step, a table when a step has samples, finished."""
@@ -107,7 +111,7 @@ class TensorBoard:
     name: TrackerName = "tensorboard"
 
     def __init__(self, directory: Path) -> None:
-        self.log_dir = directory / "tensorboard"
+        self.log_dir = directory / LOCAL_DIRS["tensorboard"]
         self.writer: Any = None
 
     def start(self, run_name: str, config: dict[str, Any]) -> None:
@@ -184,7 +188,7 @@ class MLflow:
 
         uri = os.environ.get("MLFLOW_TRACKING_URI")
         if not uri:
-            uri = (self.directory / "mlruns").resolve().as_uri()
+            uri = (self.directory / LOCAL_DIRS["mlflow"]).resolve().as_uri()
             # MLflow 3 refuses a file store unless told; it is this default's whole point.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=uri)

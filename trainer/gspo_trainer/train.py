@@ -216,11 +216,6 @@ class ProgressView:
             self.bar.close()
 
 
-# metrics.reportTo's trackers and the directories they write under the output directory
-# (trackers.py), for the summary.
-TRACKER_OUTPUTS = (("tensorboard", "tensorboard"), ("wandb", "wandb"), ("mlflow", "mlruns"))
-
-
 def summary(out: Path, records: list[dict[str, float]], wall_s: float, code: int,
             eval_every: int = 0) -> str:  # fmt: skip
     """The run in a few lines; the last one ends with the final evaluation accuracy, the
@@ -250,7 +245,9 @@ def summary(out: Path, records: list[dict[str, float]], wall_s: float, code: int
     if (out / "reward.png").exists():
         lines.append(f"  reward curve {out / 'reward.png'}")
     lines.append(f"  logs         {out / 'logs'}")
-    for name, sub in TRACKER_OUTPUTS:  # metrics.reportTo's local output, where there is one
+    from gspo_trainer.trackers import LOCAL_DIRS
+
+    for name, sub in LOCAL_DIRS.items():  # metrics.reportTo's local output, where there is one
         if (out / sub).is_dir():
             lines.append(f"  {name:<12} {out / sub}")
     if evals:
