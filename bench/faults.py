@@ -331,7 +331,7 @@ def _checkpoint_tampered(trials: int, rng: random.Random) -> Row:
                 how = ("truncate", "flip", "delete")[trial % 3]
                 _tamper(victim, how, rng)
                 seen.clear()
-                learner.checkpoint_dir = work
+                learner.checkpointer.directory = work
                 at = learner.resume()
                 rel = victim.relative_to(newest).as_posix()
                 named = any("step-000002 failed verification" in m for m in seen)
@@ -362,7 +362,8 @@ def _checkpoint_disk_full(trials: int, rng: random.Random) -> Row:
     from learner_proc import manifest
 
     from gspo_trainer import checkpoint as ckpt
-    from gspo_trainer.learner import MAX_CHECKPOINT_FAILURES, CheckpointError, LearnerState
+    from gspo_trainer.checkpointer import MAX_CHECKPOINT_FAILURES, CheckpointError
+    from gspo_trainer.learner_state import LearnerState
 
     row = Row(
         "checkpoint write fails part-way (RLIMIT_FSIZE at a random size in the learner process)",
@@ -379,8 +380,9 @@ def _checkpoint_disk_full(trials: int, rng: random.Random) -> Row:
         for trial in range(trials):
             work = root / f"trial-{trial}"
             shutil.copytree(base, work)
-            learner.checkpoint_dir, learner.state = work, LearnerState()
-            learner.checkpoint_failures = 0  # consecutive failures, per run
+            learner.checkpointer.directory = work
+            vars(learner.state).update(vars(LearnerState()))  # shared by the learner's parts
+            learner.checkpointer.failures = 0  # consecutive failures, per run
             before = learner.metrics.checkpoint_failures._value.get()
             limit = rng.randrange(4096, biggest)
             soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)

@@ -34,7 +34,7 @@ def test_zero_spread_group_gives_exact_zero_and_share() -> None:
     assert torch.equal(adv[6:], torch.zeros(3))
     assert not torch.isnan(adv).any()
     assert adv[3:6].abs().min() > 0.5
-    assert float(stats["zero_spread_share"]) == pytest.approx(2 / 3)
+    assert float(stats["zero_advantage_fraction"]) == pytest.approx(2 / 3)
     assert float(stats["reward_mean"]) == pytest.approx(float(rewards.mean()))
 
 
@@ -43,7 +43,7 @@ def test_advantages_sum_to_zero_per_group() -> None:
     rewards = torch.rand(64, generator=g)
     adv, stats = group_advantages(rewards, group_size=8)
     assert torch.allclose(adv.view(8, 8).sum(1), torch.zeros(8), atol=1e-5)
-    assert float(stats["zero_spread_share"]) == 0.0
+    assert float(stats["zero_advantage_fraction"]) == 0.0
 
 
 @pytest.mark.parametrize(

@@ -110,27 +110,27 @@ def _fsize_limited(learner, limit: int):  # type: ignore[no-untyped-def]
     import resource
     import signal
 
-    from gspo_trainer.learner import Learner
+    from gspo_trainer.checkpointer import Checkpointer
 
-    class Limited(Learner):
-        def save_checkpoint(self):  # type: ignore[no-untyped-def]
+    class Limited(Checkpointer):
+        def save(self):  # type: ignore[no-untyped-def]
             old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
             old = resource.getrlimit(resource.RLIMIT_FSIZE)
             resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old[1]))
             try:
-                return super().save_checkpoint()
+                return super().save()
             finally:
                 resource.setrlimit(resource.RLIMIT_FSIZE, old)
                 signal.signal(signal.SIGXFSZ, old_handler)
 
-    learner.__class__ = Limited
+    learner.checkpointer.__class__ = Limited
     return learner
 
 
 def test_a_checkpoint_that_cannot_be_written_stops_the_run_loudly(
     cache: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from gspo_trainer.learner import MAX_CHECKPOINT_FAILURES, CheckpointError
+    from gspo_trainer.checkpointer import MAX_CHECKPOINT_FAILURES, CheckpointError
 
     good = make_learner(cache, tmp_path, manifest_for(2, 2))
     assert run(good) == 0
@@ -160,9 +160,9 @@ def test_a_failed_export_fails_the_run_and_a_rerun_exports_from_the_final_checkp
 
     from transformers import AutoModelForCausalLM
 
-    from gspo_trainer.learner import CheckpointError, Learner
+    from gspo_trainer.checkpointer import Checkpointer, CheckpointError
 
-    class ExportOnFullDisk(Learner):
+    class ExportOnFullDisk(Checkpointer):
         def export(self):  # type: ignore[no-untyped-def]
             old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
             old = resource.getrlimit(resource.RLIMIT_FSIZE)
@@ -174,7 +174,7 @@ def test_a_failed_export_fails_the_run_and_a_rerun_exports_from_the_final_checkp
                 signal.signal(signal.SIGXFSZ, old_handler)
 
     learner = make_learner(cache, tmp_path, manifest_for(2, 1))
-    learner.__class__ = ExportOnFullDisk
+    learner.checkpointer.__class__ = ExportOnFullDisk
     with caplog.at_level("ERROR", logger="gspo.learner"), pytest.raises(CheckpointError) as err:
         run(learner)
     assert "checkpoint.exportHf" in str(err.value) and "step-000002" in str(err.value)

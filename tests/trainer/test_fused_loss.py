@@ -30,9 +30,14 @@ def batch(dtype: torch.dtype, seed: int = 0):
 
 @pytest.mark.parametrize("level", ["sequence", "sequence_token", "token"])
 @pytest.mark.parametrize("chunk_size", [1, 4, 8, 100])  # 4 and 8 split the 9-token response
-def test_equals_unfused_path(level: str, chunk_size: int) -> None:
+@pytest.mark.parametrize("off_policy", [False, True])
+def test_equals_unfused_path(level: str, chunk_size: int, off_policy: bool) -> None:
     hidden, weight, tokens, mask, old, adv, ref = batch(torch.float64)
     kw = dict(level=level, clip_low=0.2, clip_high=0.27, ref_logprobs=ref, kl_coef=0.1)
+    if off_policy:  # the decoupled objective: a sampler mu apart from pi_old, weights truncated
+        mu = old + 0.4 * torch.randn(old.shape, generator=torch.Generator().manual_seed(1),
+                                     dtype=old.dtype)  # fmt: skip
+        kw.update(behaviour_logprobs=mu, is_cap=1.2)
     scores = token_logprobs_from_hidden(
         hidden, weight, tokens, 4, 0.7, mask=mask, with_entropy=True
     )
@@ -49,7 +54,9 @@ def test_equals_unfused_path(level: str, chunk_size: int) -> None:
         torch.testing.assert_close(stats[key], want_stats[key])
     torch.testing.assert_close(got_scores.logp, scores.logp.detach())
     torch.testing.assert_close(got_scores.entropy, scores.entropy.detach())
-    assert float(stats["clip_frac_low"] + stats["clip_frac_high"]) > 0  # the clip is exercised
+    assert float(stats["clip_fraction_low"] + stats["clip_fraction_high"]) > 0  # the clip binds
+    if off_policy:  # weights differ per response, and some are truncated
+        assert 0 < float(stats["importance_truncated_fraction"]) < 1
 
 
 def test_bfloat16_close_to_unfused() -> None:

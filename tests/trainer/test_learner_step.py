@@ -79,7 +79,7 @@ def test_a_raising_reward_scores_zero_and_the_run_goes_on(cache: Path) -> None:
 def test_kl_to_the_starting_policy_is_measured_and_grows(cache: Path) -> None:
     # One update per batch: its only mini-batch is scored before any update.
     learner = make_learner(cache, None, tiny_spec(klCoef=0.05, learningRate=1e-3, miniBatches=1))
-    assert learner.ref_model is not None
+    assert learner.policy.reference is not None
     asyncio.run(learner.sync(0))
     first = asyncio.run(learner.train_step(1))
     assert first["kl"] == pytest.approx(0.0, abs=1e-6)  # πθ still equals the reference
@@ -107,7 +107,7 @@ def test_zero3_with_moe_leaf_blocks_takes_the_zero1_step(cache: Path, tmp_path: 
 
 
 def test_micro_batches_cut_rows_within_the_token_budget() -> None:
-    from gspo_trainer.learner import micro_count, micro_slices
+    from gspo_trainer.step.batch import micro_count, micro_slices
 
     assert micro_count(16, 9, 16384) == 1
     assert micro_count(16, 9, 40) == 4  # 4 rows of 9 tokens fit in 40

@@ -32,12 +32,12 @@ def test_gspo_hand_computed(level: str) -> None:
     # Response 0: s0 = 1.162 < 1.27, unclipped: -s0 * 1. Response 1: s1 = 0.741 < 0.8 with
     # A < 0, so min(s1 * -2, 0.8 * -2) = -1.6 and its loss is +1.6.
     assert loss.item() == pytest.approx((-s0 + 1.6) / 2, rel=1e-6)
-    assert float(stats["clip_frac_low"]) == 0.5
-    assert float(stats["clip_frac_high"]) == 0.0
+    assert float(stats["clip_fraction_low"]) == 0.5
+    assert float(stats["clip_fraction_high"]) == 0.0
     assert float(stats["ratio_min"]) == pytest.approx(s1, rel=1e-6)
     assert float(stats["ratio_max"]) == pytest.approx(s0, rel=1e-6)
     assert float(stats["ratio_mean"]) == pytest.approx((s0 + s1) / 2, rel=1e-6)
-    assert float(stats["abs_log_seq_ratio"]) == pytest.approx((0.15 + 0.3) / 2, rel=1e-5)
+    assert float(stats["log_ratio_abs"]) == pytest.approx((0.15 + 0.3) / 2, rel=1e-5)
     loss.backward()
     # Only response 0 carries gradient: d(-s0/2)/dlogp_t = -s0 / (2 * 2) per token.
     want = torch.tensor([[-s0 / 4, -s0 / 4, 0.0], [0.0, 0.0, 0.0]])
@@ -50,7 +50,7 @@ def test_grpo_hand_computed() -> None:
     r1, r2 = math.exp(0.1), math.exp(0.2)  # both inside [0.8, 1.27]
     # Response 0: mean of -r over its two tokens; response 1: each token clipped at 0.8 -> +1.6.
     assert loss.item() == pytest.approx((-(r1 + r2) / 2 + 1.6) / 2, rel=1e-6)
-    assert float(stats["clip_frac_low"]) == pytest.approx(3 / 5)  # 3 of 5 response tokens
+    assert float(stats["clip_fraction_low"]) == pytest.approx(3 / 5)  # 3 of 5 response tokens
     assert float(stats["ratio_max"]) == pytest.approx(r2, rel=1e-6)
     assert float(stats["ratio_min"]) == pytest.approx(math.exp(-0.3), rel=1e-6)
     loss.backward()
@@ -107,9 +107,9 @@ def test_gspo_and_gspo_token_same_value_and_gradient(seed: int, clip) -> None:
     (l1, g1, s1), (l2, g2, s2) = results
     torch.testing.assert_close(l1, l2)
     torch.testing.assert_close(g1, g2)
-    assert float(s1["clip_frac_low"]) == float(s2["clip_frac_low"])
-    assert float(s1["clip_frac_high"]) == float(s2["clip_frac_high"])
-    assert g1.abs().sum() > 0 or (s1["clip_frac_low"] + s1["clip_frac_high"]) == 1
+    assert float(s1["clip_fraction_low"]) == float(s2["clip_fraction_low"])
+    assert float(s1["clip_fraction_high"]) == float(s2["clip_fraction_high"])
+    assert g1.abs().sum() > 0 or (s1["clip_fraction_low"] + s1["clip_fraction_high"]) == 1
 
 
 @pytest.mark.parametrize("level", ["sequence", "sequence_token"])
@@ -157,8 +157,8 @@ def test_clip_removes_gradient_only_on_the_clipped_side(level: str) -> None:
     # Kept rows: d(-s A / B)/dlogp = -s A / B with one token per row.
     for i in (1, 3, 4, 5):
         assert float(g[i]) == pytest.approx(float(-ratios[i] * adv[i] / 6), rel=1e-5)
-    assert float(stats["clip_frac_high"]) == pytest.approx(1 / 6)
-    assert float(stats["clip_frac_low"]) == pytest.approx(1 / 6)
+    assert float(stats["clip_fraction_high"]) == pytest.approx(1 / 6)
+    assert float(stats["clip_fraction_low"]) == pytest.approx(1 / 6)
 
 
 @pytest.mark.parametrize("level", LEVELS)

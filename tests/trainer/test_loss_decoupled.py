@@ -58,7 +58,7 @@ def test_matches_the_formula(level: str, cap: float, seed: int) -> None:
     want = reference(logp.detach().double(), prox.double(), behaviour.double(), adv.double(),
                      mask, level, cap)  # fmt: skip
     assert loss.item() == pytest.approx(float(want), rel=1e-5, abs=1e-7)
-    assert 0.0 <= float(stats["is_truncated_frac"]) <= 1.0
+    assert 0.0 <= float(stats["importance_truncated_fraction"]) <= 1.0
 
 
 @pytest.mark.parametrize("level", ["sequence", "sequence_token", "token"])
@@ -73,7 +73,10 @@ def test_behaviour_equal_to_proximal_is_the_on_policy_loss(level: str) -> None:
     (g_same,) = torch.autograd.grad(same, logp)
     assert same.item() == plain.item()
     torch.testing.assert_close(g_same, g_plain, rtol=0, atol=0)
-    assert float(stats["is_weight_mean"]) == 1.0 and float(stats["is_truncated_frac"]) == 0.0
+    assert (
+        float(stats["importance_weight_mean"]) == 1.0
+        and float(stats["importance_truncated_fraction"]) == 0.0
+    )
 
 
 def test_weights_scale_the_gradient_and_carry_none_themselves() -> None:
@@ -89,7 +92,7 @@ def test_weights_scale_the_gradient_and_carry_none_themselves() -> None:
                               clip_high=4e-4, behaviour_logprobs=behaviour)  # fmt: skip
     (g_half,) = torch.autograd.grad(half, logp)
     torch.testing.assert_close(g_half, g_plain / 2)
-    assert float(stats["is_weight_mean"]) == pytest.approx(0.5)
+    assert float(stats["importance_weight_mean"]) == pytest.approx(0.5)
 
 
 def test_truncation_and_its_statistics() -> None:
@@ -98,11 +101,11 @@ def test_truncation_and_its_statistics() -> None:
     mask = torch.ones(3, 2, dtype=torch.bool)
     w, stats = importance_weights(prox, behaviour, mask, token_level=False, cap=2.0)
     torch.testing.assert_close(w, torch.tensor([1.0, 2.0, 2.0]))
-    assert float(stats["is_weight_max"]) == pytest.approx(math.exp(1.5), rel=1e-6)
-    assert float(stats["is_truncated_frac"]) == pytest.approx(2 / 3)
+    assert float(stats["importance_weight_max"]) == pytest.approx(math.exp(1.5), rel=1e-6)
+    assert float(stats["importance_truncated_fraction"]) == pytest.approx(2 / 3)
     tw, tstats = importance_weights(prox, behaviour, mask, token_level=True, cap=2.0)
     torch.testing.assert_close(tw, torch.tensor([[1.0, 1.0], [2.0, 2.0], [2.0, 1.0]]))
-    assert float(tstats["is_truncated_frac"]) == pytest.approx(3 / 6)
+    assert float(tstats["importance_truncated_fraction"]) == pytest.approx(3 / 6)
 
 
 def test_a_cap_below_one_is_refused() -> None:

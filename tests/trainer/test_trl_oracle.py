@@ -115,8 +115,8 @@ def test_matches_trl(seed, ours, theirs, clip_low, clip_high, spread, beta) -> N
     # TRL leaves masked positions' gradient to the mask product; compare where it counts.
     torch.testing.assert_close(g_ours, torch.where(mask, g_trl, 0), rtol=1e-5, atol=1e-8)
     # Clip fractions: TRL counts sequences at its sequence level and tokens at its token level.
-    assert float(stats["clip_frac_low"]) == pytest.approx(metrics["clip_ratio/low_mean"][0])
-    assert float(stats["clip_frac_high"]) == pytest.approx(metrics["clip_ratio/high_mean"][0])
+    assert float(stats["clip_fraction_low"]) == pytest.approx(metrics["clip_ratio/low_mean"][0])
+    assert float(stats["clip_fraction_high"]) == pytest.approx(metrics["clip_ratio/high_mean"][0])
     assert g_ours.abs().sum() > 0
 
 
@@ -124,5 +124,5 @@ def test_the_gspo_case_exercises_the_clip() -> None:
     # Guard against a vacuous oracle: the paper's band binds for some but not all sequences.
     logp, old, adv, mask, _ = random_batch(0, spread=1e-2)
     _, stats = policy_loss(logp, old, adv, mask, level="sequence", clip_low=3e-4, clip_high=4e-4)
-    clipped = float(stats["clip_frac_low"] + stats["clip_frac_high"])
+    clipped = float(stats["clip_fraction_low"] + stats["clip_fraction_high"])
     assert 0 < clipped < 1

@@ -17,7 +17,7 @@ def group_advantages(
     prompt 0, and so on). std is the sample standard deviation (ddof 1), as in TRL and verl.
     A group whose rewards are all equal (zero spread) has no signal: its advantages are exactly
     0, never NaN and never eps-amplified rounding noise. Returns (advantages (B,) float32,
-    stats) where stats are 0-dim detached tensors: `zero_spread_share` (share of groups with
+    stats) where stats are 0-dim detached tensors: `zero_advantage_fraction` (share of groups with
     zero spread, the collapse signal), `reward_mean` and `reward_std` over the batch.
     """
     import torch
@@ -40,7 +40,7 @@ def group_advantages(
     adv = centred / (r.std(dim=1, keepdim=True) + eps)
     adv = torch.where(zero_spread[:, None], torch.zeros_like(adv), adv)
     stats = {
-        "zero_spread_share": zero_spread.float().mean(),
+        "zero_advantage_fraction": zero_spread.float().mean(),
         "reward_mean": r.mean(),
         "reward_std": r.flatten().std(),
     }

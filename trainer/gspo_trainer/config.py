@@ -325,6 +325,27 @@ class AlgorithmConfig(Section):
         ),
     )
     max_steps: int = Field(1000, ge=1, description="Training steps (rollout batches).")
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description=(
+            "How many steps rollout collection may run ahead of the update (0: synchronous, "
+            "each step samples with the weights it updates; 1: the next step's rollouts are "
+            "generated while this one updates, one policy version behind). Above 0 the "
+            "objective is the decoupled one: clip against the learner's recompute, each "
+            "response weighted by its importance weight recompute / sampler, truncated at "
+            "importanceWeightCap."
+        ),
+    )
+    importance_weight_cap: float = Field(
+        2.0,
+        ge=1,
+        description=(
+            "Truncation of the importance weight (learner / sampler, the length-normalised "
+            "sequence ratio; per token for grpo) that corrects rollouts sampled by an older "
+            "policy version: used when maxStaleness > 0 or weightSync.everySteps > 1."
+        ),
+    )
     eval_every_steps: int = Field(
         0,
         ge=0,

@@ -95,12 +95,16 @@ def policy_loss_from_hidden(
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_TOKENS,
     with_entropy: bool = True,
+    behaviour_logprobs: torch.Tensor | None = None,
+    is_cap: float | None = None,
 ) -> tuple[torch.Tensor, Stats, TokenScores]:
     """`policy_loss` of the tokens' log-probs under softmax(hidden @ W.T / temperature).
 
     hidden (B, T, H) with row [b, t] predicting tokens[b, t]; lm_head_weight (V, H); the rest
-    as in `policy_loss`. Returns (loss, stats, detached TokenScores) where the scores (log-probs
-    and, by default, entropy) are what the learner logs. Gradients reach hidden and the weight.
+    as in `policy_loss` (behaviour_logprobs and is_cap: its decoupled, off-policy form, each
+    response's weight its own). Returns (loss, stats, detached TokenScores) where the scores
+    (log-probs and, by default, entropy) are what the learner logs. Gradients reach hidden
+    and the weight.
     """
     import torch
 
@@ -122,6 +126,8 @@ def policy_loss_from_hidden(
     logp = torch.zeros(B * T, dtype=dtype, device=hidden.device)
     entropy = torch.zeros_like(logp) if with_entropy else None
     kw: dict[str, Any] = dict(level=level, clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef)
+    if is_cap is not None:
+        kw["is_cap"] = is_cap
 
     def run(h_all: torch.Tensor, weight: torch.Tensor):
         h_flat = h_all.reshape(-1, H)
@@ -149,9 +155,9 @@ def policy_loss_from_hidden(
             with torch.enable_grad():
                 leaf = logp.view(B, T)[a:b].detach().requires_grad_(True)
                 ref = ref_logprobs[a:b] if ref_logprobs is not None else None
-                part, _ = policy_loss(
-                    leaf, old_logprobs[a:b], advantages[a:b], mask[a:b], ref_logprobs=ref, **kw
-                )
+                mu = behaviour_logprobs[a:b] if behaviour_logprobs is not None else None
+                part, _ = policy_loss(leaf, old_logprobs[a:b], advantages[a:b], mask[a:b],
+                                      ref_logprobs=ref, behaviour_logprobs=mu, **kw)  # fmt: skip
                 (g_logp,) = torch.autograd.grad(part * ((b - a) / B), leaf)
             g_flat = g_logp.reshape(-1)[mask[a:b].reshape(-1)]  # aligned with g_rows
             for (s, e), z, lse, ent in zip(spans, kept, lses, ents, strict=True):
@@ -174,8 +180,7 @@ def policy_loss_from_hidden(
     zero = _FUSED[0].apply(h_in, lm_head_weight, run)  # 0-dim; carries the gradient
     logp_bt = logp.view(B, T)
     # Value and stats from the finished log-probs (cheap: (B, T) work, no vocabulary).
-    value, stats = policy_loss(
-        logp_bt, old_logprobs, advantages, mask, ref_logprobs=ref_logprobs, **kw
-    )
+    value, stats = policy_loss(logp_bt, old_logprobs, advantages, mask, ref_logprobs=ref_logprobs,
+                               behaviour_logprobs=behaviour_logprobs, **kw)  # fmt: skip
     scores = TokenScores(logp_bt, entropy.view(B, T) if entropy is not None else None)
     return zero + value.detach(), stats, scores

@@ -50,6 +50,19 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
     ),
     "router_aux_loss": ("gspo_moe_router_aux_loss", "Router load-balancing loss (MoE only)."),
     "weight_sync_bytes": ("gspo_weight_sync_bytes", "Bytes sent by the last weight sync."),
+    "staleness": (
+        "gspo_staleness",
+        "Policy versions between the one that sampled the last step's rollouts and the one it "
+        "updated (at most algorithm.maxStaleness, plus weightSync.everySteps - 1).",
+    ),
+    # Off-policy only (maxStaleness > 0 or weightSync.everySteps > 1): the decoupled
+    # objective's importance weights, learner recompute / sampler, before truncation.
+    "importance_weight_mean": ("gspo_importance_weight_mean", "Mean importance weight."),
+    "importance_weight_max": ("gspo_importance_weight_max", "Largest importance weight."),
+    "importance_truncated_fraction": (
+        "gspo_importance_truncated_fraction",
+        "Share of responses (tokens for grpo) whose weight algorithm.importanceWeightCap cut.",
+    ),
     # Set at each evaluation (algorithm.evalEverySteps) and held until the next.
     "eval_accuracy": (
         "gspo_eval_accuracy",

@@ -7,17 +7,23 @@ tokens) count. Pure torch; no model code here.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     import torch
 
 
-def moe_shape(config: Any) -> tuple[int, int] | None:
-    """(experts, top_k) of a transformers MoE config (Qwen-MoE or Mixtral names); None if dense."""
+class MoEShape(NamedTuple):
+    experts: int  # routed experts per layer
+    top_k: int  # experts each token activates
+
+
+def moe_shape(config: Any) -> MoEShape | None:
+    """The experts and top-k of a transformers MoE config (Qwen-MoE or Mixtral names); None
+    if dense."""
     experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
     top_k = getattr(config, "num_experts_per_tok", None)
-    return (int(experts), int(top_k)) if experts and top_k else None
+    return MoEShape(int(experts), int(top_k)) if experts and top_k else None
 
 
 def router_aux_loss(router_logits, mask: torch.Tensor, num_experts: int, top_k: int):

@@ -143,3 +143,51 @@ def plot_training(
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def training_seconds(records: Sequence[Mapping[str, float]]) -> list[float]:
+    """Each record's time since the start of the run's first step (evaluations included)."""
+    if not records:
+        return []
+    t0 = records[0]["time"] - records[0]["seconds"]
+    return [r["time"] - t0 for r in records]
+
+
+def plot_accuracy_over_time(
+    runs: Mapping[str, Sequence[Sequence[Mapping[str, float]]]],
+    out: str | Path,
+    *,
+    title: str = "Held-out accuracy against wall-clock time",
+    target: float | None = None,
+) -> Path:
+    """runs: label -> one history per seed. Greedy eval_accuracy against the seconds since
+    the first step began, one colour per label (each seed its own line), so configurations
+    that differ in speed and in learning per step compare on what a user waits for."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    for i, (label, histories) in enumerate(runs.items()):
+        for j, records in enumerate(histories):
+            seconds = training_seconds(records)
+            evals = [(t, r["eval_accuracy"]) for t, r in zip(seconds, records, strict=True)
+                     if "eval_accuracy" in r]  # fmt: skip
+            if evals:
+                ax.plot([t for t, _ in evals], [a for _, a in evals], "o-", color=f"C{i}",
+                        markersize=3, linewidth=1.2, alpha=0.9 if j == 0 else 0.5,
+                        label=label if j == 0 else None)  # fmt: skip
+    if target is not None:
+        ax.axhline(target, color="grey", linestyle="--", linewidth=1)
+    ax.set_xlabel("seconds since the first step")
+    ax.set_ylabel("eval_accuracy (greedy)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    path = Path(out)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,64 @@
+"""A step's responses as tensors (`Packed`) and the slices that cut them into micro-batches."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class Packed:
+    """A step's responses as tensors, one row per response (N rows, groups contiguous)."""
+
+    ids: torch.Tensor  # (N, L) prompt + response, right-padded
+    attn: torch.Tensor  # (N, L)
+    targets: torch.Tensor  # (N, L-1) ids[:, 1:]
+    mask: torch.Tensor  # (N, L-1) bool, True where targets is a response token
+    engine_logp: torch.Tensor  # (N, L-1) engine log-probs at the mask
+    rewards: torch.Tensor  # (N,)
+    lengths: torch.Tensor  # (N,) response tokens
+
+    def width(self, rows: slice) -> int:
+        """The longest sequence among `rows` (prompt + response), the length they run at."""
+        return int(self.attn[rows].sum(-1).max())
+
+
+def pack(prompts: list[list[int]], responses: list[list[int]], engine_logps: list[list[float]],
+         rewards: list[float], group_size: int, pad_id: int) -> Packed:  # fmt: skip
+    import torch
+
+    rows = [prompts[i // group_size] + r for i, r in enumerate(responses)]
+    L = max(len(r) for r in rows)
+    N = len(rows)
+    ids = torch.full((N, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((N, L), dtype=torch.long)
+    mask = torch.zeros((N, L - 1), dtype=torch.bool)
+    engine_logp = torch.zeros((N, L - 1))
+    for i, row in enumerate(rows):
+        p, n = len(prompts[i // group_size]), len(responses[i])
+        ids[i, : len(row)] = torch.tensor(row)
+        attn[i, : len(row)] = 1
+        mask[i, p - 1 : p - 1 + n] = True
+        engine_logp[i, p - 1 : p - 1 + n] = torch.tensor(engine_logps[i], dtype=torch.float32)
+    lengths = torch.tensor([len(r) for r in responses], dtype=torch.float32)
+    return Packed(ids, attn, ids[:, 1:], mask, engine_logp,
+                  torch.tensor(rewards, dtype=torch.float32), lengths)  # fmt: skip
+
+
+def micro_slices(rows: slice, count: int) -> list[slice]:
+    """`rows` cut into `count` contiguous, nearly equal parts, none empty."""
+    n = rows.stop - rows.start
+    count = max(1, min(count, n))
+    bounds = [rows.start + (n * j) // count for j in range(count + 1)]
+    return [slice(a, b) for a, b in itertools.pairwise(bounds)]
+
+
+def micro_count(rows_per_update: int, padded_len: int, token_budget: int) -> int:
+    """Micro-batches so that each holds at most `token_budget` padded tokens (one row each
+    when a single row is longer than the budget)."""
+    per_micro = max(1, token_budget // max(padded_len, 1))
+    return -(-rows_per_update // per_micro)

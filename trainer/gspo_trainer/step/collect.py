@@ -1,0 +1,165 @@
+"""Collect (rank 0): prompts -> rollouts tagged with the policy version that sampled them ->
+rewards. Touches no engine, so it can run while the update does (algorithm.maxStaleness).
+
+One lock orders everything that talks to the rollout fleet's weights: a generation and a
+weight sync never overlap, so no rollout mixes two policy versions, whatever runs ahead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from gspo_trainer.config import AlgorithmConfig, MetricsConfig
+from gspo_trainer.rewards import RewardScorer, Scored, WeightedScorer
+from gspo_trainer.rollout.client import RolloutError
+from gspo_trainer.rollout.types import Completion, RolloutBatch, SamplingParams, step_seed
+from gspo_trainer.samples import samples_due
+
+log = logging.getLogger("gspo.learner")
+
+
+class RolloutSource(Protocol):
+    """What the learner needs from rollouts: `RolloutClient` in production."""
+
+    async def generate(self, prompts: Any, params: SamplingParams) -> RolloutBatch: ...
+
+    async def sync_weights(self, named_tensors: Any, version: int) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Rollouts:
+    """One step's rollouts and rewards, what every rank needs of them (rank 0 broadcasts)."""
+
+    step: int
+    prompts: list[list[int]]  # token ids, one per prompt
+    responses: list[list[int]]  # G per prompt, groups contiguous
+    engine_logps: list[list[float]]  # the sampler's log-prob of each response token
+    rewards: list[float]
+    reward_components: dict[str, float]  # reward/<name>: each function's mean
+    texts: tuple[list[str], list[str]] | None  # (prompts, completions) when samples are due
+    policy_version: int  # the oldest version among the servers that sampled them
+    seconds: dict[str, float]  # "rollout", "reward"
+
+
+class Collector:
+    def __init__(self, alg: AlgorithmConfig, metrics: MetricsConfig, rollout: RolloutSource,
+                 tokenizer: Any, scorer: RewardScorer | WeightedScorer) -> None:  # fmt: skip
+        self.alg, self.metrics = alg, metrics
+        self.rollout, self.tokenizer, self.scorer = rollout, tokenizer, scorer
+        self.fleet_lock = asyncio.Lock()  # held by each generation and each weight sync
+
+    def sampling(self, step: int) -> SamplingParams:
+        """Sampling of step `step`, seeded from (algorithm.seed, step): sample j of prompt i
+        draws with its own seed (SamplingParams.seed), so a run is repeatable and every
+        sample of a batch has a stream of its own (one seed shared by every prompt's request
+        would draw every prompt's samples from one random stream)."""
+        alg = self.alg
+        return SamplingParams(
+            n=alg.group_size, max_tokens=alg.max_response_tokens, temperature=alg.temperature,
+            top_p=alg.top_p, top_k=-1, seed=step_seed(alg.seed, step),
+            stop_token_ids=(self.tokenizer.eos_token_id,),
+        )  # fmt: skip
+
+    def prompt_ids(self, examples: list[Any]) -> list[list[int]]:
+        """The prompts' token ids as the rollout servers get them (no special tokens added;
+        data.fit_prompts counts them the same way)."""
+        return [self.tokenizer(e.prompt, add_special_tokens=False).input_ids for e in examples]
+
+    def scored(self, examples: list[Any], completions: list[Completion]) -> list[Scored]:
+        """What the reward sees of each completion: its prompt, decoded text, reference
+        answer, whether it ended with EOS, and its length in tokens."""
+        return [
+            Scored(examples[c.prompt_index].prompt,
+                   self.tokenizer.decode(c.token_ids, skip_special_tokens=True),
+                   examples[c.prompt_index].answer, c.finish_reason == "stop",
+                   len(c.token_ids))
+            for c in completions
+        ]  # fmt: skip
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
+        async with self.fleet_lock:
+            return await self.rollout.generate(prompts, params)
+
+    async def collect(self, step: int, examples: list[Any]) -> Rollouts | None:
+        """The step's rollouts and rewards; None when no rollout server was left to serve."""
+        prompts = self.prompt_ids(examples)
+        t0 = time.perf_counter()
+        try:
+            batch = await self.generate(prompts, self.sampling(step))
+        except RolloutError as exc:
+            log.warning("Step %d: %s; waiting for a rollout server", step, exc)
+            return None
+        t1 = time.perf_counter()
+        completions = [c for group in batch.groups for c in group]
+        scored = self.scored(examples, completions)
+        rewards, components = self.scorer.score_components(scored)  # components: reward/<name>
+        due = samples_due(step, self.metrics.samples_every_steps)
+        return Rollouts(
+            step=step, prompts=prompts,
+            responses=[c.token_ids for c in completions],
+            engine_logps=[c.logprobs for c in completions],
+            rewards=rewards, reward_components=components,
+            texts=([s.prompt for s in scored], [s.completion for s in scored]) if due else None,
+            policy_version=min(c.policy_version for c in completions),
+            seconds={"rollout": t1 - t0, "reward": time.perf_counter() - t1},
+        )  # fmt: skip
+
+    async def evaluate(self, step: int, examples: list[Any]) -> dict[str, float]:
+        """The policy the rollout servers hold on the evaluation set, through the same engine
+        as the rollouts: `eval_accuracy`, the share of prompts whose greedy answer
+        (temperature 0) scores full reward, and `eval_mean_at_k`, the mean reward of k =
+        groupSize samples per prompt at the training temperature (what training sees, without
+        its prompt order). {} when no server could serve (logged; training goes on)."""
+        alg = self.alg
+        prompts = self.prompt_ids(examples)
+        greedy = SamplingParams(n=1, max_tokens=alg.max_response_tokens, temperature=0.0,
+                                stop_token_ids=(self.tokenizer.eos_token_id,))  # fmt: skip
+        sampled = replace(self.sampling(step), seed=step_seed(alg.seed, step, "eval"))
+        t0 = time.perf_counter()
+        try:
+            scores = []
+            for params in (greedy, sampled):
+                batch = await self.generate(prompts, params)
+                completions = [c for group in batch.groups for c in group]
+                scores.append(self.scorer.score(self.scored(examples, completions)))
+        except RolloutError as exc:
+            log.warning("Step %d: evaluation skipped: %s", step, exc)
+            return {}
+        greedy_scores, sampled_scores = scores
+        return {
+            "eval_accuracy": sum(r >= 1.0 for r in greedy_scores) / len(greedy_scores),
+            "eval_mean_at_k": sum(sampled_scores) / len(sampled_scores),
+            "eval_seconds": time.perf_counter() - t0,
+        }
+
+
+class RunAhead:
+    """Rank 0's collections of the steps after the current one, started while it updates:
+    at most algorithm.maxStaleness of them, so a rollout is at most that many policy versions
+    older than the update it feeds (the fleet lock runs them one after another, each with
+    the weights the servers hold when it starts)."""
+
+    def __init__(self, collector: Collector) -> None:
+        self.collector = collector
+        self.tasks: dict[int, asyncio.Task[Rollouts | None]] = {}
+
+    def start(self, step: int, examples: list[Any]) -> None:
+        if step not in self.tasks:
+            self.tasks[step] = asyncio.create_task(self.collector.collect(step, examples))
+
+    async def take(self, step: int, examples: list[Any]) -> Rollouts | None:
+        """The step's rollouts: the run-ahead collection's, else collected now."""
+        task = self.tasks.pop(step, None)
+        if task is None:
+            return await self.collector.collect(step, examples)
+        return await task
+
+    async def cancel(self) -> None:
+        tasks, self.tasks = list(self.tasks.values()), {}
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

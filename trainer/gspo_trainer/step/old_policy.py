@@ -1,0 +1,75 @@
+"""πold: the policy's log-probs of the step's responses before any update (and the frozen
+reference's, for the KL term), with the experts each token chose for routing drift.
+
+πold is the learner's own recompute by default: the engine's log-probs are measured against
+it (`logprob_mismatch`, mean |learner - engine| per response token) and replace it only with
+algorithm.oldLogprobSource: engine. Off-policy (a rollout sampled by an older version), the
+recompute is the proximal policy of the decoupled objective and the engine's log-probs are
+the behaviour policy's (see loss.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gspo_trainer.config import AlgorithmConfig
+from gspo_trainer.engine import lm_head_weight, score_with_head
+from gspo_trainer.logprobs import token_logprobs_from_hidden
+from gspo_trainer.step.batch import Packed
+from gspo_trainer.step.plan import MiniBatch
+from gspo_trainer.step.policy import Policy, per_layer
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class OldPolicy:
+    logp: list[torch.Tensor]  # per mini-batch, (rows, width - 1): πold at the response tokens
+    ref: list[torch.Tensor] | None  # the same for the reference; None without a KL term
+    experts: list[list[torch.Tensor]]  # per mini-batch, per MoE layer; [] when dense
+    mismatch: float  # mean |learner - engine| log-prob over this rank's response tokens
+
+
+def old_policy(policy: Policy, packed: Packed, plan: list[MiniBatch],
+               alg: AlgorithmConfig) -> OldPolicy:  # fmt: skip
+    import torch
+
+    logps, refs, experts = [], [], []
+    mismatch_sum = mismatch_n = 0.0
+    with torch.no_grad():
+        for mb in plan:
+            old = torch.zeros(mb.rows.stop - mb.rows.start, packed.width(mb.rows) - 1)
+            ref = torch.zeros_like(old) if policy.reference is not None else None
+            chosen = []
+            for sub in mb.micro:
+                here = mb.local(sub)
+                fwd = policy.forward(packed, sub, router=True)
+                mask, targets = fwd.mask(packed, sub), fwd.targets(packed, sub)
+                logp = score_with_head(policy.module, _logp, fwd.hidden, targets, mask,
+                                       alg.temperature)  # fmt: skip
+                engine_logp = packed.engine_logp[sub, : fwd.L - 1]
+                mismatch_sum += float((logp - engine_logp).abs()[mask].sum())
+                mismatch_n += float(mask.sum())
+                old[here, : fwd.L - 1] = engine_logp if alg.old_logprob_source == "engine" else logp
+                if ref is not None:
+                    h_ref = policy.forward(packed, sub, router=False, model=policy.reference).hidden
+                    ref[here, : fwd.L - 1] = token_logprobs_from_hidden(
+                        h_ref, lm_head_weight(policy.reference), targets,
+                        temperature=alg.temperature, mask=mask,
+                    ).logp  # fmt: skip
+                if fwd.router is not None and policy.moe:
+                    chosen.append(policy.experts(packed, sub, fwd))
+            logps.append(old)
+            if ref is not None:
+                refs.append(ref)
+            if chosen:
+                experts.append(per_layer(chosen))
+    return OldPolicy(logps, refs if policy.reference is not None else None, experts,
+                     mismatch_sum / max(mismatch_n, 1.0))  # fmt: skip
+
+
+def _logp(hidden, weight, targets, mask, temperature):  # type: ignore[no-untyped-def]
+    return token_logprobs_from_hidden(hidden, weight.detach(), targets, temperature=temperature,
+                                      mask=mask).logp  # fmt: skip

@@ -1,0 +1,73 @@
+"""Stats: one step's numbers under one name each, the same in the history (JSON lines), the
+trackers, Prometheus (metrics.STEP_GAUGES, and gspo_phase_seconds by metrics.PHASES) and the
+log line. Rank-local numbers are averaged over the ranks (maxima: their largest) first."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from gspo_trainer.learner_state import LearnerState
+from gspo_trainer.metrics import LearnerMetrics
+from gspo_trainer.ranks import Ranks
+from gspo_trainer.samples import format_samples
+from gspo_trainer.step.old_policy import OldPolicy
+from gspo_trainer.step.update import UpdateStats
+
+log = logging.getLogger("gspo.learner")
+
+
+def learner_stats(update: UpdateStats, old: OldPolicy, drift: float | None, mini_batches: int,
+                  ranks: Ranks) -> dict[str, float]:  # fmt: skip
+    """The loss, clip, entropy, mismatch and drift numbers, over every rank's rows."""
+    local = update.local(mini_batches)
+    local["logprob_mismatch"] = old.mismatch
+    if drift is not None:
+        local["routing_drift"] = drift
+    stats = ranks.mean(local)
+    stats.update(ranks.maximum(update.maxima))
+    if update.grad_norm is not None:
+        stats["grad_norm"] = update.grad_norm
+    return stats
+
+
+class StepReport:
+    """Rank 0 records a finished step: Prometheus, history file, trackers, one log line."""
+
+    def __init__(self, metrics: LearnerMetrics, state: LearnerState, trackers: Any,
+                 history_path: Path | None) -> None:  # fmt: skip
+        self.metrics, self.state, self.trackers = metrics, state, trackers
+        self.history_path = history_path
+        if history_path is not None:
+            history_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def record(self, step: int, stats: dict[str, Any], seconds: dict[str, float],
+               tokens: float, expert_load: dict[int, list[float]] | None) -> None:  # fmt: skip
+        """`seconds` by metrics.PHASES name ("step": the whole step, evaluation apart)."""
+        self.metrics.observe_step(step, stats)
+        self.metrics.tokens.inc(tokens)
+        for phase, value in seconds.items():
+            if phase != "weight_sync":  # observed by WeightSync, for every sync
+                self.metrics.observe_seconds(phase, value)
+        if expert_load is not None:
+            self.metrics.observe_expert_load(expert_load)
+        record = {"step": step, "seconds": seconds["step"], "time": time.time(), **stats,
+                  **{f"{k}_seconds": v for k, v in seconds.items() if k != "step"}}  # fmt: skip
+        self.state.history.append(record)
+        if self.history_path is not None:
+            with open(self.history_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+        self.trackers.log(step, record)
+        drift = stats.get("routing_drift")
+        log.info(
+            "step %d reward %.3f clip %.4f |log s| %.2e entropy %.3f len %.1f "
+            "mismatch %.2e drift %s %.2fs", step, stats["reward_mean"],
+            stats["clip_fraction"], stats["log_ratio_abs"], stats.get("entropy", 0.0),
+            stats["response_length"], stats["logprob_mismatch"],
+            f"{drift:.3f}" if drift is not None else "-", seconds["step"],
+        )  # fmt: skip
+        if "samples" in stats:
+            log.info("%s", format_samples(step, stats["samples"]))

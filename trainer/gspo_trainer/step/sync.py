@@ -1,0 +1,54 @@
+"""Sync: push the policy to the rollout servers (pause -> load -> resume, in the client).
+
+Every rank gathers the full parameters (ZeRO-3 shards them); rank 0 sends. It holds the
+collector's fleet lock, so it waits for a generation in flight and none starts meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from gspo_trainer.learner_state import LearnerState
+from gspo_trainer.metrics import LearnerMetrics
+from gspo_trainer.ranks import Ranks
+from gspo_trainer.rollout.client import RolloutError
+from gspo_trainer.step.collect import RolloutSource
+
+log = logging.getLogger("gspo.learner")
+
+
+class WeightSync:
+    def __init__(self, engine: Any, rollout: RolloutSource, fleet_lock: asyncio.Lock,
+                 ranks: Ranks, metrics: LearnerMetrics, state: LearnerState) -> None:  # fmt: skip
+        self.engine, self.rollout, self.fleet_lock = engine, rollout, fleet_lock
+        self.ranks, self.metrics, self.state = ranks, metrics, state
+
+    async def push(self, version: int) -> float:
+        """The policy as `version`, on every server that can take it; bytes sent (rank 0)."""
+        from gspo_trainer import engine as eng
+
+        start = time.perf_counter()
+        sent, waited_s = 0, 0.0
+        with eng.full_parameters(self.engine) as named:
+            if self.ranks.rank == 0:
+                try:
+                    async with self.fleet_lock:  # a generation in flight finishes first
+                        waited_s = time.perf_counter() - start
+                        report = await self.rollout.sync_weights(named, version)
+                    sent = int(getattr(report, "bytes_total", 0))
+                except RolloutError as exc:
+                    # Suspended or deleted, the servers stop with the learner: the update is
+                    # done, so the final checkpoint goes ahead; the next start syncs again.
+                    if not self.state.stop_requested:
+                        raise
+                    log.warning(
+                        "Weight sync to version %d skipped while stopping: %s", version, exc
+                    )
+        self.state.policy_version = version
+        self.metrics.policy_version.set(version)
+        # The sync's own time: waiting for a generation in flight is the step's, not its.
+        self.metrics.observe_seconds("weight_sync", time.perf_counter() - start - waited_s)
+        return float(sent)

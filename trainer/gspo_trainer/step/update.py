@@ -1,0 +1,125 @@
+"""The updates of one step: one optimizer step per mini-batch, its gradient accumulated over
+micro-batches, each micro-batch's loss weighted by its share of the mini-batch's responses.
+
+The loss is computed straight from hidden states (`fused_loss`), clipped against πold.
+Off-policy (`behaviour=True`: rollouts may come from an older version than πold) it is the
+decoupled objective: each response weighted by its truncated importance weight πold / μ,
+μ being the engine's log-probs of the version that sampled (loss.py). Afterwards, for MoE
+models, routing drift: the share of response tokens whose top-k experts one step of updates
+changed (the GSPO paper's measure; nothing replays routing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from gspo_trainer.config import AlgorithmConfig
+from gspo_trainer.engine import score_with_head
+from gspo_trainer.loss import LEVEL_OF
+from gspo_trainer.step.batch import Packed
+from gspo_trainer.step.old_policy import OldPolicy
+from gspo_trainer.step.plan import MiniBatch
+from gspo_trainer.step.policy import Policy, per_layer
+
+if TYPE_CHECKING:
+    import torch
+
+# Stats reported as the largest over micro-batches (and ranks), not as a mean.
+MAX_STATS = ("importance_weight_max",)
+# Loss stats summed into the step's (mean over its mini-batches); the behaviour weights'
+# only when off-policy.
+LOSS_STATS = ("loss", "clip_fraction_low", "clip_fraction_high", "log_ratio_abs", "kl")
+IMPORTANCE_STATS = ("importance_weight_mean", "importance_truncated_fraction")
+
+
+@dataclass
+class UpdateStats:
+    sums: dict[str, float] = field(default_factory=dict)  # summed over mini-batches
+    maxima: dict[str, float] = field(default_factory=dict)
+    grad_norm: float | None = None
+
+    def add(self, key: str, value: float) -> None:
+        self.sums[key] = self.sums.get(key, 0.0) + value
+
+    def local(self, mini_batches: int) -> dict[str, float]:
+        """This rank's step stats: means over the mini-batches, clip_fraction their sum."""
+        out = {key: value / mini_batches for key, value in self.sums.items()}
+        out["clip_fraction"] = out["clip_fraction_low"] + out["clip_fraction_high"]
+        return out
+
+
+def update(policy: Policy, packed: Packed, plan: list[MiniBatch], old: OldPolicy,
+           advantages: torch.Tensor, alg: AlgorithmConfig, *, aux_coef: float,
+           behaviour: bool) -> UpdateStats:  # fmt: skip
+    import torch
+
+    from gspo_trainer.moe import router_aux_loss
+
+    out = UpdateStats()
+    kw: dict[str, Any] = dict(level=LEVEL_OF[alg.loss_level], clip_low=alg.clip_low,
+                              clip_high=alg.clip_high)  # fmt: skip
+    if behaviour:
+        kw["is_cap"] = alg.importance_weight_cap
+    engine = policy.engine
+    for k, mb in enumerate(plan):
+        for j, sub in enumerate(mb.micro):
+            here, share = mb.local(sub), mb.share(sub)
+            fwd = policy.forward(packed, sub, router=aux_coef > 0)
+            mask, targets = fwd.mask(packed, sub), fwd.targets(packed, sub)
+            extra: dict[str, Any] = {}
+            if old.ref is not None:
+                extra = {"ref_logprobs": old.ref[k][here, : fwd.L - 1], "kl_coef": alg.kl_coef}
+            if behaviour:
+                extra["behaviour_logprobs"] = packed.engine_logp[sub, : fwd.L - 1]
+            loss, stats, scores = score_with_head(
+                policy.module, _fused, fwd.hidden, targets, mask, old.logp[k][here, : fwd.L - 1],
+                advantages[sub], alg.temperature, {**kw, **extra},
+            )  # fmt: skip
+            if fwd.router is not None and policy.moe and aux_coef > 0:
+                token_mask = policy.token_mask(packed, sub, fwd.L)
+                aux = router_aux_loss(fwd.router, token_mask, *policy.moe)
+                loss = loss + aux_coef * aux
+                out.add("router_aux_loss", share * float(aux.detach()))
+            # DeepSpeed steps the optimizer only after the mini-batch's last micro-batch.
+            engine.set_gradient_accumulation_boundary(j == len(mb.micro) - 1)
+            engine.backward(loss * share)
+            engine.step()
+            for key in LOSS_STATS + (IMPORTANCE_STATS if behaviour else ()):
+                out.add(key, share * float(stats.get(key, torch.zeros(()))))
+            for key in MAX_STATS if behaviour else ():
+                out.maxima[key] = max(out.maxima.get(key, 0.0), float(stats[key]))
+            if scores.entropy is not None:
+                ent = float(scores.entropy[mask].mean()) if mask.any() else 0.0
+                out.add("entropy", share * ent)
+    norm = engine.get_global_grad_norm()
+    out.grad_norm = float(norm) if norm is not None else None
+    return out
+
+
+def routing_drift_after(policy: Policy, packed: Packed, plan: list[MiniBatch],
+                        old: OldPolicy) -> float | None:  # fmt: skip
+    """Share of (layer, token) pairs whose top-k experts differ between πold and the policy
+    after this step's updates; None for dense models."""
+    import torch
+
+    from gspo_trainer.moe import routing_drift
+
+    if not old.experts:
+        return None
+    with torch.no_grad():
+        new = []
+        for mb in plan:
+            chosen = []
+            for sub in mb.micro:
+                chosen.append(policy.experts(packed, sub, policy.forward(packed, sub, router=True)))
+            new.append(per_layer(chosen))
+    return routing_drift([e for layers in old.experts for e in layers],
+                         [e for layers in new for e in layers])  # fmt: skip
+
+
+def _fused(hidden, weight, targets, mask, old_logp, advantages, temperature, kw):  # type: ignore[no-untyped-def]
+    from gspo_trainer.fused_loss import policy_loss_from_hidden
+
+    return policy_loss_from_hidden(hidden, weight, targets, mask, old_logp, advantages,
+                                   temperature=temperature, **kw)  # fmt: skip
