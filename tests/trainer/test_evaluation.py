@@ -170,3 +170,33 @@ def test_the_plot_has_reward_evaluations_and_collapse_panels(
     }
     assert [line.get_label() for line in bottom.get_lines()] == ["GSPO entropy"]
     assert [line.get_label() for line in share.get_lines()] == ["GSPO zero_advantage_fraction"]
+
+
+def test_accuracy_over_time_plots_each_evaluation_at_its_seconds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from matplotlib.figure import Figure
+
+    from gspo_trainer.plot import plot_accuracy_over_time, training_seconds
+
+    shown: list[Any] = []
+    real = Figure.savefig
+
+    def keep(fig: Any, *a: Any, **kw: Any) -> Any:
+        shown.append(fig)
+        return real(fig, *a, **kw)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    runs = records()
+    slower = [{**r, "time": r["time"] + 2 * r["step"]} for r in runs]  # 2 s more a step
+    path = plot_accuracy_over_time({"a": [runs], "b": [slower, runs]}, tmp_path / "t.png")
+    assert path.read_bytes().startswith(b"\x89PNG")
+    lines = shown[0].axes[0].get_lines()
+    assert [line.get_label() for line in lines][:2] == ["a", "b"]  # one legend entry a label
+    evals = [r for r in runs if "eval_accuracy" in r]
+    seconds = dict(zip((r["step"] for r in runs), training_seconds(runs), strict=True))
+    assert list(lines[0].get_xdata()) == pytest.approx([seconds[r["step"]] for r in evals])
+    assert list(lines[0].get_ydata()) == [r["eval_accuracy"] for r in evals]
+    # Seconds count from the start of each run's first step: 2 s more for each step after it.
+    want = [seconds[r["step"]] + 2 * (r["step"] - 1) for r in evals]
+    assert list(lines[1].get_xdata()) == pytest.approx(want)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 
 def read_history(path: str | Path) -> list[dict[str, float]]:
@@ -30,6 +31,17 @@ def moving_average(values: Sequence[float], window: int) -> list[float]:
             total -= values[i - window]
         out.append(total / min(i + 1, window))
     return out
+
+
+def _save(fig: Any, out: str | Path) -> Path:
+    """Lay out, write the PNG, and free the figure (pyplot keeps every open one)."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = Path(out)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def plot_rewards(
@@ -64,11 +76,7 @@ def plot_rewards(
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left")
-    fig.tight_layout()
-    path = Path(out)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(fig, out)
 
 
 def plot_training(
@@ -138,11 +146,7 @@ def plot_training(
     more = share_ax.get_legend_handles_labels()
     if lines[0] or more[0]:
         bottom.legend(lines[0] + more[0], lines[1] + more[1], loc="center right", fontsize=7)
-    fig.tight_layout()
-    path = Path(out)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(fig, out)
 
 
 def training_seconds(records: Sequence[Mapping[str, float]]) -> list[float]:
@@ -186,8 +190,4 @@ def plot_accuracy_over_time(
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
-    fig.tight_layout()
-    path = Path(out)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(fig, out)
