@@ -75,11 +75,12 @@ def render_job(
         spec=spec,
         policy=policy or ClusterPolicy(),
     )
+    # With rollout.replicas 0 no rollout pod exists, so no Service for them either.
+    services = [render_rollout_service(ctx, headless=headless) for headless in (True, False)]
     out: list[Obj] = [
         render_config_map(ctx, job),
         render_secret(ctx, token),
-        render_rollout_service(ctx, headless=True),
-        render_rollout_service(ctx, headless=False),
+        *(services if spec.rollout.replicas > 0 else []),
         render_network_policy(ctx),
         render_jobset(ctx),
     ]
