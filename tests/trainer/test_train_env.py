@@ -1,4 +1,5 @@
-"""The environment `gspo train` gives its servers and learner: Hub access as on a cluster."""
+"""The environment `gspo train` gives its servers and learner: Hub access as on a cluster, and
+cores of their own on a machine without GPUs."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 from gspo_operator.render import render_job
 from gspo_trainer.jobs import tiny_manifest
-from gspo_trainer.train import process_env
+from gspo_trainer.train import place_on_cpus, process_env, server_env, spawn
 from gspo_trainer.validation import parse_spec
 
 
@@ -56,3 +57,42 @@ def _env_vars(node: object) -> list[dict]:
         for item in node:
             found += _env_vars(item)
     return found
+
+
+@pytest.mark.parametrize(
+    ("cpus", "servers", "ranks", "bind", "learner"),
+    [
+        ([0, 1], 1, 1, ["0"], [1]),  # this machine: vLLM's worker on 0, the learner on 1
+        ([3, 0, 2, 1], 1, 1, ["0,1,2"], [3]),  # sorted: the learner takes the last
+        ([0, 1, 2, 3, 4, 5, 6, 7], 2, 2, ["0,1,2", "3,4,5"], [6, 7]),  # one core a rank
+        ([0, 1, 2, 3, 4], 2, 1, ["0,1", "2,3"], [4]),  # a server's share is whole cores
+    ],
+)
+def test_servers_and_learner_get_disjoint_cores(
+    cpus: list[int], servers: int, ranks: int, bind: list[str], learner: list[int]
+) -> None:
+    placement = place_on_cpus(cpus, servers, ranks)
+    assert placement is not None
+    assert placement.servers == bind and placement.learner == learner
+    env = server_env({"A": "1"}, placement, servers - 1)
+    assert env == {"A": "1", "VLLM_CPU_OMP_THREADS_BIND": bind[-1]}
+
+
+def test_too_few_cores_leave_vllm_its_own_binding() -> None:
+    assert place_on_cpus([0, 1], 1, 2) is None  # two learner ranks and a server
+    assert place_on_cpus([0], 1, 1) is None
+    assert server_env({"A": "1"}, None, 0) == {"A": "1"}
+
+
+def test_a_spawned_process_runs_on_the_cores_it_was_given(tmp_path: Path) -> None:
+    import os
+
+    mine = sorted(os.sched_getaffinity(0))
+    log = tmp_path / "out.log"
+    # `gspo --version` prints and exits; until it is reaped its affinity can still be read.
+    proc = spawn("probe", ["--version"], dict(os.environ), log, cpus=mine[-1:])
+    assert os.sched_getaffinity(proc.popen.pid) == set(mine[-1:])
+    assert proc.popen.wait(timeout=60) == 0
+    unpinned = spawn("probe", ["--version"], dict(os.environ), log)
+    assert os.sched_getaffinity(unpinned.popen.pid) == set(mine)
+    assert unpinned.popen.wait(timeout=60) == 0

@@ -115,15 +115,44 @@ class Proc:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
 
 
-def spawn(name: str, args: list[str], env: dict[str, str], log: Path) -> Proc:
+def spawn(name: str, args: list[str], env: dict[str, str], log: Path,
+          cpus: list[int] | None = None) -> Proc:  # fmt: skip
+    """`gspo ARGS` in its own session, logging to `log`; on `cpus` only when given (set in
+    the child before it runs anything, so every thread and process it starts inherits it)."""
     repo = Path(__file__).resolve().parents[2]
     paths = [str(repo / "operator"), str(repo / "trainer"), env.get("PYTHONPATH", "")]
     env = {**env, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     with open(log, "wb") as f:
         cmd = [sys.executable, "-m", "gspo_operator.cli", *args]
         popen = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                 start_new_session=True)  # fmt: skip
+                                 start_new_session=True, preexec_fn=pin)  # fmt: skip
     return Proc(name, popen, log)
+
+
+@dataclass(frozen=True)
+class CpuPlacement:
+    servers: list[str]  # VLLM_CPU_OMP_THREADS_BIND of each rollout server, e.g. "0-6"
+    learner: list[int]  # the learner's CPUs
+
+
+def place_on_cpus(cpus: list[int], n_servers: int, learner_ranks: int) -> CpuPlacement | None:
+    """Disjoint cores for the rollout servers and the learner on a machine without GPUs.
+
+    vLLM's CPU worker binds its OpenMP threads to cores and spins on them between requests
+    (vLLM's own binding takes every core but one it reserves for its scheduler): a learner
+    the kernel puts on one of them waits for the spinning thread, and with collection running
+    ahead (algorithm.maxStaleness) generation and updates contend instead of overlapping. So
+    the learner ranks (one thread each) get the last cores, one each, and the servers' workers
+    equal shares of the others. None, leaving vLLM's binding, with fewer cores than servers
+    plus learner ranks."""
+    if len(cpus) < n_servers + learner_ranks:
+        return None
+    cpus = sorted(cpus)
+    rest, learner = cpus[: len(cpus) - learner_ranks], cpus[len(cpus) - learner_ranks :]
+    per = len(rest) // n_servers
+    shares = [rest[i * per : (i + 1) * per] for i in range(n_servers)]
+    return CpuPlacement([",".join(map(str, share)) for share in shares], learner)
 
 
 def wait_healthy(servers: list[tuple[Proc, str]], timeout_s: float) -> None:
@@ -262,6 +291,19 @@ def summary(out: Path, records: list[dict[str, float]], wall_s: float, code: int
     return "\n".join(lines)
 
 
+def _has_cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def server_env(env: dict[str, str], placement: CpuPlacement | None, index: int) -> dict[str, str]:
+    """A rollout server's environment: its cores when `gspo train` placed them."""
+    if placement is None:
+        return env
+    return {**env, "VLLM_CPU_OMP_THREADS_BIND": placement.servers[index]}
+
+
 def process_env(spec: GSPOJobSpec, environ: Mapping[str, str], cache: Path,
                 token: str) -> dict[str, str]:  # fmt: skip
     """The environment of the servers and the learner `gspo train` starts: the caller's
@@ -310,6 +352,10 @@ def main(argv: list[str]) -> int:
     token = secrets.token_hex(16)
     base_env = process_env(spec, os.environ, cache, token)
     n_servers = max(1, args.rollout_servers or spec.rollout.replicas)
+    world = spec.learner.replicas * max(spec.learner.gpus_per_replica, 1)
+    placement = None
+    if not _has_cuda() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # the user's wins
+        placement = place_on_cpus(list(os.sched_getaffinity(0)), n_servers, world)
     servers: list[tuple[Proc, str]] = []
     learner: Proc | None = None
     start = time.monotonic()
@@ -340,10 +386,9 @@ def main(argv: list[str]) -> int:
                 # As on a cluster: loopback is open to every user of this machine, and the
                 # learner sends the run's token anyway (so a client that forgot it fails here).
                 "--require-token-for-generate",
-            ], base_env, out / "logs" / f"rollout-{i}.log")  # fmt: skip
+            ], server_env(base_env, placement, i), out / "logs" / f"rollout-{i}.log")  # fmt: skip
             servers.append((proc, f"http://127.0.0.1:{port}"))
         wait_healthy(servers, SERVER_START_TIMEOUT_S)
-        world = spec.learner.replicas * max(spec.learner.gpus_per_replica, 1)
         learner_env = {
             **base_env,
             ports.ENV_ROLLOUT_URLS: ",".join(url for _, url in servers),
@@ -363,7 +408,8 @@ def main(argv: list[str]) -> int:
             "learner", "--config", str(config), "--checkpoint-dir", str(out / "checkpoints"),
             "--weight-sync-port", str(free_port()), "--metrics-host", "127.0.0.1",
             "--tracker-dir", str(out),  # metrics.reportTo: out/tensorboard, out/wandb, out/mlruns
-        ], learner_env, out / "logs" / "learner.log")  # fmt: skip
+        ], learner_env, out / "logs" / "learner.log",
+           placement.learner if placement else None)  # fmt: skip
         print(f"Learner started; metrics at http://127.0.0.1:{metrics_port}/metrics "
               f"(progress at /progress); logs in {out / 'logs'}", flush=True)  # fmt: skip
         view = ProgressView(out / "checkpoints" / "history.jsonl", spec.algorithm.max_steps,
