@@ -18,16 +18,18 @@ pytestmark = pytest.mark.e2e
 WORKER = Path(__file__).with_name("two_rank_worker.py")
 
 
-def launch(n: int, out: Path, cache: Path, *args: object) -> subprocess.CompletedProcess:
+def launch(n: int, out: Path, cache: Path, *args: object,
+           staleness: int = 0) -> subprocess.CompletedProcess:  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={n}", str(WORKER), str(out), str(cache), *map(str, args)]  # fmt: skip
-    env = checkout_env(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    env = checkout_env(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", MAX_STALENESS=str(staleness))
     env["PYTHONPATH"] += f":{WORKER.parent}"
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
-def run_ranks(n: int, out: Path, cache: Path, stage: int = 1, micro_tokens: int = 16384) -> dict:
-    proc = launch(n, out, cache, stage, micro_tokens)
+def run_ranks(n: int, out: Path, cache: Path, stage: int = 1, micro_tokens: int = 16384,
+              staleness: int = 0) -> dict:  # fmt: skip
+    proc = launch(n, out, cache, stage, micro_tokens, staleness=staleness)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return torch.load(out, weights_only=False)
 
@@ -50,6 +52,20 @@ def test_two_ranks_split_every_mini_batch_and_match_one_rank(
     for name, p1 in one["params"].items():
         p2 = two["params"][name]
         torch.testing.assert_close(p2, p1, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_two_ranks_running_collection_ahead_match_one_rank(tmp_path: Path) -> None:
+    """maxStaleness 1 over two ranks: rank 0 collects step 2 while both update step 1 in
+    their worker threads; the run equals one rank's, lag and importance weights included."""
+    one = run_ranks(1, tmp_path / "one.pt", tmp_path / "models", staleness=1)
+    two = run_ranks(2, tmp_path / "two.pt", tmp_path / "models", 3, 8, staleness=1)
+    assert [r["staleness"] for r in two["history"]] == [0, 1]
+    for a, b in zip(one["history"], two["history"], strict=True):
+        assert a["reward_mean"] == b["reward_mean"]
+        for key in ("loss", "importance_weight_mean", "importance_weight_max"):
+            assert a[key] == pytest.approx(b[key], abs=1e-5), key
+    for name, p1 in one["params"].items():
+        torch.testing.assert_close(two["params"][name], p1, rtol=1e-4, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("stage", [1, 3])

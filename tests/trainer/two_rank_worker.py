@@ -5,6 +5,7 @@ argv[3] and argv[4] set the ZeRO stage and learner.microBatchTokens. With argv[5
 (checkpoint directory, maxSteps, a file-size limit in bytes) the run checkpoints every step,
 resuming from what is there, and rank 1 alone cannot write a file past that limit once its
 learner is built (0: no limit): one rank's disk fills while the other's does not.
+MAX_STALENESS in the environment sets algorithm.maxStaleness (default 0).
 """
 
 from __future__ import annotations
@@ -40,7 +41,12 @@ def main(out: str, cache: str, stage: int, micro_tokens: int, ckpt: str | None =
     world = int(os.environ["WORLD_SIZE"])
     manifest = tiny_manifest()
     manifest["spec"]["model"]["name"] = "builtin:tiny-qwen3-moe"  # the smallest: cheapest steps
-    manifest["spec"]["algorithm"].update(maxSteps=max_steps, miniBatches=2, learningRate=1e-3)
+    manifest["spec"]["algorithm"].update(
+        maxSteps=max_steps,
+        miniBatches=2,
+        learningRate=1e-3,
+        maxStaleness=int(os.environ.get("MAX_STALENESS", "0")),
+    )
     manifest["spec"]["checkpoint"].update(everySteps=1, keep=5)
     manifest["spec"]["reward"] = {"kind": "python", "function": "two_rank_worker:varied"}
     manifest["spec"]["learner"].update(replicas=world, zeroStage=stage,
