@@ -147,3 +147,12 @@ def test_micro_batched_step_equals_the_whole_mini_batch(
     # shows ten times above the 1e-4 allowed.
     for name, p in micro.named_parameters():
         torch.testing.assert_close(p, reference[name], rtol=1e-4, atol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize(("level", "warned"), [("grpo", True), ("gspo", False)])
+def test_grpo_on_a_moe_model_warns_that_the_paper_needs_routing_replay(
+    cache: Path, caplog: pytest.LogCaptureFixture, level: str, warned: bool
+) -> None:
+    with caplog.at_level("WARNING", logger="gspo.learner"):
+        make_learner(cache, None, tiny_spec(lossLevel=level))
+    assert ("Routing Replay" in caplog.text) is warned

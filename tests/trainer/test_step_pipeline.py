@@ -91,9 +91,9 @@ def traced_learner(
     learned: dict[int, tuple[float, float]] = {}
     inner = learner._learn
 
-    def timed(packed: Any, advantages: Any) -> Any:
+    def timed(*args: Any) -> Any:
         t0 = time.perf_counter()
-        out = inner(packed, advantages)
+        out = inner(*args)
         learned[learner.state.step + 1] = (t0, time.perf_counter())  # the step it serves
         return out
 

@@ -309,6 +309,13 @@ class AlgorithmConfig(Section):
             "warmupSteps x miniBatches runs at lr x (k + 1) / (warmupSteps x miniBatches)."
         ),
     )
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant",
+        description=(
+            "Learning rate after the warm-up, over the training steps left to maxSteps: "
+            "constant; linear down to 0; cosine (half a cosine) down to 0."
+        ),
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     prompts_per_step: int = Field(64, ge=1, description="Prompts in one rollout batch.")
@@ -616,6 +623,16 @@ class MetricsConfig(Section):
         ),
     )
     samples_per_log: int = Field(4, ge=1, description="Samples shown each samplesEverySteps.")
+    diagnostics_every_steps: int = Field(
+        10,
+        ge=0,
+        description=(
+            "At step 1 and every N steps (0: never) the learner measures on the first "
+            "mini-batch what needs its own extra work: the engine-learner log-prob mismatch "
+            "(a πold forward pass that algorithm.oldLogprobSource engine otherwise skips) and, "
+            "for MoE models, routing drift (a forward after that mini-batch's update)."
+        ),
+    )
     report_to: list[TrackerName] = Field(
         default_factory=list,
         description=(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import sys
 from contextlib import contextmanager
@@ -99,35 +100,55 @@ def ds_config(spec: GSPOJobSpec) -> dict[str, Any]:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if spec.model.dtype == "bfloat16":
+        # A mini-batch's gradient sums ~16 micro-batches; in bf16 (8 bits of mantissa) the
+        # small ones vanish into the sum. fp32 accumulation: ZeRO-1 takes DeepSpeed's
+        # BF16_Optimizer, ZeRO-2/3 fp32 gradient partitions; master weights and Adam state
+        # are fp32 under every stage.
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     return cfg
 
 
-def warmup_factor(update: int, warmup_updates: int) -> float:
+def lr_factor(update: int, warmup_updates: int, total_updates: int,
+              schedule: str = "constant") -> float:  # fmt: skip
     """The lr multiplier of optimizer update `update` (0-based): (update + 1) / warmup_updates
-    during the warm-up, then 1. The first update already moves (DeepSpeed's WarmupLR starts
-    at its minimum, 0, and would spend the first updates at lr 0)."""
-    if warmup_updates <= 0:
+    during the warm-up (the first update already moves: DeepSpeed's WarmupLR starts at its
+    minimum, 0, and would spend the first updates at lr 0), then by `schedule` over the
+    updates left: "constant" 1; "linear" from 1 down to 0 at the last update's end;
+    "cosine" half a cosine from 1 to 0, as transformers' get_cosine_schedule_with_warmup."""
+    if update < warmup_updates:
+        return (update + 1) / warmup_updates
+    if schedule == "constant":
         return 1.0
-    return min(1.0, (update + 1) / warmup_updates)
+    left = max(total_updates - warmup_updates, 1)
+    done = min(update - warmup_updates, left) / left  # 0 at the first update after warm-up
+    if schedule == "linear":
+        return 1.0 - done
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * done))
+    raise ValueError(f"unknown lr schedule {schedule!r}; valid: constant, linear, cosine")
 
 
-def warmup_updates(spec: GSPOJobSpec) -> int:
-    """algorithm.warmupSteps counts training steps; the scheduler counts optimizer updates,
-    one per mini-batch (every rank steps together on each mini-batch's share)."""
-    return spec.algorithm.warmup_steps * spec.algorithm.mini_batches
+def schedule_updates(spec: GSPOJobSpec) -> tuple[int, int]:
+    """(warm-up updates, total updates): algorithm.warmupSteps and maxSteps count training
+    steps; the scheduler counts optimizer updates, one per mini-batch (every rank steps
+    together on each mini-batch's share)."""
+    per_step = spec.algorithm.mini_batches
+    return spec.algorithm.warmup_steps * per_step, spec.algorithm.max_steps * per_step
 
 
-def _warmup_scheduler(spec: GSPOJobSpec) -> Any:
+def _lr_scheduler(spec: GSPOJobSpec) -> Any:
     """A callable deepspeed.initialize turns into the lr scheduler (None: constant lr). A
     LambdaLR: its state (the update count) goes into DeepSpeed's checkpoints and resumes."""
-    updates = warmup_updates(spec)
-    if updates <= 0:
+    warmup, total = schedule_updates(spec)
+    schedule = spec.algorithm.lr_schedule
+    if warmup <= 0 and schedule == "constant":
         return None
     from functools import partial
 
     import torch
 
-    factor = partial(warmup_factor, warmup_updates=updates)
+    factor = partial(lr_factor, warmup_updates=warmup, total_updates=total, schedule=schedule)
     return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
@@ -183,7 +204,7 @@ def build_engine(spec: GSPOJobSpec, model: Any) -> Any:
     params = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params,
                                       config=ds_config(spec),
-                                      lr_scheduler=_warmup_scheduler(spec))  # fmt: skip
+                                      lr_scheduler=_lr_scheduler(spec))  # fmt: skip
     # from_pretrained returns the model in eval mode, and transformers recomputes activations
     # (model.gradientCheckpointing) only in training mode: without this it silently kept
     # every activation. The models trained here have no dropout, so nothing else changes.

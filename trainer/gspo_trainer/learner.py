@@ -39,7 +39,7 @@ from gspo_trainer.step.plan import plan_step
 from gspo_trainer.step.policy import Policy
 from gspo_trainer.step.stats import StepReport, learner_stats
 from gspo_trainer.step.sync import WeightSync
-from gspo_trainer.step.update import UpdateStats, routing_drift_after, update
+from gspo_trainer.step.update import UpdateStats, update
 from gspo_trainer.trackers import build_trackers
 
 if TYPE_CHECKING:
@@ -59,7 +59,6 @@ class Learned:
 
     old: OldPolicy
     update: UpdateStats
-    drift: float | None  # routing drift of this step's updates; None for dense models
     seconds: dict[str, float]  # "logprob", "update"
 
 
@@ -100,6 +99,11 @@ class Learner:
         self.engine = eng.build_engine(spec, model)
         moe = moe_shape(model.config) if spec.model.moe is not None else None
         self.policy = Policy(self.engine, moe, reference)
+        if moe is not None and spec.algorithm.loss_level == "grpo" and self.rank == 0:
+            log.warning("algorithm.lossLevel grpo on a mixture-of-experts model: token ratios "
+                        "swing when one update changes a token's experts, and the GSPO paper "
+                        "trains GRPO on MoE models only with Routing Replay, which this learner "
+                        "does not do; gspo (or gspo-token) needs none")  # fmt: skip
         scorer = build_scorer(
             spec.reward,
             on_failure=lambda r: self.metrics.reward_failures.labels(r).inc(),
@@ -284,7 +288,9 @@ class Learner:
                       rollouts.rewards, alg.group_size, self.pad_id)  # fmt: skip
         advantages, adv_stats = group_advantages(packed.rewards, alg.group_size)
         # --- plan, πold, updates, routing drift: off the event loop when it overlaps -----
-        learned = await self._off_loop(lambda: self._learn(packed, advantages))
+        every = self.spec.metrics.diagnostics_every_steps
+        diagnose = every > 0 and (step == 1 or step % every == 0)
+        learned = await self._off_loop(lambda: self._learn(packed, advantages, diagnose))
         # --- sync; an evaluation reads the servers' weights, so it syncs first ----------
         t_sync, sent = time.perf_counter(), None
         evaluating = self.eval_due(step)
@@ -306,7 +312,7 @@ class Learner:
         self.positions = {k: v for k, v in self.positions.items() if k >= step}
         if self.rank == 0:
             self.report.record(step, stats, seconds, float(packed.lengths.sum()),
-                               self._expert_load(learned.old))  # fmt: skip
+                               self._expert_load(learned.old), learned.update.drift)  # fmt: skip
         return stats
 
     def _stats(self, step: int, rollouts: Rollouts, packed: Packed, advantages: torch.Tensor,
@@ -314,8 +320,8 @@ class Learner:
                seconds: dict[str, float]) -> dict[str, Any]:  # fmt: skip
         """The step's numbers, one name each (metrics.STEP_GAUGES)."""
         alg = self.spec.algorithm
-        stats: dict[str, Any] = learner_stats(learned.update, learned.old, learned.drift,
-                                              alg.mini_batches, self.ranks)  # fmt: skip
+        stats: dict[str, Any] = learner_stats(learned.update, learned.old, alg.mini_batches,
+                                              self.ranks)  # fmt: skip
         stats.update(
             reward_mean=float(adv_stats["reward_mean"]),
             reward_std=float(adv_stats["reward_std"]),
@@ -376,23 +382,24 @@ class Learner:
             return await asyncio.to_thread(work)
         return work()
 
-    def _learn(self, packed: Packed, advantages: torch.Tensor) -> Learned:
-        """πold (and the reference), the updates, routing drift: every rank, its rows."""
+    def _learn(self, packed: Packed, advantages: torch.Tensor, diagnose: bool) -> Learned:
+        """πold (and the reference), the updates, and on a diagnostics step the learner's own
+        log-probs and routing drift: every rank, its rows."""
         alg, moe = self.spec.algorithm, self.spec.model.moe
         t0 = time.perf_counter()
         plan = plan_step(packed, alg.mini_batches, self.spec.learner.micro_batch_tokens,
                          self.ranks)  # fmt: skip
-        old = old_policy(self.policy, packed, plan, alg)
+        old = old_policy(self.policy, packed, plan, alg, diagnose=diagnose)
         t1 = time.perf_counter()
         behaviour = alg.max_staleness > 0 or self.spec.weight_sync.every_steps > 1
         aux_coef = moe.router_aux_loss_coef if moe else 0.0
         stats = update(self.policy, packed, plan, old, advantages, alg, aux_coef=aux_coef,
-                       behaviour=behaviour)  # fmt: skip
-        drift = routing_drift_after(self.policy, packed, plan, old)
-        return Learned(old, stats, drift, {"logprob": t1 - t0, "update": time.perf_counter() - t1})
+                       behaviour=behaviour, diagnose=diagnose)  # fmt: skip
+        return Learned(old, stats, {"logprob": t1 - t0, "update": time.perf_counter() - t1})
 
     def _expert_load(self, old: OldPolicy) -> dict[int, list[float]] | None:
-        """Each expert's share of the first mini-batch's routing (model.moe.reportExpertLoad)."""
+        """Each expert's share of the first mini-batch's routing (model.moe.reportExpertLoad),
+        when its πold forward ran."""
         from gspo_trainer.moe import expert_load
 
         moe = self.spec.model.moe

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -46,7 +46,8 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
     "tokens_per_second": ("gspo_tokens_per_second", "Generated tokens per second of step time."),
     "routing_drift": (
         "gspo_moe_routing_drift",
-        "Share of tokens whose top-k experts differ between πold and πθ (MoE only).",
+        "Share of activated experts one update changed, mean over layers (MoE only; "
+        "diagnostics steps, metrics.diagnosticsEverySteps).",
     ),
     "router_aux_loss": ("gspo_moe_router_aux_loss", "Router load-balancing loss (MoE only)."),
     "weight_sync_bytes": ("gspo_weight_sync_bytes", "Bytes sent by the last weight sync."),
@@ -111,6 +112,13 @@ class LearnerMetrics:
             "gspo_moe_expert_load",
             "Share of routed tokens each expert received in the last step (MoE only).",
             ["layer", "expert"],
+            registry=r,
+        )
+        self.layer_routing_drift = Gauge(
+            "gspo_moe_layer_routing_drift",
+            "Share of a layer's activated experts one update changed, at the last diagnostics "
+            "step (MoE only).",
+            ["layer"],
             registry=r,
         )
         self.seconds = Histogram(
@@ -188,6 +196,10 @@ class LearnerMetrics:
         if phase not in PHASES:
             raise ValueError(f"unknown phase {phase!r}; expected one of {', '.join(PHASES)}")
         self.seconds.labels(phase).observe(seconds)
+
+    def observe_routing_drift(self, per_layer: Sequence[float]) -> None:
+        for layer, share in enumerate(per_layer):
+            self.layer_routing_drift.labels(str(layer)).set(share)
 
     def observe_expert_load(self, load: Mapping[int, list[float]]) -> None:
         """load: layer index -> share of routed tokens per expert."""

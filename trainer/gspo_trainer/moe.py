@@ -68,10 +68,15 @@ def expert_load(chosen: list[torch.Tensor], num_experts: int) -> dict[int, list[
     return out
 
 
-def routing_drift(old: list[torch.Tensor], new: list[torch.Tensor]) -> float:
-    """Share of (layer, token) pairs whose top-k expert set differs between two forwards."""
-    changed = total = 0
+def routing_drift(old: list[torch.Tensor], new: list[torch.Tensor]) -> list[float]:
+    """Per MoE layer, the share of activated experts that changed between two forwards of the
+    same tokens, as the GSPO paper counts it: of each token's k activated experts, those the
+    second forward does not activate, over every token's k. old, new: per layer (n, k)."""
+    out = []
     for a, b in zip(old, new, strict=True):
-        changed += int((a != b).any(-1).sum())
-        total += a.shape[0]
-    return changed / total if total else 0.0
+        if a.numel() == 0:
+            out.append(0.0)
+            continue
+        kept = (a[:, :, None] == b[:, None, :]).any(-1)  # (n, k): still activated
+        out.append(float(1.0 - kept.float().mean()))
+    return out

@@ -3,9 +3,10 @@ reference's, for the KL term), with the experts each token chose for routing dri
 
 πold is the learner's own recompute by default: the engine's log-probs are measured against
 it (`logprob_mismatch`, mean |learner - engine| per response token) and replace it only with
-algorithm.oldLogprobSource: engine. Off-policy (a rollout sampled by an older version), the
-recompute is the proximal policy of the decoupled objective and the engine's log-probs are
-the behaviour policy's (see loss.py).
+algorithm.oldLogprobSource: engine, which saves the policy's forward pass here except on
+diagnostics steps (metrics.diagnosticsEverySteps). Off-policy (a rollout sampled by an
+older version), the recompute is the proximal policy of the decoupled objective and the
+engine's log-probs are the behaviour policy's (see loss.py).
 """
 
 from __future__ import annotations
@@ -28,46 +29,54 @@ if TYPE_CHECKING:
 class OldPolicy:
     logp: list[torch.Tensor]  # per mini-batch, (rows, width - 1): πold at the response tokens
     ref: list[torch.Tensor] | None  # the same for the reference; None without a KL term
-    experts: list[list[torch.Tensor]]  # per mini-batch, per MoE layer; [] when dense
-    mismatch: float  # mean |learner - engine| log-prob over this rank's response tokens
+    experts: list[torch.Tensor]  # per MoE layer, the first mini-batch's; [] when not measured
+    mismatch: float | None  # mean |learner - engine| per response token; None: not measured
 
 
-def old_policy(policy: Policy, packed: Packed, plan: list[MiniBatch],
-               alg: AlgorithmConfig) -> OldPolicy:  # fmt: skip
+def old_policy(policy: Policy, packed: Packed, plan: list[MiniBatch], alg: AlgorithmConfig,
+               *, diagnose: bool) -> OldPolicy:  # fmt: skip
+    """πold of every mini-batch. With oldLogprobSource engine the policy's forward runs only
+    on a diagnostics step (`diagnose`), and then on the first mini-batch alone (the sample the
+    mismatch and routing drift are measured on); the reference's runs whenever KL needs it."""
     import torch
 
+    engine_source = alg.old_logprob_source == "engine"
     logps, refs, experts = [], [], []
     mismatch_sum = mismatch_n = 0.0
     with torch.no_grad():
-        for mb in plan:
+        for k, mb in enumerate(plan):
             old = torch.zeros(mb.rows.stop - mb.rows.start, packed.width(mb.rows) - 1)
             ref = torch.zeros_like(old) if policy.reference is not None else None
+            forward = not engine_source or (diagnose and k == 0)
             chosen = []
             for sub in mb.micro:
-                here = mb.local(sub)
-                fwd = policy.forward(packed, sub, router=True)
-                mask, targets = fwd.mask(packed, sub), fwd.targets(packed, sub)
-                logp = score_with_head(policy.module, _logp, fwd.hidden, targets, mask,
-                                       alg.temperature)  # fmt: skip
-                engine_logp = packed.engine_logp[sub, : fwd.L - 1]
-                mismatch_sum += float((logp - engine_logp).abs()[mask].sum())
-                mismatch_n += float(mask.sum())
-                old[here, : fwd.L - 1] = engine_logp if alg.old_logprob_source == "engine" else logp
+                here, L = mb.local(sub), packed.width(sub)
+                mask, targets = packed.mask[sub, : L - 1], packed.targets[sub, : L - 1]
+                engine_logp = packed.engine_logp[sub, : L - 1]
+                old[here, : L - 1] = engine_logp
+                if forward:
+                    fwd = policy.forward(packed, sub, router=True)
+                    logp = score_with_head(policy.module, _logp, fwd.hidden, targets, mask,
+                                           alg.temperature)  # fmt: skip
+                    mismatch_sum += float((logp - engine_logp).abs()[mask].sum())
+                    mismatch_n += float(mask.sum())
+                    if not engine_source:
+                        old[here, : L - 1] = logp
+                    if k == 0 and fwd.router is not None and policy.moe:
+                        chosen.append(policy.experts(packed, sub, fwd))
                 if ref is not None:
                     h_ref = policy.forward(packed, sub, router=False, model=policy.reference).hidden
-                    ref[here, : fwd.L - 1] = token_logprobs_from_hidden(
+                    ref[here, : L - 1] = token_logprobs_from_hidden(
                         h_ref, lm_head_weight(policy.reference), targets,
                         temperature=alg.temperature, mask=mask,
                     ).logp  # fmt: skip
-                if fwd.router is not None and policy.moe:
-                    chosen.append(policy.experts(packed, sub, fwd))
             logps.append(old)
             if ref is not None:
                 refs.append(ref)
             if chosen:
-                experts.append(per_layer(chosen))
-    return OldPolicy(logps, refs if policy.reference is not None else None, experts,
-                     mismatch_sum / max(mismatch_n, 1.0))  # fmt: skip
+                experts = per_layer(chosen)
+    mismatch = mismatch_sum / max(mismatch_n, 1.0) if mismatch_n else None
+    return OldPolicy(logps, refs if policy.reference is not None else None, experts, mismatch)
 
 
 def _logp(hidden, weight, targets, mask, temperature):  # type: ignore[no-untyped-def]

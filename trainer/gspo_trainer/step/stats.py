@@ -20,13 +20,15 @@ from gspo_trainer.step.update import UpdateStats
 log = logging.getLogger("gspo.learner")
 
 
-def learner_stats(update: UpdateStats, old: OldPolicy, drift: float | None, mini_batches: int,
+def learner_stats(update: UpdateStats, old: OldPolicy, mini_batches: int,
                   ranks: Ranks) -> dict[str, float]:  # fmt: skip
-    """The loss, clip, entropy, mismatch and drift numbers, over every rank's rows."""
+    """The loss, clip, entropy, mismatch and drift numbers, over every rank's rows (mismatch
+    and drift only when measured: every rank measures on the same steps)."""
     local = update.local(mini_batches)
-    local["logprob_mismatch"] = old.mismatch
-    if drift is not None:
-        local["routing_drift"] = drift
+    if old.mismatch is not None:
+        local["logprob_mismatch"] = old.mismatch
+    if update.drift is not None:
+        local["routing_drift"] = sum(update.drift) / len(update.drift)
     stats = ranks.mean(local)
     stats.update(ranks.maximum(update.maxima))
     if update.grad_norm is not None:
@@ -44,9 +46,11 @@ class StepReport:
         if history_path is not None:
             history_path.parent.mkdir(parents=True, exist_ok=True)
 
-    def record(self, step: int, stats: dict[str, Any], seconds: dict[str, float],
-               tokens: float, expert_load: dict[int, list[float]] | None) -> None:  # fmt: skip
-        """`seconds` by metrics.PHASES name ("step": the whole step, evaluation apart)."""
+    def record(self, step: int, stats: dict[str, Any], seconds: dict[str, float], tokens: float,
+               expert_load: dict[int, list[float]] | None,
+               drift: list[float] | None) -> None:  # fmt: skip
+        """`seconds` by metrics.PHASES name ("step": the whole step, evaluation apart); drift:
+        rank 0's per-layer routing drift, when measured."""
         self.metrics.observe_step(step, stats)
         self.metrics.tokens.inc(tokens)
         for phase, value in seconds.items():
@@ -54,6 +58,8 @@ class StepReport:
                 self.metrics.observe_seconds(phase, value)
         if expert_load is not None:
             self.metrics.observe_expert_load(expert_load)
+        if drift is not None:
+            self.metrics.observe_routing_drift(drift)
         record = {"step": step, "seconds": seconds["step"], "time": time.time(), **stats,
                   **{f"{k}_seconds": v for k, v in seconds.items() if k != "step"}}  # fmt: skip
         self.state.history.append(record)
@@ -61,13 +67,13 @@ class StepReport:
             with open(self.history_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
         self.trackers.log(step, record)
-        drift = stats.get("routing_drift")
+        mismatch, mean_drift = stats.get("logprob_mismatch"), stats.get("routing_drift")
         log.info(
             "step %d reward %.3f clip %.4f |log s| %.2e entropy %.3f len %.1f "
-            "mismatch %.2e drift %s %.2fs", step, stats["reward_mean"],
+            "mismatch %s drift %s %.2fs", step, stats["reward_mean"],
             stats["clip_fraction"], stats["log_ratio_abs"], stats.get("entropy", 0.0),
-            stats["response_length"], stats["logprob_mismatch"],
-            f"{drift:.3f}" if drift is not None else "-", seconds["step"],
+            stats["response_length"], f"{mismatch:.2e}" if mismatch is not None else "-",
+            f"{mean_drift:.3f}" if mean_drift is not None else "-", seconds["step"],
         )  # fmt: skip
         if "samples" in stats:
             log.info("%s", format_samples(step, stats["samples"]))

@@ -4,9 +4,9 @@ micro-batches, each micro-batch's loss weighted by its share of the mini-batch's
 The loss is computed straight from hidden states (`fused_loss`), clipped against πold.
 Off-policy (`behaviour=True`: rollouts may come from an older version than πold) it is the
 decoupled objective: each response weighted by its truncated importance weight πold / μ,
-μ being the engine's log-probs of the version that sampled (loss.py). Afterwards, for MoE
-models, routing drift: the share of response tokens whose top-k experts one step of updates
-changed (the GSPO paper's measure; nothing replays routing).
+μ being the engine's log-probs of the version that sampled (loss.py). On a diagnostics step
+of an MoE model, routing drift as the GSPO paper counts it: per layer, the share of the
+first mini-batch's activated experts that its one update changed (nothing replays routing).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ class UpdateStats:
     sums: dict[str, float] = field(default_factory=dict)  # summed over mini-batches
     maxima: dict[str, float] = field(default_factory=dict)
     grad_norm: float | None = None
+    drift: list[float] | None = None  # per MoE layer; None when not measured
 
     def add(self, key: str, value: float) -> None:
         self.sums[key] = self.sums.get(key, 0.0) + value
@@ -51,7 +52,7 @@ class UpdateStats:
 
 def update(policy: Policy, packed: Packed, plan: list[MiniBatch], old: OldPolicy,
            advantages: torch.Tensor, alg: AlgorithmConfig, *, aux_coef: float,
-           behaviour: bool) -> UpdateStats:  # fmt: skip
+           behaviour: bool, diagnose: bool) -> UpdateStats:  # fmt: skip
     import torch
 
     from gspo_trainer.moe import router_aux_loss
@@ -92,30 +93,25 @@ def update(policy: Policy, packed: Packed, plan: list[MiniBatch], old: OldPolicy
             if scores.entropy is not None:
                 ent = float(scores.entropy[mask].mean()) if mask.any() else 0.0
                 out.add("entropy", share * ent)
+        if k == 0 and diagnose and old.experts:
+            out.drift = routing_drift_after(policy, packed, mb, old.experts)
     norm = engine.get_global_grad_norm()
     out.grad_norm = float(norm) if norm is not None else None
     return out
 
 
-def routing_drift_after(policy: Policy, packed: Packed, plan: list[MiniBatch],
-                        old: OldPolicy) -> float | None:  # fmt: skip
-    """Share of (layer, token) pairs whose top-k experts differ between πold and the policy
-    after this step's updates; None for dense models."""
+def routing_drift_after(policy: Policy, packed: Packed, mb: MiniBatch,
+                        old_experts: list[torch.Tensor]) -> list[float]:  # fmt: skip
+    """Per MoE layer, the share of the mini-batch's activated experts (under πold) that the
+    policy no longer activates."""
     import torch
 
     from gspo_trainer.moe import routing_drift
 
-    if not old.experts:
-        return None
     with torch.no_grad():
-        new = []
-        for mb in plan:
-            chosen = []
-            for sub in mb.micro:
-                chosen.append(policy.experts(packed, sub, policy.forward(packed, sub, router=True)))
-            new.append(per_layer(chosen))
-    return routing_drift([e for layers in old.experts for e in layers],
-                         [e for layers in new for e in layers])  # fmt: skip
+        chosen = [policy.experts(packed, sub, policy.forward(packed, sub, router=True))
+                  for sub in mb.micro]  # fmt: skip
+    return routing_drift(old_experts, per_layer(chosen))
 
 
 def _fused(hidden, weight, targets, mask, old_logp, advantages, temperature, kw):  # type: ignore[no-untyped-def]
