@@ -97,6 +97,8 @@ class Learner:
 
             reference = copy.deepcopy(model).eval().requires_grad_(False)
         self.engine = eng.build_engine(spec, model)
+        if reference is not None:  # beside the policy, on its device (frozen: no ZeRO)
+            reference = reference.to(self.engine.device)
         moe = moe_shape(model.config) if spec.model.moe is not None else None
         self.policy = Policy(self.engine, moe, reference)
         if moe is not None and spec.algorithm.loss_level == "grpo" and self.rank == 0:
@@ -286,6 +288,7 @@ class Learner:
         self._start_run_ahead(step)
         packed = pack(rollouts.prompts, rollouts.responses, rollouts.engine_logps,
                       rollouts.rewards, alg.group_size, self.pad_id)  # fmt: skip
+        packed = packed.to(self.policy.device)  # the engine's (cuda:local_rank on GPUs)
         advantages, adv_stats = group_advantages(packed.rewards, alg.group_size)
         # --- plan, πold, updates, routing drift: off the event loop when it overlaps -----
         every = self.spec.metrics.diagnostics_every_steps

@@ -2,7 +2,8 @@
 
 One learner rank per process (torchrun); `world == 1` skips every collective, so `gspo train`
 on one process never touches a process group's wire. Flags travel as floats through
-all_reduce (MAX), objects through broadcast_object_list from rank 0.
+all_reduce (MAX), objects through broadcast_object_list from rank 0. Tensors go on the
+group's device: NCCL takes CUDA tensors only (this rank's GPU), gloo CPU ones.
 """
 
 from __future__ import annotations
@@ -14,9 +15,13 @@ T = TypeVar("T")
 
 class Ranks:
     def __init__(self) -> None:
+        import torch
         import torch.distributed as dist
 
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = torch.device("cpu")
+        if dist.get_backend() == "nccl":
+            self.device = torch.device("cuda", torch.cuda.current_device())
 
     def any(self, flag: bool) -> bool:
         """True on every rank when `flag` is True on any rank."""
@@ -33,7 +38,7 @@ class Ranks:
 
         if self.world == 1:
             return value
-        box = torch.tensor([float(value)])
+        box = torch.tensor([float(value)], device=self.device)
         dist.all_reduce(box, op=dist.ReduceOp.MAX)
         return int(box.item())
 
@@ -55,7 +60,7 @@ class Ranks:
         if self.world == 1:
             return dict(local)
         keys = sorted(local)
-        vec = torch.tensor([local[k] for k in keys], dtype=torch.float64)
+        vec = torch.tensor([local[k] for k in keys], dtype=torch.float64, device=self.device)
         dist.all_reduce(vec)
         return {k: float(v) / self.world for k, v in zip(keys, vec.tolist(), strict=True)}
 
@@ -67,7 +72,7 @@ class Ranks:
         if self.world == 1 or not local:
             return dict(local)
         keys = sorted(local)
-        vec = torch.tensor([local[k] for k in keys], dtype=torch.float64)
+        vec = torch.tensor([local[k] for k in keys], dtype=torch.float64, device=self.device)
         dist.all_reduce(vec, op=dist.ReduceOp.MAX)
         return dict(zip(keys, vec.tolist(), strict=True))
 

@@ -22,6 +22,16 @@ class Packed:
     rewards: torch.Tensor  # (N,)
     lengths: torch.Tensor  # (N,) response tokens
 
+    def to(self, device: torch.device) -> Packed:
+        """The same batch on `device` (the engine's: the model, the loss and the collectives
+        all read it there); itself when it is there already."""
+        if self.ids.device == device:
+            return self
+        ids = self.ids.to(device)
+        return Packed(ids, self.attn.to(device), ids[:, 1:], self.mask.to(device),
+                      self.engine_logp.to(device), self.rewards.to(device),
+                      self.lengths.to(device))  # fmt: skip
+
     def width(self, rows: slice) -> int:
         """The longest sequence among `rows` (prompt + response), the length they run at."""
         return int(self.attn[rows].sum(-1).max())

@@ -45,7 +45,8 @@ def old_policy(policy: Policy, packed: Packed, plan: list[MiniBatch], alg: Algor
     mismatch_sum = mismatch_n = 0.0
     with torch.no_grad():
         for k, mb in enumerate(plan):
-            old = torch.zeros(mb.rows.stop - mb.rows.start, packed.width(mb.rows) - 1)
+            old = torch.zeros(mb.rows.stop - mb.rows.start, packed.width(mb.rows) - 1,
+                              device=packed.ids.device)  # fmt: skip
             ref = torch.zeros_like(old) if policy.reference is not None else None
             forward = not engine_source or (diagnose and k == 0)
             chosen = []

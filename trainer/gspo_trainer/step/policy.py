@@ -41,6 +41,12 @@ class Policy:
     def module(self) -> Any:
         return self.engine.module
 
+    @property
+    def device(self) -> torch.device:
+        """Where DeepSpeed put the model (cuda:local_rank on GPUs): every tensor the forward,
+        the loss and the collectives read goes there."""
+        return self.engine.device
+
     def forward(self, packed: Packed, rows: slice, *, router: bool, model: Any = None) -> Forward:
         """The policy's (or `model`'s) forward over `rows`, cut to their own length."""
         module = model
