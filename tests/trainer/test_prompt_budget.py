@@ -1,11 +1,13 @@
 """data.maxPromptTokens is enforced before anything is sent: a prompt no rollout server would
-accept is left out at start, counted and logged once; none fitting is an error naming the field."""
+accept is left out at start, counted and logged once; none fitting is an error naming the field.
+A prompt the servers refuse anyway (a 400 for it) is dropped from its step, never retried."""
 
 from __future__ import annotations
 
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 from learner_helpers import make_learner, tiny_spec
@@ -60,3 +62,41 @@ def test_chat_template_kwargs_reach_the_template() -> None:
     assert render_prompt(plain, "1+2", tok) == "1+2="
     off = DataConfig(source="x.jsonl", chatTemplateKwargs={"enable_thinking": False})
     assert render_prompt(off, "1+2", tok) == "<nothink>1+2="
+
+
+class Refusing:
+    """The in-process source, refusing one prompt as RolloutClient reports a server's 400."""
+
+    def __init__(self, inner: Any, refused: list[int]) -> None:
+        self.inner, self.refused, self.calls = inner, refused, 0
+
+    async def generate(self, prompts: Any, params: Any) -> Any:
+        from gspo_trainer.rollout.client import RequestRefused
+
+        self.calls += 1
+        if self.refused in prompts:
+            raise RequestRefused("400 prompts[0] has too many tokens",
+                                 prompts.index(self.refused))  # fmt: skip
+        return await self.inner.generate(prompts, params)
+
+    async def sync_weights(self, named: Any, version: int) -> Any:
+        return await self.inner.sync_weights(named, version)
+
+
+def test_a_prompt_the_servers_refuse_is_dropped_from_its_step(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    learner = make_learner(tmp_path / "models", None, tiny_spec(promptsPerStep=4))
+    examples = learner.stream.next_batch(4)
+    bad = learner.collector.prompt_ids(examples)[2]
+    learner.rollout = Refusing(learner.rollout, bad)
+    asyncio.run(learner.sync(0))
+    with caplog.at_level(logging.ERROR, logger="gspo.learner"):
+        rollouts = asyncio.run(learner.collector.collect(1, examples))
+    assert rollouts is not None and learner.rollout.calls == 2  # refused once, then served
+    assert rollouts.prompts == [p for i, p in enumerate(learner.collector.prompt_ids(examples))
+                                if i != 2]  # fmt: skip
+    assert len(rollouts.responses) == 3 * learner.spec.algorithm.group_size
+    assert repr(examples[2].prompt) in caplog.text and "refuse" in caplog.text
+    sample = learner.metrics.registry.get_sample_value
+    assert sample("gspo_prompts_dropped_total", {"set": "train"}) == 1

@@ -111,7 +111,9 @@ class Learner:
             on_failure=lambda r: self.metrics.reward_failures.labels(r).inc(),
             max_response_tokens=spec.algorithm.max_response_tokens,
         )
-        self.collector = Collector(spec.algorithm, spec.metrics, rollout, self.tokenizer, scorer)  # type: ignore[arg-type]
+        refused = self.metrics.prompts_dropped.labels("train").inc
+        self.collector = Collector(spec.algorithm, spec.metrics, rollout, self.tokenizer,  # type: ignore[arg-type]
+                                   scorer, on_refused=refused)  # fmt: skip
         self.run_ahead = RunAhead(self.collector)
         self.weights = WeightSync(self.engine, rollout, self.collector.fleet_lock,  # type: ignore[arg-type]
                                   self.ranks, self.metrics, self.state)  # fmt: skip

@@ -153,7 +153,8 @@ class LearnerMetrics:
         )
         self.prompts_dropped = Counter(
             "gspo_prompts_dropped",
-            "Prompts left out at start because they are longer than data.maxPromptTokens.",
+            "Prompts left out: longer than data.maxPromptTokens (at start), or refused by the "
+            "rollout servers (a 400 for that prompt; logged with it).",
             ["set"],
             registry=r,
         )

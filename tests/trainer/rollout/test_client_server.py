@@ -180,3 +180,26 @@ async def test_generate_token_and_body_errors() -> None:
                     await client.generate(PROMPTS[:2], PARAMS)
     finally:
         await runner.cleanup()
+
+
+async def test_a_refused_prompt_benches_no_server_and_is_named_in_the_batch() -> None:
+    """A 400 is the request's fault: every server would refuse it. The client names the
+    batch's prompt (not the chunk's) and keeps both servers in service."""
+    from gspo_trainer.rollout.client import RequestRefused
+
+    engines = [StandInEngine(), StandInEngine()]
+    started = [await _start(e, initial_version=0) for e in engines]
+    try:
+        async with RolloutClient([u for _, u in started], TOKEN, chunk_prompts=2) as client:
+            prompts = [list(p) for p in PROMPTS[:6]]
+            prompts[5] = [3] * 61  # the stand-in model holds 64 tokens: 60 with max_tokens 4
+            with pytest.raises(RequestRefused) as refused:
+                await client.generate(prompts, PARAMS)
+            assert refused.value.prompt_index == 5 and "prompts[1]" in str(refused.value)
+            assert all(s.alive for s in client.servers.values())
+            batch = await client.generate(PROMPTS, PARAMS)  # still served, by both
+            _check_groups(batch)
+            assert batch.servers_failed == []
+    finally:
+        for runner, _ in started:
+            await runner.cleanup()

@@ -2,7 +2,9 @@
 
 `generate` cuts a batch into chunks of prompts and sends each chunk to the eligible server
 with the least outstanding work; a chunk whose server fails goes to another one, and the
-failed server is reported in `RolloutBatch.servers_failed`. A server is eligible only when
+failed server is reported in `RolloutBatch.servers_failed`; a 400 is the request's fault, not
+the server's (every server would refuse it), so it benches no server and raises
+`RequestRefused` naming the batch's prompt at fault. A server is eligible only when
 it is alive and holds the client's current policy version, so a server that restarts
 gets no traffic until `sync_weights` has brought it up to the learner's weights.
 
@@ -38,8 +40,22 @@ class RolloutError(RuntimeError):
     """No server could serve a request, or the fleet could not be synced."""
 
 
+class RequestRefused(RolloutError):
+    """A server refused the request itself (400): every server would, so none is benched.
+    `prompt_index`: the batch's prompt at fault, when one is."""
+
+    def __init__(self, message: str, prompt_index: int | None = None) -> None:
+        super().__init__(message)
+        self.prompt_index = prompt_index
+
+
 class ServerError(Exception):
     """A server answered, but not with a usable result; try another server."""
+
+    def __init__(self, message: str, status: int | None = None,
+                 payload: Any = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.payload = status, payload
 
 
 @dataclass
@@ -141,7 +157,8 @@ class RolloutClient:
             if resp.status in (401, 403):
                 raise RolloutError(f"{url}{path}: {resp.status} {payload.get('error')}")
             if resp.status != 200:
-                raise ServerError(f"{url}{path}: {resp.status} {payload.get('error')}")
+                raise ServerError(f"{url}{path}: {resp.status} {payload.get('error')}",
+                                  resp.status, payload)  # fmt: skip
             return payload
 
     # --- health ------------------------------------------------------------------------
@@ -222,7 +239,12 @@ class RolloutClient:
                 # The chunk's base seed: its prompts keep the seeds they have in the batch.
                 sampling = _sampling_json(params.for_prompt(start))
                 body = {"prompts": chunk, "sampling": sampling}
-                payload = await self._post(server.url, "/v1/generate", body, self.timeout_s)
+                try:
+                    payload = await self._post(server.url, "/v1/generate", body, self.timeout_s)
+                except ServerError as exc:
+                    if exc.status == 400:  # the request's fault: every server would refuse it
+                        raise _refused(exc, start) from exc
+                    raise
                 results = _parse_results(payload, len(chunk), params.n, self.policy_version)
             except (aiohttp.ClientError, TimeoutError, ServerError, ValueError) as exc:
                 log.warning("Rollout server %s failed a request: %s", server.url, exc)
@@ -444,6 +466,12 @@ class RolloutClient:
             self._group = None  # a broken collective leaves the group unusable: re-form it
             raise RolloutError(f"weight update to version {version} failed: {errors[0]}")
         return outcomes[0].bytes_total, bcast_s
+
+
+def _refused(exc: ServerError, start: int) -> RequestRefused:
+    """A chunk's 400 as the batch's: the refused prompt counted from the batch's first."""
+    index = exc.payload.get("prompt_index") if isinstance(exc.payload, dict) else None
+    return RequestRefused(str(exc), start + index if isinstance(index, int) else None)
 
 
 def _sampling_json(params: SamplingParams) -> dict[str, Any]:

@@ -128,9 +128,13 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
-def _bad_request(message: str) -> web.HTTPBadRequest:
-    """A 400 to raise from parsing helpers, with the same JSON body as `_error`."""
-    return web.HTTPBadRequest(text=json.dumps({"error": message}), content_type="application/json")
+def _bad_request(message: str, prompt_index: int | None = None) -> web.HTTPBadRequest:
+    """A 400 to raise from parsing helpers, with the same JSON body as `_error`, and the index
+    of the prompt it refuses when one prompt is the cause (the client drops that one alone)."""
+    body: dict[str, Any] = {"error": message}
+    if prompt_index is not None:
+        body["prompt_index"] = prompt_index
+    return web.HTTPBadRequest(text=json.dumps(body), content_type="application/json")
 
 
 def _authorized(state: ServerState, request: web.Request) -> bool:
@@ -219,15 +223,17 @@ def parse_prompts(raw: Any, engine: Engine, params: SamplingParams) -> list[list
             for t in prompt
         ):
             raise _bad_request(
-                f"prompts[{i}]: give a string or a list of token ids in 0..{engine.vocab_size - 1}"
+                f"prompts[{i}]: give a string or a list of token ids in 0..{engine.vocab_size - 1}",
+                i,
             )
         if not prompt:
-            raise _bad_request(f"prompts[{i}] is empty")
+            raise _bad_request(f"prompts[{i}] is empty", i)
         if len(prompt) > room:
             raise _bad_request(
                 f"prompts[{i}] has {len(prompt)} tokens; with sampling.max_tokens "
                 f"{params.max_tokens} the model holds at most {room} (--max-model-len "
-                f"{engine.max_model_len}): shorten the prompt or max_tokens"
+                f"{engine.max_model_len}): shorten the prompt or max_tokens",
+                i,
             )
         prompts.append(prompt)
     return prompts

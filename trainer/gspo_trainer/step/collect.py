@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from gspo_trainer.config import AlgorithmConfig, MetricsConfig
 from gspo_trainer.rewards import RewardScorer, Scored, WeightedScorer
-from gspo_trainer.rollout.client import RolloutError
+from gspo_trainer.rollout.client import RequestRefused, RolloutError
 from gspo_trainer.rollout.types import Completion, RolloutBatch, SamplingParams, step_seed
 from gspo_trainer.samples import samples_due
 
@@ -47,9 +48,11 @@ class Rollouts:
 
 class Collector:
     def __init__(self, alg: AlgorithmConfig, metrics: MetricsConfig, rollout: RolloutSource,
-                 tokenizer: Any, scorer: RewardScorer | WeightedScorer) -> None:  # fmt: skip
+                 tokenizer: Any, scorer: RewardScorer | WeightedScorer,
+                 on_refused: Callable[[], None] = lambda: None) -> None:  # fmt: skip
         self.alg, self.metrics = alg, metrics
         self.rollout, self.tokenizer, self.scorer = rollout, tokenizer, scorer
+        self.on_refused = on_refused  # counts each prompt the servers refused
         self.fleet_lock = asyncio.Lock()  # held by each generation and each weight sync
 
     def sampling(self, step: int) -> SamplingParams:
@@ -85,14 +88,29 @@ class Collector:
             return await self.rollout.generate(prompts, params)
 
     async def collect(self, step: int, examples: list[Any]) -> Rollouts | None:
-        """The step's rollouts and rewards; None when no rollout server was left to serve."""
+        """The step's rollouts and rewards; None when no rollout server was left to serve.
+        A prompt the servers refuse (400: too long for the model, say) is dropped from the
+        step, logged and counted, and the rest are generated again; drawn again, it would be
+        refused again, so retrying it would stall the run."""
+        examples = list(examples)
         prompts = self.prompt_ids(examples)
         t0 = time.perf_counter()
-        try:
-            batch = await self.generate(prompts, self.sampling(step))
-        except RolloutError as exc:
-            log.warning("Step %d: %s; waiting for a rollout server", step, exc)
-            return None
+        while True:
+            try:
+                batch = await self.generate(prompts, self.sampling(step))
+                break
+            except RequestRefused as exc:
+                at = exc.prompt_index
+                if at is None or not 0 <= at < len(prompts) or len(prompts) == 1:
+                    raise RuntimeError(f"step {step}: the rollout servers refused the "
+                                       f"request: {exc}") from exc  # fmt: skip
+                log.error("Step %d: dropped prompt %r, which the rollout servers refuse: %s",
+                          step, examples[at].prompt, exc)  # fmt: skip
+                self.on_refused()
+                del examples[at], prompts[at]
+            except RolloutError as exc:
+                log.warning("Step %d: %s; waiting for a rollout server", step, exc)
+                return None
         t1 = time.perf_counter()
         completions = [c for group in batch.groups for c in group]
         scored = self.scored(examples, completions)
