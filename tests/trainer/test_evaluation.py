@@ -149,19 +149,25 @@ def test_the_summary_ends_with_the_evaluation_accuracy(tmp_path: Path) -> None:
     assert "evalEverySteps is 0" in off.splitlines()[-1]
 
 
-def test_the_plot_has_reward_evaluations_and_collapse_panels(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def shown(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The figures saved during the test, as they were drawn (the PNG is still written)."""
     from matplotlib.figure import Figure
 
-    shown: list[Any] = []
+    figures: list[Any] = []
     real = Figure.savefig
 
     def keep(fig: Any, *a: Any, **kw: Any) -> Any:
-        shown.append(fig)
+        figures.append(fig)
         return real(fig, *a, **kw)
 
     monkeypatch.setattr(Figure, "savefig", keep)
+    return figures
+
+
+def test_the_plot_has_reward_evaluations_and_collapse_panels(
+    tmp_path: Path, shown: list[Any]
+) -> None:
     path = plot_training({"GSPO": records()}, tmp_path / "reward.png")
     assert path.read_bytes().startswith(b"\x89PNG")
     top, bottom, share = shown[0].axes
@@ -173,20 +179,10 @@ def test_the_plot_has_reward_evaluations_and_collapse_panels(
 
 
 def test_accuracy_over_time_plots_each_evaluation_at_its_seconds(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, shown: list[Any]
 ) -> None:
-    from matplotlib.figure import Figure
-
     from gspo_trainer.plot import plot_accuracy_over_time, training_seconds
 
-    shown: list[Any] = []
-    real = Figure.savefig
-
-    def keep(fig: Any, *a: Any, **kw: Any) -> Any:
-        shown.append(fig)
-        return real(fig, *a, **kw)
-
-    monkeypatch.setattr(Figure, "savefig", keep)
     runs = records()
     slower = [{**r, "time": r["time"] + 2 * r["step"]} for r in runs]  # 2 s more a step
     path = plot_accuracy_over_time({"a": [runs], "b": [slower, runs]}, tmp_path / "t.png")
