@@ -317,3 +317,26 @@ def test_a_tracker_that_cannot_start_does_not_stop_the_run(
     count = learner.metrics.registry.get_sample_value
     assert count("gspo_tracker_failures_total", {"tracker": "wandb"}) == 1
     assert sorted(tensorboard_scalars(tmp_path)) == [1, 2]
+
+
+def test_a_restarted_learner_continues_its_mlflow_run(tmp_path: Path, offline: None) -> None:
+    first, then = RECORDS[:2], RECORDS[2:]
+    report(["mlflow"], tmp_path, first)
+    report(["mlflow"], tmp_path, then)  # the learner restarted and resumed
+    client, found = mlflow_run(tmp_path)  # one run, not two
+    assert found.info.status == "FINISHED"
+    same(mlflow_metrics(client, found.info.run_id, found.data.metrics), LOGGED)
+    # A store that lost the run (a new tracking server) gets a new one, not an error.
+    (tmp_path / ".mlflow-run-id").write_text("0123456789abcdef\n")
+    report(["mlflow"], tmp_path, first)
+    experiment = client.get_experiment_by_name("gspo")
+    assert len(client.search_runs([experiment.experiment_id])) == 2
+
+
+def test_a_restarted_learner_continues_its_wandb_run(tmp_path: Path, offline: None) -> None:
+    report(["wandb"], tmp_path, RECORDS[:2])
+    report(["wandb"], tmp_path, RECORDS[2:])
+    runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2  # wandb writes each start offline apart, under the run's one id
+    kept = (tmp_path / ".wandb-run-id").read_text().strip()
+    assert kept and all(r.name.endswith(f"-{kept}") for r in runs)

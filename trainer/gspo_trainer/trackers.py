@@ -19,7 +19,10 @@ spec's learner.env / learner.envFrom), never from the spec itself:
 
 DIR is the learner's --tracker-dir ($GSPO_TRACKER_DIR), else its checkpoint directory: on a
 cluster the checkpoint volume, for `gspo train` its output directory. Runs are named after
-the job ($GSPO_JOB_NAME). Each library is imported only when its tracker starts.
+the job ($GSPO_JOB_NAME). A restarted learner (it resumes from its checkpoint) continues the
+same wandb and MLflow run: each run's id is kept in DIR (RUN_ID_FILES) the first time and
+reused after, unless WANDB_RUN_ID names one. Each library is imported only when its tracker
+starts.
 
 A tracker never stops training: one that fails to start is dropped, one that fails to log
 tries again at the next step; each failure is counted (gspo_tracker_failures_total{tracker})
@@ -32,6 +35,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -63,6 +67,21 @@ MLFLOW_STATUS: dict[Outcome, str] = {
 # Where each tracker writes under its directory by default (the summary of `gspo train`
 # lists them); wandb's is its own choice (it adds /wandb to the directory it is given).
 LOCAL_DIRS: dict[str, str] = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlruns"}
+# Where a tracker keeps the id of this job's run, so that a restart continues it.
+RUN_ID_FILES: dict[str, str] = {"wandb": ".wandb-run-id", "mlflow": ".mlflow-run-id"}
+
+
+def kept_run_id(directory: Path, tracker: str) -> str | None:
+    """The run id a previous start of this job kept in `directory`, if any."""
+    path = directory / RUN_ID_FILES[tracker]
+    if not path.exists():
+        return None
+    return path.read_text().strip() or None
+
+
+def keep_run_id(directory: Path, tracker: str, run_id: str) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / RUN_ID_FILES[tracker]).write_text(run_id + "\n")
 
 
 class Tracker(Protocol):
@@ -154,8 +173,13 @@ class WandB:
 
         where = os.environ.get("WANDB_DIR") or str(self.directory)  # wandb adds /wandb
         Path(where).mkdir(parents=True, exist_ok=True)
+        run_id = os.environ.get("WANDB_RUN_ID") or kept_run_id(self.directory, self.name)
+        if run_id is None:
+            run_id = secrets.token_hex(4)  # 8 characters of [0-9a-f], as wandb's own ids
+            keep_run_id(self.directory, self.name, run_id)
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", DEFAULT_PROJECT),
-                              name=run_name, dir=where, config=config)  # fmt: skip
+                              name=run_name, dir=where, config=config, id=run_id,
+                              resume=os.environ.get("WANDB_RESUME", "allow"))  # fmt: skip
 
     def log(self, step: int, scalars: Mapping[str, float], timestamp: float) -> None:
         self.run.log(dict(scalars), step=step)
@@ -195,8 +219,22 @@ class MLflow:
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME", DEFAULT_PROJECT)
         experiment = self.client.get_experiment_by_name(name)
         eid = experiment.experiment_id if experiment else self.client.create_experiment(name)
-        self.run_id = self.client.create_run(eid, run_name=run_name).info.run_id
+        kept = kept_run_id(self.directory, self.name)
+        if kept is not None and self._exists(kept):
+            self.run_id = kept
+            self.client.update_run(kept, status="RUNNING")  # a restart: the same run goes on
+        else:
+            self.run_id = self.client.create_run(eid, run_name=run_name).info.run_id
+            keep_run_id(self.directory, self.name, self.run_id)
         self.client.log_dict(self.run_id, config, "spec.json")
+
+    def _exists(self, run_id: str) -> bool:
+        """Whether the tracking store (perhaps another one since) holds the run."""
+        try:
+            self.client.get_run(run_id)
+        except Exception:  # MlflowException: not found, or another store's id
+            return False
+        return True
 
     def log(self, step: int, scalars: Mapping[str, float], timestamp: float) -> None:
         from mlflow.entities import Metric
