@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -339,4 +340,6 @@ def test_a_restarted_learner_continues_its_wandb_run(tmp_path: Path, offline: No
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 2  # wandb writes each start offline apart, under the run's one id
     kept = (tmp_path / ".wandb-run-id").read_text().strip()
-    assert kept and all(r.name.endswith(f"-{kept}") for r in runs)
+    # offline-run-<date>_<time>-<id>, and "-1" after it for a second start in the same second
+    named = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-{kept}(-\d+)?")
+    assert kept and all(named.fullmatch(r.name) for r in runs), [r.name for r in runs]
