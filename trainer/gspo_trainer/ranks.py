@@ -54,18 +54,14 @@ class Ranks:
 
     def mean(self, local: dict[str, float]) -> dict[str, float]:
         """Each value averaged over the ranks (every rank passes the same keys)."""
-        import torch
-        import torch.distributed as dist
-
-        if self.world == 1:
-            return dict(local)
-        keys = sorted(local)
-        vec = torch.tensor([local[k] for k in keys], dtype=torch.float64, device=self.device)
-        dist.all_reduce(vec)
-        return {k: float(v) / self.world for k, v in zip(keys, vec.tolist(), strict=True)}
+        return {k: v / self.world for k, v in self._reduce(local, "sum").items()}
 
     def maximum(self, local: dict[str, float]) -> dict[str, float]:
         """Each value's largest over the ranks (every rank passes the same keys)."""
+        return self._reduce(local, "max")
+
+    def _reduce(self, local: dict[str, float], op: str) -> dict[str, float]:
+        """One all_reduce (SUM or MAX) of every value, in float64, keys in sorted order."""
         import torch
         import torch.distributed as dist
 
@@ -73,8 +69,8 @@ class Ranks:
             return dict(local)
         keys = sorted(local)
         vec = torch.tensor([local[k] for k in keys], dtype=torch.float64, device=self.device)
-        dist.all_reduce(vec, op=dist.ReduceOp.MAX)
-        return dict(zip(keys, vec.tolist(), strict=True))
+        dist.all_reduce(vec, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        return {k: float(v) for k, v in zip(keys, vec.tolist(), strict=True)}
 
     def barrier(self) -> None:
         import torch.distributed as dist
