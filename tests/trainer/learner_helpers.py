@@ -29,6 +29,14 @@ def tiny_spec(**algorithm: Any) -> Any:
     return manifest
 
 
+def staged_spec(stage: int) -> Any:
+    """The tiny MoE's spec under learner.zeroStage `stage` (for tests of the engine itself)."""
+    manifest = copy.deepcopy(tiny_manifest())
+    manifest["spec"]["model"]["name"] = "builtin:tiny-qwen3-moe"
+    manifest["spec"]["learner"]["zeroStage"] = stage
+    return parse_spec(manifest["spec"])
+
+
 def make_learner(cache: Path, ckpt: Path | None, manifest: dict[str, Any] | None = None,
                  **kw: Any) -> Learner:  # fmt: skip
     spec = parse_spec((manifest or tiny_spec())["spec"])

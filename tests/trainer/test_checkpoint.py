@@ -163,12 +163,12 @@ def test_a_failed_export_fails_the_run_and_a_rerun_exports_from_the_final_checkp
     from gspo_trainer.checkpointer import Checkpointer, CheckpointError
 
     class ExportOnFullDisk(Checkpointer):
-        def export(self):  # type: ignore[no-untyped-def]
+        def export(self, shard_bytes):  # type: ignore[no-untyped-def]
             old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
             old = resource.getrlimit(resource.RLIMIT_FSIZE)
             resource.setrlimit(resource.RLIMIT_FSIZE, (4096, old[1]))
             try:
-                return super().export()
+                return super().export(shard_bytes)
             finally:
                 resource.setrlimit(resource.RLIMIT_FSIZE, old)
                 signal.signal(signal.SIGXFSZ, old_handler)

@@ -18,14 +18,10 @@ from pathlib import Path
 
 import torch
 
-from gspo_trainer.engine import (
-    exit_rank,
-    full_parameters,
-    load_model,
-    resolve_model_path,
-)
+from gspo_trainer.engine import exit_rank, load_model, resolve_model_path
 from gspo_trainer.jobs import tiny_manifest
 from gspo_trainer.learner import Learner
+from gspo_trainer.param_stream import ParamStream
 from gspo_trainer.rollout.local import LocalRollout
 from gspo_trainer.validation import parse_spec
 
@@ -68,8 +64,12 @@ def main(out: str, cache: str, stage: int, micro_tokens: int, ckpt: str | None =
         _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
         resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_limit, hard))
     assert asyncio.run(learner.run()) == 0
-    with full_parameters(learner.engine) as named:  # gathers ZeRO-3 shards on every rank
-        params = {n: t.detach().clone() for n, t in named}
+    stream = ParamStream.of(learner.engine, learner.ranks)  # gathers ZeRO-3 shards, layer by layer
+    if learner.rank == 0:
+        params = {n: t.detach().clone() for n, t in stream}
+        stream.finish()
+    else:
+        stream.follow()
     if learner.rank == 0:
         torch.save({"params": params, "history": learner.state.history}, out)
 

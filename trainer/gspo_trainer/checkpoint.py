@@ -8,7 +8,8 @@ Layout under the checkpoint directory:
         manifest.json        every file with its size and sha256, written last
     step-000130.tmp/         one being written; ignored, removed by the next save
     latest                   name of the newest complete checkpoint
-    export/                  the final policy as HF safetensors (model + tokenizer)
+    export/                  the final policy as HF safetensors (model + tokenizer), written
+                             a layer at a time (see export_hf)
 
 Resume takes the newest `step-*` directory whose files all match the sizes and checksums in
 its manifest (`newest_intact`); a damaged one is passed over, with a log line naming it and
@@ -23,6 +24,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -262,13 +264,66 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def export_hf(named_tensors: list[tuple[str, Any]], model: Any, tokenizer: Any, out: Path) -> Path:
-    """Save the policy as an HF directory (safetensors), written aside then renamed."""
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_SHARD = "model-{:05d}-of-{:05d}.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+
+
+def export_hf(layers: Iterable[list[tuple[str, Any]]], model: Any, tokenizer: Any, out: Path,
+              shard_bytes: int) -> Path:  # fmt: skip
+    """Save the policy as an HF directory, written aside then renamed: safetensors shards of
+    at most `shard_bytes` (one shard = `model.safetensors`, else `model-0000k-of-0000n` with
+    `model.safetensors.index.json`, as save_pretrained names them), config, generation
+    config, tokenizer.
+
+    `layers` hands the weights over a layer at a time (a ParamStream: gathered under ZeRO-3);
+    each layer is renamed to its checkpoint names by transformers' own
+    `revert_weight_conversion` (what save_pretrained does: per-expert tensors of a fused MoE
+    layer), copied into the shard, and let go. Extra memory: one shard and one layer.
+    """
+    from safetensors.torch import save_file
+    from transformers.core_model_loading import revert_weight_conversion
+
+    if shard_bytes <= 0:
+        raise ValueError(f"shard size must be positive, got {shard_bytes} bytes")
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    state = {n: t.detach().clone() for n, t in named_tensors}
+    tmp.mkdir(parents=True)
     try:
-        model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        parts: list[list[str]] = []  # tensor names, shard by shard
+        shard: dict[str, Any] = {}
+        used = total = 0
+
+        def flush() -> None:
+            nonlocal shard, used
+            if shard:
+                parts.append(list(shard))
+                save_file(shard, str(tmp / f"part-{len(parts):05d}"), metadata={"format": "pt"})
+                shard, used = {}, 0
+
+        for layer in layers:
+            state = revert_weight_conversion(model, dict(layer))
+            del layer
+            while state:
+                name, t = state.popitem()
+                nbytes = t.numel() * t.element_size()
+                if shard and used + nbytes > shard_bytes:
+                    flush()
+                # A copy of its own, contiguous: the layer's memory goes back when the stream
+                # moves on (no reference may outlive it), and safetensors refuses views into
+                # one tensor.
+                shard[name] = t.detach().to("cpu", copy=True).contiguous()
+                del t
+                used += nbytes
+                total += nbytes
+        flush()
+        _name_shards(tmp, parts, total)
+        # What save_pretrained records beside the weights.
+        model.config.dtype = str(model.dtype).removeprefix("torch.")
+        model.config.architectures = [type(model).__name__]
+        model.config.save_pretrained(tmp)
+        if model.can_generate():
+            model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # give the space back
@@ -277,3 +332,17 @@ def export_hf(named_tensors: list[tuple[str, Any]], model: Any, tokenizer: Any, 
         shutil.rmtree(out)
     os.rename(tmp, out)
     return out
+
+
+def _name_shards(directory: Path, parts: list[list[str]], total_bytes: int) -> None:
+    """Give the written parts save_pretrained's names, with an index when there are several."""
+    if len(parts) == 1:
+        os.rename(directory / "part-00001", directory / SAFE_WEIGHTS)
+        return
+    weight_map = {}
+    for k, names in enumerate(parts, 1):
+        final = SAFE_SHARD.format(k, len(parts))
+        os.rename(directory / f"part-{k:05d}", directory / final)
+        weight_map.update(dict.fromkeys(names, final))
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+    (directory / SAFE_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

@@ -135,24 +135,31 @@ class Checkpointer:
         choice = self.ranks.broadcast(found.name if found else None)
         return self.directory / choice if choice else None
 
-    def export(self) -> Path | None:
-        """The final policy as HF safetensors under <checkpoint dir>/export. Every rank
-        gathers; rank 0 writes; a failed write fails the run on every rank (no rank is left
-        waiting), with the final checkpoint already committed and intact."""
-        from gspo_trainer import engine as eng
+    def export(self, shard_bytes: int) -> Path | None:
+        """The final policy as HF safetensors under <checkpoint dir>/export, in shards of at
+        most `shard_bytes`. Every rank gathers (a layer at a time: ParamStream); rank 0
+        writes; a failed write fails the run on every rank (no rank is left waiting), with
+        the final checkpoint already committed and intact."""
+        from gspo_trainer.param_stream import ParamStream
 
         if self.directory is None:
             return None
         out = self.directory / "export"
         ok = True
-        with eng.full_parameters(self.engine) as named:
-            if self.ranks.rank == 0:
-                try:
-                    ckpt.export_hf(named, self.engine.module, self.tokenizer, out)
-                    log.info("Exported the policy to %s", out)
-                except Exception:
-                    log.exception("Exporting the policy to %s failed", out)
-                    ok = False
+        stream = ParamStream.of(self.engine, self.ranks)
+        if self.ranks.rank != 0:
+            stream.follow()
+        else:
+            layers = stream.layers()
+            try:
+                ckpt.export_hf(layers, self.engine.module, self.tokenizer, out, shard_bytes)
+                log.info("Exported the policy to %s", out)
+            except Exception:
+                log.exception("Exporting the policy to %s failed", out)
+                ok = False
+            finally:  # a failed write still gathers the layers left, as the followers do
+                layers.close()
+                stream.finish()
         if not self.ranks.all(ok):
             raise CheckpointError(
                 f"exporting the final policy to {out} failed (see the errors above); the "

@@ -14,7 +14,6 @@ import logging
 import math
 import os
 import sys
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from gspo_trainer.config import GSPOJobSpec
@@ -210,20 +209,6 @@ def build_engine(spec: GSPOJobSpec, model: Any) -> Any:
     # every activation. The models trained here have no dropout, so nothing else changes.
     engine.train()
     return engine
-
-
-@contextmanager
-def full_parameters(engine: Any):
-    """Yield (name, full tensor) pairs of the policy; gathers ZeRO-3 shards (collective)."""
-    module = engine.module
-    if engine.zero_optimization_stage() == 3:
-        import deepspeed
-
-        params = list(module.parameters())
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            yield [(n, p.data) for n, p in module.named_parameters()]
-    else:
-        yield [(n, p.data) for n, p in module.named_parameters()]
 
 
 def begin_forward(engine: Any) -> None:

@@ -205,8 +205,8 @@ class Learner:
             await self.run_ahead.cancel()
         if self.state.last_checkpoint_step != self.state.step:  # not when resumed at the end
             self.checkpointer.checkpoint(final=True)
-        if self.spec.checkpoint.export_hf:
-            self.checkpointer.export()
+        if self.spec.checkpoint.export_hf:  # in shards of a sync bucket, a layer at a time
+            self.checkpointer.export(self.spec.weight_sync.bucket_size_mb * 2**20)
         self.state.phase = "Succeeded"
         return 0
 

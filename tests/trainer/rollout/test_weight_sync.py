@@ -27,10 +27,12 @@ def _round_trip(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> list[ws.
     assert decoded == buckets
     seen = {}
     send = ws.SendBuffers(decoded, "cpu")
+    stream = iter(tensors.items())  # read in order, as the sender reads its source
     for k, bucket in enumerate(decoded):
         seen.update(
-            (n, t.clone()) for n, t in ws.unflatten_bucket(bucket, send.fill(k, bucket, tensors))
+            (n, t.clone()) for n, t in ws.unflatten_bucket(bucket, send.fill(k, bucket, stream))
         )
+    assert next(stream, None) is None
     assert list(seen) == list(tensors)
     for name, t in tensors.items():
         assert seen[name].dtype == t.dtype and seen[name].shape == t.shape

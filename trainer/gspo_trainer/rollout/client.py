@@ -31,7 +31,7 @@ from gspo_trainer.rollout.types import Completion, RolloutBatch, SamplingParams
 if TYPE_CHECKING:
     import torch
 
-    from gspo_trainer.rollout.weight_sync import SyncGroup
+    from gspo_trainer.rollout.weight_sync import SyncGroup, TensorSource
 
 log = logging.getLogger("gspo.rollout.client")
 
@@ -271,21 +271,22 @@ class RolloutClient:
     # --- weight sync -------------------------------------------------------------------
 
     async def sync_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | TensorSource, version: int
     ) -> SyncReport:
         """Pause every live server, broadcast the weights once, load them, resume.
 
-        `named_tensors` may be a transformers model's `named_parameters()`: fused MoE
-        expert tensors are renamed to the checkpoint names the engine loads.
+        `named_tensors` may be a transformers model's `named_parameters()` or a TensorSource
+        that gathers them layer by layer (the learner's ParamStream); fused MoE expert
+        tensors are renamed to the checkpoint names the engine loads.
         """
         if self.sync_options is None:
             raise RolloutError("sync_weights needs RolloutClient(..., sync=SyncOptions(...))")
-        from gspo_trainer.rollout.weight_sync import checkpoint_named_tensors
+        from gspo_trainer.rollout.weight_sync import CheckpointNamed, tensor_source
 
         opts = self.sync_options
+        tensors = CheckpointNamed(tensor_source(named_tensors))
         if opts.method == "filesystem":
-            return await self._sync_files(checkpoint_named_tensors(named_tensors), version)
-        tensors = list(checkpoint_named_tensors(named_tensors))
+            return await self._sync_files(tensors, version)
         start = time.perf_counter()
         failed: list[str] = []
         for attempt in (1, 2):  # a server lost mid-sync breaks the group: re-form it once
@@ -440,7 +441,7 @@ class RolloutClient:
     async def _update(
         self,
         servers: list[Server],
-        tensors: list[tuple[str, torch.Tensor]],
+        tensors: TensorSource,
         version: int,
         failed: list[str],
     ) -> tuple[int, float]:

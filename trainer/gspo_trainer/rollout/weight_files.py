@@ -56,16 +56,24 @@ def write_version(
                       metadata={"policy_version": str(version)})  # fmt: skip
             shard, used = {}, 0
 
-    for name, t in named_tensors:
-        nbytes = t.numel() * t.element_size()
-        if shard and used + nbytes > shard_bytes:
-            flush()
-        # A copy of its own: checkpoint names may be views into one fused tensor, which
-        # safetensors refuses to write as separate entries.
-        shard[name] = t.detach().to("cpu", copy=True).contiguous()
-        used += nbytes
-        total += nbytes
-    flush()
+    tensors = iter(named_tensors)
+    try:
+        for name, t in tensors:
+            nbytes = t.numel() * t.element_size()
+            if shard and used + nbytes > shard_bytes:
+                flush()
+            # A copy of its own: checkpoint names may be views into one fused tensor, which
+            # safetensors refuses to write as separate entries; and a streamed layer
+            # (ParamStream) is let go once the next one is asked for.
+            shard[name] = t.detach().to("cpu", copy=True).contiguous()
+            del t  # not held while the next layer is gathered
+            used += nbytes
+            total += nbytes
+        flush()
+    finally:  # a failed write ends the stream's pass now, not when the error is gone
+        close = getattr(tensors, "close", None)
+        if close is not None:
+            close()
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)

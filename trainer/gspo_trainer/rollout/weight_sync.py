@@ -17,12 +17,13 @@ from __future__ import annotations
 import functools
 import gc
 import json
+import math
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -83,8 +84,8 @@ def plan_buckets(
     return buckets
 
 
-def _dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def torch_module() -> Any:
@@ -110,8 +111,8 @@ def gc_paused() -> Iterator[None]:
 
 class SendBuffers:
     """Send buffers for the buckets of one layout: two, so bucket k+1 is filled while bucket k
-    is on the wire, each with cached views as every bucket's tensors, so filling a bucket is
-    one batched copy rather than a concatenation of per-tensor byte views."""
+    is on the wire, each with cached views as every bucket's tensors, so filling a bucket
+    copies each tensor straight to its place (no concatenation of per-tensor byte views)."""
 
     def __init__(self, buckets: Sequence[Bucket], device: Any) -> None:
         torch = torch_module()
@@ -120,7 +121,11 @@ class SendBuffers:
         self.buffers = [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(slots)]
         self.views: dict[tuple[int, int], list[torch.Tensor]] = {}
 
-    def fill(self, k: int, bucket: Bucket, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    def fill(
+        self, k: int, bucket: Bucket, tensors: Iterator[tuple[str, torch.Tensor]]
+    ) -> torch.Tensor:
+        """Copy bucket k's tensors, the next ones `tensors` yields, into a send buffer. Each is
+        copied before the next is asked for: a stream may free it then (ParamStream)."""
         torch = torch_module()
         slot = k % len(self.buffers)
         buffer = self.buffers[slot][: bucket.nbytes]
@@ -129,7 +134,16 @@ class SendBuffers:
             views = [view for _, view in unflatten_bucket(bucket, buffer)]
             self.views[(k, slot)] = views
         with torch.no_grad():
-            torch._foreach_copy_(views, [tensors[meta.name] for meta in bucket.tensors])
+            for meta, view in zip(bucket.tensors, views, strict=True):
+                name, t = next(tensors, (None, None))
+                if name != meta.name or t is None or tuple(t.shape) != meta.shape:
+                    got = None if t is None else tuple(t.shape)
+                    raise ValueError(
+                        f"the weights gave {name!r} {got} where the bucket plan has "
+                        f"{meta.name!r} {meta.shape}: they changed after their metas were read"
+                    )
+                view.copy_(t)
+                del t  # let a streamed layer go before the next one is gathered
         return buffer
 
 
@@ -241,6 +255,64 @@ def checkpoint_named_tensors(
                     yield f"{base}.down_proj.weight", t[e]
         else:
             yield name, t
+        del t  # not held while the next tensor is asked for (a streamed layer is let go)
+
+
+# --- what is sent ----------------------------------------------------------------------
+
+
+class TensorSource(Protocol):
+    """Named tensors whose names, shapes and dtypes are known before any is read (the
+    bucket plan and its header go first), readable more than once (a sync that lost a
+    server re-forms its group and sends again). `ParamStream` is one: it gathers a ZeRO-3
+    policy one layer at a time while it is read."""
+
+    def metas(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]: ...
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+class InMemory:
+    """Tensors already whole in memory (a model's `named_parameters()`, a dict's items)."""
+
+    def __init__(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.items = list(named_tensors)
+
+    def metas(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        return [(name, tuple(t.shape), t.dtype) for name, t in self.items]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.items)
+
+
+class CheckpointNamed:
+    """`source` under the checkpoint names vLLM loads (see checkpoint_named_tensors); its
+    metas renamed the same way, from shape-only tensors, without reading a weight."""
+
+    def __init__(self, source: TensorSource) -> None:
+        self.source = source
+
+    def metas(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        torch = torch_module()
+        shapes = ((name, torch.empty(shape, dtype=dtype, device="meta"))
+                  for name, shape, dtype in self.source.metas())  # fmt: skip
+        return [(name, tuple(t.shape), t.dtype) for name, t in checkpoint_named_tensors(shapes)]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        inner = iter(self.source)
+        try:
+            yield from checkpoint_named_tensors(inner)
+        finally:  # a pass left early ends at once (a ParamStream then gathers what is left)
+            close = getattr(inner, "close", None)
+            if close is not None:
+                close()
+
+
+def tensor_source(named_tensors: Iterable[tuple[str, torch.Tensor]] | TensorSource) -> TensorSource:
+    """`named_tensors` as a TensorSource: itself when it is one, else held in memory."""
+    if hasattr(named_tensors, "metas"):
+        return named_tensors  # type: ignore[return-value]
+    return InMemory(named_tensors)
 
 
 # --- the process group ---------------------------------------------------------------
@@ -338,14 +410,16 @@ class WeightSender:
         # (metas, plan, encoded plan, send buffers), computed once per model
         self._layout: tuple[Any, list[Bucket], bytes, SendBuffers] | None = None
 
-    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
+    def send(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | TensorSource, version: int
+    ) -> SyncStats:
+        """Header, then the buckets; a tensor is read only when its bucket is filled, so a
+        streamed source (ParamStream) needs at most the two send buffers and one layer."""
         start = time.perf_counter()
+        source = tensor_source(named_tensors)
         with gc_paused():
-            tensors = dict(named_tensors)
-            metas = [
-                (name, tuple(t.shape), _dtype_name(t), t.numel() * t.element_size())
-                for name, t in tensors.items()
-            ]
+            metas = [(name, shape, _dtype_name(dtype), math.prod(shape) * dtype.itemsize)
+                     for name, shape, dtype in source.metas()]  # fmt: skip
             key = tuple(metas)
             if self._layout is None or self._layout[0] != key:
                 self._layout = None  # free the old buffers before making new ones
@@ -354,15 +428,21 @@ class WeightSender:
                 self._layout = (key, buckets, encode_layout(buckets), staging)
             _, buckets, layout, staging = self._layout
             _broadcast_header(self.group, version, layout)
-            # Fill bucket k+1 while bucket k is on the wire.
-            in_flight: Any = None
-            for k, bucket in enumerate(buckets):
-                buffer = staging.fill(k, bucket, tensors)
+            tensors = iter(source)
+            try:
+                # Fill bucket k+1 while bucket k is on the wire.
+                in_flight: Any = None
+                for k, bucket in enumerate(buckets):
+                    buffer = staging.fill(k, bucket, tensors)
+                    if in_flight is not None:
+                        in_flight.wait()
+                    in_flight = self.group.broadcast_async(buffer)
                 if in_flight is not None:
                     in_flight.wait()
-                in_flight = self.group.broadcast_async(buffer)
-            if in_flight is not None:
-                in_flight.wait()
+            finally:
+                close = getattr(tensors, "close", None)
+                if close is not None:
+                    close()
         return SyncStats(
             version=version,
             bytes_total=sum(m[3] for m in metas),

@@ -1,7 +1,9 @@
 """Sync: push the policy to the rollout servers (pause -> load -> resume, in the client).
 
-Every rank gathers the full parameters (ZeRO-3 shards them); rank 0 sends. It holds the
-collector's fleet lock, so it waits for a generation in flight and none starts meanwhile.
+Rank 0 sends the parameters as a ParamStream: under ZeRO-3 every rank gathers them one layer
+at a time as rank 0's sender fills its buckets (the other ranks follow its passes), so no
+rank ever holds the whole model. Rank 0 holds the collector's fleet lock, so it waits for a
+generation in flight and none starts meanwhile.
 """
 
 from __future__ import annotations
@@ -28,25 +30,27 @@ class WeightSync:
 
     async def push(self, version: int) -> float:
         """The policy as `version`, on every server that can take it; bytes sent (rank 0)."""
-        from gspo_trainer import engine as eng
+        from gspo_trainer.param_stream import ParamStream
 
         start = time.perf_counter()
         sent, waited_s = 0, 0.0
-        with eng.full_parameters(self.engine) as named:
-            if self.ranks.rank == 0:
-                try:
-                    async with self.fleet_lock:  # a generation in flight finishes first
-                        waited_s = time.perf_counter() - start
-                        report = await self.rollout.sync_weights(named, version)
-                    sent = int(getattr(report, "bytes_total", 0))
-                except RolloutError as exc:
-                    # Suspended or deleted, the servers stop with the learner: the update is
-                    # done, so the final checkpoint goes ahead; the next start syncs again.
-                    if not self.state.stop_requested:
-                        raise
-                    log.warning(
-                        "Weight sync to version %d skipped while stopping: %s", version, exc
-                    )
+        stream = ParamStream.of(self.engine, self.ranks)
+        if self.ranks.rank != 0:
+            stream.follow()
+        else:
+            try:
+                async with self.fleet_lock:  # a generation in flight finishes first
+                    waited_s = time.perf_counter() - start
+                    report = await self.rollout.sync_weights(stream, version)
+                sent = int(getattr(report, "bytes_total", 0))
+            except RolloutError as exc:
+                # Suspended or deleted, the servers stop with the learner: the update is
+                # done, so the final checkpoint goes ahead; the next start syncs again.
+                if not self.state.stop_requested:
+                    raise
+                log.warning("Weight sync to version %d skipped while stopping: %s", version, exc)
+            finally:
+                stream.finish()
         self.state.policy_version = version
         self.metrics.policy_version.set(version)
         # The sync's own time: waiting for a generation in flight is the step's, not its.
