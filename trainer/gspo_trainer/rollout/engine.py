@@ -108,8 +108,7 @@ class VLLMEngine:
         return engine
 
     async def warm_up(self) -> None:
-        prompt = [i % self.vocab_size for i in range(3, 3 + WARMUP_PROMPT_TOKENS)]
-        await self.generate(prompt, SamplingParams(n=1, max_tokens=2, temperature=0.0))
+        await warm_up(self.llm)
 
     async def generate(self, prompt: list[int], params: SamplingParams) -> list[Sample]:
         request_id = f"gspo-{next(self._ids)}"
@@ -134,29 +133,60 @@ class VLLMEngine:
         return list(self.llm.get_tokenizer().encode(text, add_special_tokens=False))
 
     async def init_sync_group(self, **coords: Any) -> None:
-        timeout_s = float(coords["timeout_s"])
-        await self.llm.collective_rpc("gspo_init_sync_group", timeout=timeout_s + 5, kwargs=coords)
+        await init_sync_group(self.llm, **coords)
 
     async def receive_weights(self, timeout_s: float) -> dict[str, int]:
-        results = await self.llm.collective_rpc("gspo_receive_weights", timeout=timeout_s)
-        first = results[0]
-        if any(r["version"] != first["version"] for r in results):
-            raise RuntimeError(f"workers received different versions: {results}")
-        await self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
-        return dict(first)
+        return await receive_weights(self.llm, timeout_s)
 
     async def load_weights_file(self, path: str, timeout_s: float) -> dict[str, int]:
-        results = await self.llm.collective_rpc(
-            "gspo_load_weights_file", timeout=timeout_s, kwargs={"path": path}
-        )
-        if any(r != results[0] for r in results):
-            raise RuntimeError(f"workers loaded different weights from {path}: {results}")
-        await self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
-        return dict(results[0])
+        return await load_weights_file(self.llm, path, timeout_s)
 
     async def shutdown(self) -> None:
         self.llm.shutdown()
         await asyncio.sleep(0)
+
+
+# The engine operations a rollout server needs, on any vLLM engine client (AsyncLLM here;
+# the OpenAI server's EngineClient in the endpoint plugin): the worker extension's methods
+# through collective_rpc, and the prefix cache dropped after new weights.
+
+
+async def warm_up(llm: Any) -> None:
+    """One short generation at start-up: the CPU backend's first forward must be a prompt of
+    at least 5 tokens (a shorter one kills the worker), so it is made here, not by a user."""
+    from vllm import SamplingParams as VLLMSamplingParams
+
+    vocab = int(llm.model_config.get_vocab_size())
+    prompt = [i % vocab for i in range(3, 3 + WARMUP_PROMPT_TOKENS)]
+    params = VLLMSamplingParams(n=1, max_tokens=2, temperature=0.0)
+    async for _ in llm.generate({"prompt_token_ids": prompt}, params, request_id="gspo-warm-up"):
+        pass
+
+
+async def init_sync_group(llm: Any, **coords: Any) -> int:
+    """Every worker joins the learner's weight-sync group; returns how many did."""
+    timeout_s = float(coords["timeout_s"])
+    results = await llm.collective_rpc("gspo_init_sync_group", timeout=timeout_s + 5, kwargs=coords)
+    return len(results)
+
+
+async def receive_weights(llm: Any, timeout_s: float) -> dict[str, int]:
+    results = await llm.collective_rpc("gspo_receive_weights", timeout=timeout_s)
+    first = results[0]
+    if any(r["version"] != first["version"] for r in results):
+        raise RuntimeError(f"workers received different versions: {results}")
+    await llm.reset_prefix_cache()  # cached KV was computed by the old weights
+    return dict(first)
+
+
+async def load_weights_file(llm: Any, path: str, timeout_s: float) -> dict[str, int]:
+    results = await llm.collective_rpc(
+        "gspo_load_weights_file", timeout=timeout_s, kwargs={"path": path}
+    )
+    if any(r != results[0] for r in results):
+        raise RuntimeError(f"workers loaded different weights from {path}: {results}")
+    await llm.reset_prefix_cache()  # cached KV was computed by the old weights
+    return dict(results[0])
 
 
 def _on_cpu() -> bool:

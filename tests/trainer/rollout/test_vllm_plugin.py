@@ -1,0 +1,174 @@
+"""vLLM's own OpenAI server with our endpoint plugin and worker extension (CPU build, one
+engine start): what the rollout server adds, seen through vLLM's routes.
+
+The server is started from `serve_command` (the one place its command line is built), not
+from our aiohttp server; weights arrive through the same control routes and bucketed
+broadcast the learner's client drives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+import torch
+from rollout_standin import REPO, TOKEN, free_port
+from test_vllm_e2e import LOGPROB_ATOL, hf_logprobs
+
+from gspo_trainer.rollout.client import RolloutClient, SyncOptions
+from gspo_trainer.rollout.serve_command import ServeOptions, serve_argv, serve_env
+from gspo_trainer.rollout.vllm_plugin import VERSION_HEADER
+from gspo_trainer.tiny import build_tiny_model, materialize
+
+pytestmark = pytest.mark.e2e
+
+NAME = "builtin:tiny-qwen3"
+PROMPT = [3, 4, 13, 5, 14]
+
+
+def call(url: str, body: dict[str, Any] | None = None, token: str | None = TOKEN,
+         timeout_s: float = 60) -> tuple[int, dict[str, str], Any]:  # fmt: skip
+    """(status, headers, JSON body) of a GET (no body) or POST."""
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data, headers, method="GET" if body is None else "POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.status, dict(resp.headers), json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), json.loads(err.read() or b"null")
+
+
+def complete(url: str, temperature: float = 0.7, **kw: Any) -> tuple[int, dict[str, str], Any]:
+    body = {"model": NAME, "prompt": [PROMPT], "max_tokens": 8, "n": 2, "logprobs": 0,
+            "return_token_ids": True, "temperature": temperature, "seed": 5}  # fmt: skip
+    return call(url + "/v1/completions", body, **kw)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """One plugin server, started unsynced (no initial version), on the tiny dense model."""
+    root = tmp_path_factory.mktemp("plugin")
+    model = materialize(NAME, root / "models")
+    opts = ServeOptions(model=str(model), served_name=NAME, host="127.0.0.1", port=free_port(),
+                        dtype="float32", max_model_len=128, max_num_seqs=16,
+                        enforce_eager=True, weights_dir=str(root / "weights"))  # fmt: skip
+    env = {**os.environ, **serve_env(opts, TOKEN), "HF_HUB_OFFLINE": "1",
+           "VLLM_CPU_KVCACHE_SPACE": "1",
+           "PYTHONPATH": f"{REPO / 'operator'}:{REPO / 'trainer'}"}  # fmt: skip
+    log = root / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(serve_argv(opts), env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{opts.port}"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if call(url + "/health", token=None, timeout_s=2)[0] == 200:
+                break
+        except OSError:
+            pass
+        time.sleep(0.5)
+    else:
+        raise TimeoutError(log.read_text()[-3000:])
+    yield url, root
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_server_serves_nothing_until_the_learner_syncs_it(server: Any) -> None:
+    url, _ = server
+    status, _, health = call(url + "/health", token=None)
+    assert status == 200 and health["synced"] is False and health["policy_version"] is None
+    assert call(url + "/ready", token=None)[0] == 503
+    status, _, body = complete(url)
+    assert status == 503 and "not synced" in body["error"]
+
+
+def test_the_token_guards_every_route_but_the_probes_and_metrics(server: Any) -> None:
+    url, _ = server
+    tokenize = {"model": NAME, "prompt": "1+2"}
+    for path, body in (("/tokenize", tokenize), ("/v1/completions", {"model": NAME}),
+                       ("/control/pause", {}), ("/control/sync/update", {})):  # fmt: skip
+        assert call(url + path, body, token=None)[0] == 401, path
+        assert call(url + path, body, token="wrong")[0] == 401, path
+    assert call(url + "/tokenize", tokenize)[0] == 200
+    assert call(url + "/v1/models", token=None)[0] == 401
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    # vLLM's own series and ours, on vLLM's /metrics.
+    assert "vllm:num_requests_waiting" in text and "gspo_rollout_policy_version" in text
+
+
+def test_weights_from_the_learner_are_what_generates_and_each_response_names_its_version(
+    server: Any,
+) -> None:
+    url, root = server
+    model, _ = build_tiny_model(NAME)
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+
+    async def sync(weights: Any, version: int, method: str = "broadcast") -> Any:
+        opts = SyncOptions(master_addr="127.0.0.1", master_port=free_port(), timeout_s=120,
+                           method=method, directory=str(root / "weights"))  # fmt: skip
+        async with RolloutClient([url], TOKEN, sync=opts) as client:
+            return await client.sync_weights(weights.named_parameters(), version=version)
+
+    report = asyncio.run(sync(new, 3))
+    assert report.servers == [url] and report.servers_failed == []
+    assert call(url + "/ready", token=None)[2] == {"ready": True, "policy_version": 3}
+    status, headers, body = complete(url)
+    assert status == 200 and headers[VERSION_HEADER] == "3"
+    for choice in body["choices"]:
+        got = torch.tensor(choice["logprobs"]["token_logprobs"])
+        # Processed log-probs: the distribution after temperature, as the learner scores.
+        assert (hf_logprobs(new, PROMPT, choice["token_ids"], 0.7) - got).abs().max() < LOGPROB_ATOL
+        assert (hf_logprobs(model, PROMPT, choice["token_ids"], 0.7) - got).abs().max() > 0.05
+    # The same through the shared volume (weightSync.method filesystem).
+    report = asyncio.run(sync(model, 4, "filesystem"))
+    assert report.servers == [url]
+    status, headers, body = complete(url)
+    assert headers[VERSION_HEADER] == "4"
+    got = torch.tensor(body["choices"][0]["logprobs"]["token_logprobs"])
+    ids = body["choices"][0]["token_ids"]
+    assert (hf_logprobs(model, PROMPT, ids, 0.7) - got).abs().max() < LOGPROB_ATOL
+
+
+def test_a_paused_server_holds_generations_until_it_resumes(server: Any) -> None:
+    url, _ = server
+    if call(url + "/ready", token=None)[0] != 200:
+        pytest.skip("needs the sync test's weights")
+    assert call(url + "/control/pause", {"timeout_s": 30})[0] == 200
+    result: list[Any] = []
+    worker = threading.Thread(target=lambda: result.append(complete(url)))
+    worker.start()
+    worker.join(timeout=2.0)
+    assert worker.is_alive() and not result  # held at the gate, not refused
+    assert call(url + "/control/resume", {})[0] == 200
+    worker.join(timeout=60)
+    status, headers, _ = result[0]
+    assert status == 200 and VERSION_HEADER in headers
+    # A control body that is not JSON is refused with the reason, not a server error.
+    req = urllib.request.Request(url + "/control/pause", b"{nope", method="POST",
+                                 headers={"Authorization": f"Bearer {TOKEN}"})  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=10)
+    assert err.value.code == 400 and "not JSON" in json.loads(err.value.read())["error"]

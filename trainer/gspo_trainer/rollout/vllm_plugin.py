@@ -1,0 +1,269 @@
+"""The rollout server as vLLM's own OpenAI-compatible server plus this endpoint plugin.
+
+`serve_command.py` starts `python -m vllm.entrypoints.openai.api_server` with our worker
+extension (`--worker-extension-cls`: the weight receiver, `worker_ext.py`) and this plugin
+enabled (`VLLM_PLUGINS=gspo`, entry point group `vllm.endpoint_plugins`). The plugin adds
+what a rollout server needs beside vLLM's routes, reaching the engine only through the
+EngineClient it is handed (`collective_rpc`, `reset_prefix_cache`), with vLLM's development
+mode off:
+
+    GET  /health               200 with this server's state while the engine lives (replaces
+                               vLLM's bare /health; 503 once the engine is dead)
+    GET  /ready                200 only once the server holds the learner's weights
+    POST /control/pause        stop admitting generations and drain those in flight
+    POST /control/resume
+    POST /control/sync/init    join the learner's weight-sync group
+    POST /control/sync/update  receive one bucketed broadcast, load it, bump the version
+    POST /control/sync/load    {"name": "v00000007", "version": 7}: load that version from
+                               $GSPO_WEIGHTS_DIR (weightSync.method filesystem)
+
+Two middlewares wrap vLLM's app. The gate admits each generation request (completions, chat,
+the token-in generate route, responses) whole under one policy version, holds new ones while
+a sync runs, answers 503 before the first sync, and stamps every response with the version
+that produced it (header `x-gspo-policy-version`). The token check asks for the job's token
+($GSPO_SYNC_TOKEN, also vLLM's --api-key) on every route but /health, /ready, /metrics, /ping
+and /version: vLLM's --api-key guards only /v1, leaving /tokenize, /invocations, ... open.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+# Module level: FastAPI reads the routes' annotations (strings here) in this module.
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from gspo_trainer import ports
+from gspo_trainer.rollout.control import (
+    ControlError,
+    RolloutState,
+    load_version,
+    sync_coordinates,
+)
+
+log = logging.getLogger("gspo.rollout")
+
+VERSION_HEADER = "x-gspo-policy-version"
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate",
+                    "/v1/responses")  # fmt: skip
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/ping", "/version"})
+CONTROL_PREFIX = "/control/"
+ADMIT_TIMEOUT_S = 600.0  # how long a generation waits for a sync in progress
+
+
+class GSPOEndpoints:
+    """The `vllm.endpoint_plugins` entry point (vllm/plugins/endpoint_plugins/interface.py)."""
+
+    name = "gspo"
+    required_tasks = ("generate",)
+
+    def __init__(self) -> None:
+        self.token = os.environ.get(ports.ENV_SYNC_TOKEN) or None
+        weights = os.environ.get(ports.ENV_WEIGHTS_DIR)
+        self.weights_dir = Path(weights) if weights else None
+        initial = os.environ.get(ports.ENV_INITIAL_VERSION)
+        self.state = RolloutState(int(initial) if initial else None, registry=_default_registry())
+        self.engine: Any = None
+
+    def attach_router(self, app: Any) -> None:
+        app.add_middleware(GateMiddleware, plugin=self)
+        app.add_middleware(TokenMiddleware, plugin=self)  # outside the gate: refuse first
+        app.include_router(self._router())
+
+    async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
+        from gspo_trainer.rollout.engine import warm_up
+
+        if engine_client is None:
+            raise RuntimeError("the gspo endpoint plugin needs an engine (not a render server)")
+        self.engine = engine_client
+        if self.token is None:
+            log.warning("$%s is not set: control routes are disabled", ports.ENV_SYNC_TOKEN)
+        await warm_up(engine_client)
+
+    def _router(self) -> Any:
+        router = APIRouter()
+
+        async def answer(handle: Any, request: Request) -> JSONResponse:
+            try:
+                return JSONResponse(await handle(await _body(request)))
+            except ControlError as exc:
+                return JSONResponse({"error": str(exc)}, status_code=exc.status)
+
+        @router.get("/health")
+        async def health() -> JSONResponse:
+            try:
+                await self.engine.check_health()
+            except Exception as exc:
+                return JSONResponse({"status": "engine dead", "error": str(exc)}, 503)
+            gate, version = self.state.gate, self.state.policy_version
+            return JSONResponse({"status": "ok", "policy_version": version,
+                                 "synced": version is not None, "paused": gate.paused,
+                                 "active_requests": gate.active})  # fmt: skip
+
+        @router.get("/ready")
+        async def ready() -> JSONResponse:
+            if self.state.policy_version is None:
+                return JSONResponse({"error": "not synced: waiting for the learner's weights"},
+                                    503)  # fmt: skip
+            return JSONResponse({"ready": True, "policy_version": self.state.policy_version})
+
+        @router.post("/control/pause")
+        async def pause(request: Request) -> JSONResponse:
+            return await answer(self._pause, request)
+
+        @router.post("/control/resume")
+        async def resume() -> JSONResponse:
+            return JSONResponse(self.state.resume())
+
+        @router.post("/control/sync/init")
+        async def sync_init(request: Request) -> JSONResponse:
+            return await answer(self._join, request)
+
+        @router.post("/control/sync/update")
+        async def sync_update(request: Request) -> JSONResponse:
+            return await answer(self._receive, request)
+
+        @router.post("/control/sync/load")
+        async def sync_load(request: Request) -> JSONResponse:
+            return await answer(self._load, request)
+
+        return router
+
+    async def _pause(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.state.pause(float(body.get("timeout_s", 300)))
+
+    async def _join(self, body: dict[str, Any]) -> dict[str, Any]:
+        from gspo_trainer.rollout.engine import init_sync_group
+
+        coords = sync_coordinates(body)
+        async with self.state.sync_lock:
+            try:
+                workers = await init_sync_group(self.engine, **coords)
+            except Exception as exc:
+                log.exception("joining the sync group failed")
+                raise ControlError(500, f"sync/init failed: {exc}") from exc
+        return {"joined": True, "workers": workers}
+
+    async def _receive(self, body: dict[str, Any]) -> dict[str, Any]:
+        from gspo_trainer.rollout.engine import receive_weights
+
+        timeout_s = float(body.get("timeout_s", 600))
+
+        async def load() -> tuple[int, dict[str, int]]:
+            received = await receive_weights(self.engine, timeout_s)
+            return int(received["version"]), received
+
+        return await self.state.swap_weights(load, timeout_s, "sync/update")
+
+    async def _load(self, body: dict[str, Any]) -> dict[str, Any]:
+        from gspo_trainer.rollout.engine import load_weights_file
+
+        version, path = load_version(body, self.weights_dir, f"${ports.ENV_WEIGHTS_DIR}")
+        timeout_s = float(body.get("timeout_s", 600))
+
+        async def load() -> tuple[int, dict[str, int]]:
+            return version, await load_weights_file(self.engine, str(path), timeout_s)
+
+        return await self.state.swap_weights(load, timeout_s, "sync/load")
+
+
+async def _body(request: Any) -> dict[str, Any]:
+    """A control request's JSON object (empty when it has no body); 400 otherwise."""
+    raw = await request.body()
+    if not raw:
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise ControlError(400, f"body is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise ControlError(400, "body must be a JSON object")
+    return body
+
+
+async def _send_json(send: Any, status: int, body: dict[str, Any],
+                     headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:  # fmt: skip
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(data)).encode()), *headers]})  # fmt: skip
+    await send({"type": "http.response.body", "body": data})
+
+
+class TokenMiddleware:
+    """The job's token on every route but the probes and /metrics (pure ASGI)."""
+
+    def __init__(self, app: Any, plugin: GSPOEndpoints) -> None:
+        self.app, self.plugin = app, plugin
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("method") == "OPTIONS":
+            return await self.app(scope, receive, send)
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        token = self.plugin.token
+        if path not in OPEN_PATHS:
+            if token is None and path.startswith(CONTROL_PREFIX):
+                return await _send_json(send, 403, {"error": "control routes are disabled: "
+                                                    f"set ${ports.ENV_SYNC_TOKEN}"})  # fmt: skip
+            if token is not None and not _authorized(scope, token):
+                return await _send_json(send, 401, {"error": "missing or wrong bearer token"},
+                                        ((b"www-authenticate", b"Bearer"),))  # fmt: skip
+        await self.app(scope, receive, send)
+
+
+class GateMiddleware:
+    """Generation requests admitted whole under one policy version, which their response
+    carries (pure ASGI: the version cannot change until the response's last byte is sent)."""
+
+    def __init__(self, app: Any, plugin: GSPOEndpoints) -> None:
+        self.app, self.plugin = app, plugin
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if not path.startswith(GENERATION_PATHS):
+            return await self.app(scope, receive, send)
+        state = self.plugin.state
+        if state.policy_version is None:
+            return await _send_json(send, 503, {"error": "not synced: waiting for the "
+                                                "learner's weights"})  # fmt: skip
+        try:
+            async with state.gate.admit(ADMIT_TIMEOUT_S):
+                version = str(state.policy_version).encode()
+                status = 500
+
+                async def stamped(message: dict[str, Any]) -> None:
+                    nonlocal status
+                    if message["type"] == "http.response.start":
+                        status = int(message["status"])
+                        headers = [*message.get("headers", []), (VERSION_HEADER.encode(), version)]
+                        message = {**message, "headers": headers}
+                    await send(message)
+
+                try:
+                    await self.app(scope, receive, stamped)
+                finally:
+                    state.requests.labels("ok" if status < 400 else "error").inc()
+        except TimeoutError:
+            await _send_json(send, 503, {"error": f"paused for a weight sync for over "
+                                         f"{ADMIT_TIMEOUT_S:.0f} s"})  # fmt: skip
+
+
+def _authorized(scope: Any, token: str) -> bool:
+    for key, value in scope.get("headers", []):
+        if key == b"authorization":
+            scheme, _, given = value.decode("latin-1").partition(" ")
+            return scheme.lower() == "bearer" and hmac.compare_digest(given.encode(),
+                                                                      token.encode())  # fmt: skip
+    return False
+
+
+def _default_registry() -> Any:
+    """The registry vLLM's /metrics serves: the process's default one (one API server)."""
+    from prometheus_client import REGISTRY
+
+    return REGISTRY
