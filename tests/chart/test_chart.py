@@ -10,6 +10,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -445,3 +446,62 @@ def test_runbooks_name_only_exported_metrics() -> None:
     }
     unknown = metric_names_in(RUNBOOKS.read_text()) - exported_metric_names() - histograms
     assert not unknown, f"docs/runbooks.md names metrics nothing exports: {unknown}"
+
+
+# vLLM's own series: the rollout server's /metrics appends vLLM's registry to its own, and
+# the job's PodMonitor scrapes it (with gspojob). Built in a child process, as vLLM's
+# PrometheusStatLogger registers on prometheus_client's global registry; a bare VllmConfig
+# with the three model fields the logger reads stands in for a served model.
+VLLM_SERIES_SCRIPT = """
+import json
+from types import SimpleNamespace
+
+from prometheus_client import REGISTRY
+from vllm.config import VllmConfig
+from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+config = VllmConfig()
+model = SimpleNamespace(served_model_name="policy", max_model_len=1024, is_diffusion=False)
+object.__setattr__(config, "model_config", model)
+PrometheusStatLogger(config, [0])
+series = {
+    s.name: sorted(set(s.labels) - {"le"})
+    for family in REGISTRY.collect()
+    for s in family.samples
+    if s.name.startswith("vllm:")
+}
+print(json.dumps(series))
+"""
+
+
+def vllm_series() -> dict[str, list[str]]:
+    """Every vllm: series name (prometheus_client's _total, _bucket/_sum/_count included)
+    vLLM's PrometheusStatLogger exposes, with its labels."""
+    result = subprocess.run(
+        [sys.executable, "-c", VLLM_SERIES_SCRIPT], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, f"vLLM's metrics did not build:\n{result.stderr[-3000:]}"
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def vllm_names_in(text: str) -> set[str]:
+    return set(re.findall(r"\bvllm:[a-z0-9_:]+", re.sub(r"\{[^}]*\}", "", text)))
+
+
+def test_vllm_series_read_by_rules_dashboard_and_runbooks_exist_in_vllm() -> None:
+    """The vllm: names the alert rules and dashboard query exist, as vLLM puts them on the
+    wire; the runbooks may also name a histogram by its base name. Each carries only vLLM's
+    model_name and engine labels, which every query sums away by the job's labels."""
+    series = vllm_series()
+    histograms = {n.removesuffix("_bucket") for n in series if n.endswith("_bucket")}
+    dashboard = json.loads((CHART / "files" / "dashboard.json").read_text())
+    exprs = [a["expr"] for a in alerts()]
+    exprs += [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    read = set().union(*(vllm_names_in(e) for e in exprs))
+    assert {"vllm:request_queue_time_seconds_bucket", "vllm:num_preemptions_total"} <= read
+    assert not read - series.keys(), f"queries read vLLM series vLLM lacks: {read - series.keys()}"
+    for name in read:
+        assert series[name] == ["engine", "model_name"], (name, series[name])
+    named = vllm_names_in(RUNBOOKS.read_text())
+    unknown = named - series.keys() - histograms
+    assert not unknown, f"docs/runbooks.md names vLLM series vLLM lacks: {unknown}"
