@@ -44,6 +44,8 @@ ENV_SYNC_TOKEN = "GSPO_SYNC_TOKEN"  # bearer token for control endpoints (from a
 # plugin cannot add flags to vLLM's command line.
 ENV_WEIGHTS_DIR = "GSPO_WEIGHTS_DIR"  # weightSync.method filesystem: the learner's directory
 ENV_INITIAL_VERSION = "GSPO_INITIAL_POLICY_VERSION"  # serve the loaded weights as this version
+# The policy version that produced a generation, on each reply of a plugin server.
+VERSION_HEADER = "x-gspo-policy-version"
 ENV_ROLLOUT_URLS = "GSPO_ROLLOUT_URLS"  # comma-separated rollout base URLs
 ENV_CHECKPOINT_DIR = "GSPO_CHECKPOINT_DIR"
 ENV_JOB_NAME = "GSPO_JOB_NAME"  # the GSPOJob's name (metrics labels, log lines)

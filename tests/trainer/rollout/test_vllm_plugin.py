@@ -23,11 +23,18 @@ from typing import Any
 import pytest
 import torch
 from rollout_standin import REPO, TOKEN, free_port
-from test_vllm_e2e import LOGPROB_ATOL, hf_logprobs
+from test_vllm_e2e import (
+    LOGPROB_ATOL,
+    PROMPTS,
+    SAMPLE,
+    check_batch,
+    hf_logprobs,
+    max_logprob_gap,
+)
 
-from gspo_trainer.rollout.client import RolloutClient, SyncOptions
+from gspo_trainer import ports
+from gspo_trainer.rollout.client import RequestRefused, RolloutClient, SyncOptions
 from gspo_trainer.rollout.serve_command import ServeOptions, serve_argv, serve_env
-from gspo_trainer.rollout.vllm_plugin import VERSION_HEADER
 from gspo_trainer.tiny import build_tiny_model, materialize
 
 pytestmark = pytest.mark.e2e
@@ -136,7 +143,7 @@ def test_weights_from_the_learner_are_what_generates_and_each_response_names_its
     assert report.servers == [url] and report.servers_failed == []
     assert call(url + "/ready", token=None)[2] == {"ready": True, "policy_version": 3}
     status, headers, body = complete(url)
-    assert status == 200 and headers[VERSION_HEADER] == "3"
+    assert status == 200 and headers[ports.VERSION_HEADER] == "3"
     for choice in body["choices"]:
         got = torch.tensor(choice["logprobs"]["token_logprobs"])
         # Processed log-probs: the distribution after temperature, as the learner scores.
@@ -146,10 +153,38 @@ def test_weights_from_the_learner_are_what_generates_and_each_response_names_its
     report = asyncio.run(sync(model, 4, "filesystem"))
     assert report.servers == [url]
     status, headers, body = complete(url)
-    assert headers[VERSION_HEADER] == "4"
+    assert headers[ports.VERSION_HEADER] == "4"
     got = torch.tensor(body["choices"][0]["logprobs"]["token_logprobs"])
     ids = body["choices"][0]["token_ids"]
     assert (hf_logprobs(model, PROMPT, ids, 0.7) - got).abs().max() < LOGPROB_ATOL
+
+
+def test_the_learners_client_generates_through_vllms_completions_route(server: Any) -> None:
+    """The client sees the plugin in /health (the served model's name) and samples through
+    /v1/completions: one request per prompt with its own seed, each completion carrying the
+    version the header names; a prompt the model cannot hold is refused by index."""
+    url, _ = server
+    model, _ = build_tiny_model(NAME)  # what the filesystem sync above loaded, as version 4
+
+    async def run() -> tuple[Any, Any, Any]:
+        async with RolloutClient([url], TOKEN, timeout_s=120) as client:
+            batch = await client.generate(PROMPTS, SAMPLE)
+            again = await client.generate(PROMPTS, SAMPLE)
+            too_long = [PROMPTS[0], [3] * 200, PROMPTS[1]]
+            with pytest.raises(RequestRefused) as refused:
+                await client.generate(too_long, SAMPLE)
+            after = await client.generate(PROMPTS[:1], SAMPLE)  # no server was benched
+            return batch, again, (refused.value, after)
+
+    batch, again, (refused, after) = asyncio.run(run())
+    check_batch(batch, SAMPLE, version=4)
+    assert max_logprob_gap(model, batch) < LOGPROB_ATOL
+    # Seeded: the same batch again is the same samples; prompts do not share one stream.
+    assert [[c.token_ids for c in g] for g in again.groups] == [
+        [c.token_ids for c in g] for g in batch.groups
+    ]
+    assert refused.prompt_index == 1 and "128" in str(refused)
+    assert after.groups[0][0].policy_version == 4 and not after.servers_failed
 
 
 def test_a_paused_server_holds_generations_until_it_resumes(server: Any) -> None:
@@ -165,7 +200,7 @@ def test_a_paused_server_holds_generations_until_it_resumes(server: Any) -> None
     assert call(url + "/control/resume", {})[0] == 200
     worker.join(timeout=60)
     status, headers, _ = result[0]
-    assert status == 200 and VERSION_HEADER in headers
+    assert status == 200 and ports.VERSION_HEADER in headers
     # A control body that is not JSON is refused with the reason, not a server error.
     req = urllib.request.Request(url + "/control/pause", b"{nope", method="POST",
                                  headers={"Authorization": f"Bearer {TOKEN}"})  # fmt: skip

@@ -65,6 +65,9 @@ class Server:
     policy_version: int | None = None
     workers: int = 1
     outstanding: int = 0  # prompts x samples in flight
+    # The name vLLM serves the model under, on a server that is vLLM's own with the gspo
+    # plugin (generation through /v1/completions); None on `gspo rollout-server`.
+    model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,7 @@ class RolloutClient:
             server.alive = resp.status == 200
             server.policy_version = body.get("policy_version")
             server.workers = int(body.get("workers", 1))
+            server.model = body.get("model")
         except (aiohttp.ClientError, TimeoutError, ValueError):
             server.alive = False
 
@@ -236,16 +240,10 @@ class RolloutClient:
             server = min(candidates, key=lambda s: s.outstanding)
             server.outstanding += work
             try:
-                # The chunk's base seed: its prompts keep the seeds they have in the batch.
-                sampling = _sampling_json(params.for_prompt(start))
-                body = {"prompts": chunk, "sampling": sampling}
-                try:
-                    payload = await self._post(server.url, "/v1/generate", body, self.timeout_s)
-                except ServerError as exc:
-                    if exc.status == 400:  # the request's fault: every server would refuse it
-                        raise _refused(exc, start) from exc
-                    raise
-                results = _parse_results(payload, len(chunk), params.n, self.policy_version)
+                if server.model is not None:
+                    results = await self._complete(server, chunk, start, params)
+                else:
+                    results = await self._generate_chunk(server, chunk, start, params)
             except (aiohttp.ClientError, TimeoutError, ServerError, ValueError) as exc:
                 log.warning("Rollout server %s failed a request: %s", server.url, exc)
                 tried.add(server.url)
@@ -262,6 +260,48 @@ class RolloutClient:
                     Completion(prompt_index=start + offset, **c) for c in completions
                 ]
             return
+
+    async def _generate_chunk(self, server: Server, chunk: list[list[int]], start: int,
+                              params: SamplingParams) -> list[list[dict[str, Any]]]:  # fmt: skip
+        """A chunk through `gspo rollout-server`'s /v1/generate, one request."""
+        # The chunk's base seed: its prompts keep the seeds they have in the batch.
+        body = {"prompts": chunk, "sampling": _sampling_json(params.for_prompt(start))}
+        try:
+            payload = await self._post(server.url, "/v1/generate", body, self.timeout_s)
+        except ServerError as exc:
+            if exc.status == 400:  # the request's fault: every server would refuse it
+                raise _refused(exc, start) from exc
+            raise
+        return _parse_results(payload, len(chunk), params.n, self.policy_version)
+
+    async def _complete(self, server: Server, chunk: list[list[int]], start: int,
+                        params: SamplingParams) -> list[list[dict[str, Any]]]:  # fmt: skip
+        """A chunk through vLLM's /v1/completions: one request per prompt, each with its own
+        seed (vLLM gives a batched request's prompts one seed, so one random stream)."""
+        return list(await asyncio.gather(*(
+            self._complete_one(server, prompt, start + i, params.for_prompt(start + i))
+            for i, prompt in enumerate(chunk)
+        )))  # fmt: skip
+
+    async def _complete_one(self, server: Server, prompt: list[int], index: int,
+                            params: SamplingParams) -> list[dict[str, Any]]:  # fmt: skip
+        body = {"model": server.model, "prompt": prompt, "n": params.n,
+                "max_tokens": params.max_tokens, "temperature": params.temperature,
+                "top_p": params.top_p, "top_k": params.top_k, "seed": params.seed,
+                "stop_token_ids": list(params.stop_token_ids), "logprobs": 0,
+                "return_token_ids": True}  # fmt: skip
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        url = server.url + "/v1/completions"
+        async with self._http().post(url, json=body, timeout=timeout) as resp:
+            payload = await resp.json(content_type=None)
+            version = resp.headers.get(ports.VERSION_HEADER)
+        if resp.status in (401, 403):
+            raise RolloutError(f"{url}: {resp.status} {_error_text(payload)}")
+        if resp.status == 400:  # the prompt's fault (too long, ...): every server would refuse
+            raise RequestRefused(f"{url}: 400 {_error_text(payload)}", index)
+        if resp.status != 200:
+            raise ServerError(f"{url}: {resp.status} {_error_text(payload)}", resp.status, payload)
+        return _parse_choices(payload, params.n, version, self.policy_version)
 
     def _describe(self) -> str:
         return ", ".join(
@@ -467,6 +507,37 @@ class RolloutClient:
             self._group = None  # a broken collective leaves the group unusable: re-form it
             raise RolloutError(f"weight update to version {version} failed: {errors[0]}")
         return outcomes[0].bytes_total, bcast_s
+
+
+def _error_text(payload: Any) -> str:
+    """The message of an error body: ours ({"error": "..."}) or vLLM's
+    ({"error": {"message": "..."}})."""
+    error = payload.get("error") if isinstance(payload, dict) else payload
+    if isinstance(error, dict):
+        return str(error.get("message", error))
+    return str(error)
+
+
+def _parse_choices(payload: Any, n: int, version: str | None,
+                   expected_version: int | None) -> list[dict[str, Any]]:  # fmt: skip
+    """One prompt's n completions from a /v1/completions reply, checked whole and from the
+    expected version (the plugin's header); ServerError if not."""
+    if version is None or not version.isdigit():
+        raise ServerError(f"no policy version header ({ports.VERSION_HEADER}) on the reply")
+    if expected_version is not None and int(version) != expected_version:
+        raise ServerError(f"server answered with version {version}, expected {expected_version}")
+    choices = payload.get("choices") if isinstance(payload, dict) else None
+    if not isinstance(choices, list) or len(choices) != n:
+        raise ServerError(f"expected {n} choices, got {payload!r:.200}")
+    out = []
+    for choice in sorted(choices, key=lambda c: c["index"]):
+        if choice.get("finish_reason") not in ("stop", "length"):
+            raise ServerError(f"a completion ended with {choice.get('finish_reason')!r}")
+        out.append({"token_ids": choice["token_ids"],
+                    "logprobs": choice["logprobs"]["token_logprobs"],
+                    "finish_reason": choice["finish_reason"],
+                    "policy_version": int(version)})  # fmt: skip
+    return out
 
 
 def _refused(exc: ServerError, start: int) -> RequestRefused:

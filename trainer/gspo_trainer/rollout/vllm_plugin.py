@@ -48,7 +48,6 @@ from gspo_trainer.rollout.control import (
 
 log = logging.getLogger("gspo.rollout")
 
-VERSION_HEADER = "x-gspo-policy-version"
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate",
                     "/v1/responses")  # fmt: skip
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/ping", "/version"})
@@ -69,6 +68,8 @@ class GSPOEndpoints:
         initial = os.environ.get(ports.ENV_INITIAL_VERSION)
         self.state = RolloutState(int(initial) if initial else None, registry=_default_registry())
         self.engine: Any = None
+        self.model_name: str | None = None  # what requests name as "model"
+        self.workers = 1  # the engine's workers: ranks in the weight-sync group
 
     def attach_router(self, app: Any) -> None:
         app.add_middleware(GateMiddleware, plugin=self)
@@ -81,6 +82,9 @@ class GSPOEndpoints:
         if engine_client is None:
             raise RuntimeError("the gspo endpoint plugin needs an engine (not a render server)")
         self.engine = engine_client
+        served = getattr(args, "served_model_name", None)
+        self.model_name = served[0] if served else args.model
+        self.workers = int(engine_client.vllm_config.parallel_config.world_size)
         if self.token is None:
             log.warning("$%s is not set: control routes are disabled", ports.ENV_SYNC_TOKEN)
         await warm_up(engine_client)
@@ -103,7 +107,8 @@ class GSPOEndpoints:
             gate, version = self.state.gate, self.state.policy_version
             return JSONResponse({"status": "ok", "policy_version": version,
                                  "synced": version is not None, "paused": gate.paused,
-                                 "active_requests": gate.active})  # fmt: skip
+                                 "active_requests": gate.active, "model": self.model_name,
+                                 "workers": self.workers})  # fmt: skip
 
         @router.get("/ready")
         async def ready() -> JSONResponse:
@@ -240,7 +245,10 @@ class GateMiddleware:
                     nonlocal status
                     if message["type"] == "http.response.start":
                         status = int(message["status"])
-                        headers = [*message.get("headers", []), (VERSION_HEADER.encode(), version)]
+                        headers = [
+                            *message.get("headers", []),
+                            (ports.VERSION_HEADER.encode(), version),
+                        ]
                         message = {**message, "headers": headers}
                     await send(message)
 
