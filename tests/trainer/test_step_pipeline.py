@@ -101,16 +101,33 @@ def traced_learner(
     return learner, traced, learned
 
 
+def padded(manifest: dict[str, Any], pack: bool = False) -> dict[str, Any]:
+    """The sums above were recorded with the rows run padded (learner.packSequences false)."""
+    manifest["spec"]["learner"]["packSequences"] = pack
+    return manifest
+
+
 def test_the_synchronous_step_computes_what_it_did_before_the_stages(cache: Path) -> None:
     import torch
 
-    learner = make_learner(cache, None, tiny_spec(maxSteps=3))
+    learner = make_learner(cache, None, padded(tiny_spec(maxSteps=3)))
     assert run(learner) == 0
     sums = {n: float(p.double().sum()) for n, p in params(learner).items()}
     assert sums.keys() == SYNC_SUMS_AFTER_3_STEPS.keys()
     for name, want in SYNC_SUMS_AFTER_3_STEPS.items():
         assert sums[name] == pytest.approx(want, rel=1e-6, abs=1e-6), name
     assert all(torch.isfinite(p).all() for p in params(learner).values())
+
+
+def test_the_packed_step_computes_what_the_padded_one_did(cache: Path) -> None:
+    """learner.packSequences (the default) runs the same step without padding: the same sums
+    up to float order (1e-6 apart here), far inside what one changed update moves them."""
+    learner = make_learner(cache, None, padded(tiny_spec(maxSteps=3), pack=True))
+    assert learner.policy.packs()
+    assert run(learner) == 0
+    sums = {n: float(p.double().sum()) for n, p in params(learner).items()}
+    for name, want in SYNC_SUMS_AFTER_3_STEPS.items():
+        assert sums[name] == pytest.approx(want, rel=1e-5, abs=1e-5), name
 
 
 def test_synchronous_collection_waits_for_the_update(cache: Path) -> None:

@@ -474,6 +474,19 @@ class LearnerConfig(PodSettings):
     micro_batch_tokens: int = Field(
         16384, ge=1, description="Token budget of one forward/backward micro-batch per GPU."
     )
+    pack_sequences: bool = Field(
+        True,
+        description=(
+            "Run a micro-batch's responses packed, without padding (verl's "
+            "use_remove_padding, TRL's padding_free): each sequence keeps its own position ids "
+            "and attends only to itself, and microBatchTokens counts real tokens. With flash "
+            "or flex attention a micro-batch is one row of its real tokens; with sdpa or eager "
+            "(cost quadratic in a row's length) sequences share rows of the longest one's "
+            "length. Saves the padded positions' compute and memory when lengths vary; false "
+            "runs rows padded to the longest (a model whose attention cannot isolate packed "
+            "sequences runs padded either way)."
+        ),
+    )
     image: str = Field("ghcr.io/gspo-dev/gspo-learner:0.1.0", description="Learner image.")
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
     shm_size: Quantity = Field("64Gi", description="Size of the memory-backed /dev/shm.")

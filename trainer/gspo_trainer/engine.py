@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from gspo_trainer.config import GSPOJobSpec
@@ -160,20 +161,105 @@ def resolve_model_path(spec: GSPOJobSpec, cache_dir: str | None = None) -> str:
     return name
 
 
-def load_model(spec: GSPOJobSpec, path: str) -> tuple[Any, Any]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_model(spec: GSPOJobSpec, path: str, *, shard: bool = False) -> tuple[Any, Any]:
+    """(model, tokenizer) from `path`. With `shard` under learner.zeroStage 3 (the learner's
+    policy) the model is built and loaded sharded (`_from_pretrained`): each rank keeps its
+    own partition of every parameter, and `build_engine` takes it as it is. Otherwise whole
+    on this rank (stages 0-2, or a model that generates in process), and a ZeRO-3 engine
+    partitions it only when it is built."""
+    from transformers import AutoTokenizer
 
-    kw: dict[str, Any] = {"trust_remote_code": spec.model.trust_remote_code}
-    if spec.model.revision:
-        kw["revision"] = spec.model.revision
-    dtype = getattr(torch, spec.model.dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
-    tokenizer = AutoTokenizer.from_pretrained(spec.model.tokenizer or path, **kw)
+    model = _from_pretrained(spec, path, shard=shard and spec.learner.zero_stage == 3)
+    tokenizer = AutoTokenizer.from_pretrained(spec.model.tokenizer or path, **_hf_kwargs(spec))
     if spec.model.gradient_checkpointing and getattr(model, "supports_gradient_checkpointing", 0):
         model.gradient_checkpointing_enable()
     model.config.use_cache = False
     return model, tokenizer
+
+
+def build_reference(spec: GSPOJobSpec, path: str, device: Any) -> tuple[Any, Any]:
+    """The KL reference (algorithm.klCoef > 0): the starting policy, loaded again from `path`
+    (the weights the run started from, whatever a resume later restores into the policy),
+    frozen and in eval mode. Returns (model, engine). Under ZeRO-3 it is loaded sharded and
+    wrapped in a DeepSpeed engine of its own, ZeRO-3 with no optimizer (as TRL and OpenRLHF
+    prepare theirs), whose hooks gather each layer for its forward and free it after: keep
+    the engine alive, its hooks go with it. Under stages 0-2 a whole copy on `device`, and no
+    engine."""
+    shard = spec.learner.zero_stage == 3
+    model = _from_pretrained(spec, path, shard=shard)
+    model.config.use_cache = False
+    model.requires_grad_(False).eval()
+    if not shard:
+        return model.to(device), None
+    import deepspeed
+
+    _prepare_zero3(model)
+    engine, *_ = deepspeed.initialize(model=model, config=reference_ds_config(spec))
+    engine.eval()
+    return engine.module, engine
+
+
+def reference_ds_config(spec: GSPOJobSpec) -> dict[str, Any]:
+    """The KL reference's engine: the policy's precision and ZeRO-3 partitioning, nothing to
+    train (no optimizer, no gradient clipping or accumulation dtype, no optimizer offload)."""
+    cfg = ds_config(spec)
+    for key in ("optimizer", "gradient_clipping", "data_types"):
+        cfg.pop(key, None)
+    cfg["zero_optimization"] = {"stage": 3}
+    return cfg
+
+
+def _hf_kwargs(spec: GSPOJobSpec) -> dict[str, Any]:
+    kw: dict[str, Any] = {"trust_remote_code": spec.model.trust_remote_code}
+    if spec.model.revision:
+        kw["revision"] = spec.model.revision
+    return kw
+
+
+def _from_pretrained(spec: GSPOJobSpec, path: str, *, shard: bool) -> Any:
+    """AutoModelForCausalLM.from_pretrained(path) in spec.model.dtype. With `shard` (ZeRO-3),
+    inside `zero3_loading`: transformers builds the model under deepspeed.zero.Init, so every
+    parameter is partitioned over the ranks as it is created (never whole on a rank), then
+    loads the checkpoint layer by layer (each layer gathered, filled on rank 0 from the
+    memory-mapped file, partitioned again)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, spec.model.dtype)
+    if not shard:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **_hf_kwargs(spec))
+    init_distributed()  # zero.Init partitions over the process group
+    with zero3_loading(ds_config(spec)):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **_hf_kwargs(spec))
+
+
+@contextlib.contextmanager
+def zero3_loading(config: dict[str, Any]) -> Iterator[None]:
+    """While open, transformers sees DeepSpeed ZeRO-3 `config` (`is_deepspeed_zero3_enabled`,
+    `deepspeed_config`) and builds models under deepspeed.zero.Init with it. transformers
+    holds the config by a weak reference, so it is held here while open; on leaving, the
+    registration is undone (`unset_hf_deepspeed_config`) and one that was there before is
+    put back, so nothing loaded later in the process (a tokenizer, a model at another stage)
+    sees ZeRO-3 by accident. `config` is a resolved ds_config (no "auto")."""
+    from transformers.integrations import deepspeed as hf_ds
+
+    before = getattr(hf_ds, "_hf_deepspeed_config_weak_ref", None)
+    held = _hf_ds_config(config)
+    try:
+        yield
+    finally:
+        hf_ds.unset_hf_deepspeed_config()
+        if before is not None and before() is not None:
+            hf_ds.set_hf_deepspeed_config(before())
+        del held
+
+
+def _hf_ds_config(config: dict[str, Any]) -> Any:
+    """transformers' HfDeepSpeedConfig around `config`, registered (it builds on accelerate's
+    DeepSpeed plugin: accelerate is one of the learner's dependencies for it)."""
+    from transformers.integrations import deepspeed as hf_ds
+
+    return hf_ds.HfDeepSpeedConfig(config)
 
 
 def moe_leaf_classes(model: Any) -> list[type]:
@@ -186,20 +272,29 @@ def moe_leaf_classes(model: Any) -> list[type]:
     return list(seen.values())
 
 
+def _prepare_zero3(model: Any) -> None:
+    """Before a ZeRO-3 engine is built around `model`: whole MoE blocks as leaf modules, and
+    the head scorer (`score_with_head`) with lm_head's weight as its external parameter."""
+    import deepspeed
+
+    leaves = moe_leaf_classes(model)
+    if leaves:
+        from deepspeed.utils import set_z3_leaf_modules
+
+        set_z3_leaf_modules(model, leaves)
+    head = model.get_output_embeddings()
+    model.add_module(HEAD_SCORER, _head_scorer(head))
+    deepspeed.zero.register_external_parameter(getattr(model, HEAD_SCORER), head.weight)
+
+
 def build_engine(spec: GSPOJobSpec, model: Any) -> Any:
-    """deepspeed.initialize around `model`; returns the engine."""
+    """deepspeed.initialize around `model` (whole, or already partitioned by a sharded
+    `load_model`: ZeRO-3 keeps the partitions zero.Init made); returns the engine."""
     import deepspeed
 
     init_distributed()
     if spec.learner.zero_stage == 3:
-        leaves = moe_leaf_classes(model)
-        if leaves:
-            from deepspeed.utils import set_z3_leaf_modules
-
-            set_z3_leaf_modules(model, leaves)
-        head = model.get_output_embeddings()
-        model.add_module(HEAD_SCORER, _head_scorer(head))
-        deepspeed.zero.register_external_parameter(getattr(model, HEAD_SCORER), head.weight)
+        _prepare_zero3(model)
     params = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params,
                                       config=ds_config(spec),

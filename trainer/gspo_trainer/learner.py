@@ -89,18 +89,18 @@ class Learner:
         failures = self.metrics.tracker_failures
         self.trackers = build_trackers(spec.metrics.report_to, where, self.rank, failures)
         path = model_path or eng.resolve_model_path(spec)
-        model, self.tokenizer = eng.load_model(spec, path)
-        # The KL reference is the starting policy, frozen (a full copy on every rank).
-        reference = None
-        if spec.algorithm.kl_coef > 0:
-            import copy
-
-            reference = copy.deepcopy(model).eval().requires_grad_(False)
+        # Under ZeRO-3 loaded sharded: each rank builds and keeps only its partition.
+        model, self.tokenizer = eng.load_model(spec, path, shard=True)
         self.engine = eng.build_engine(spec, model)
-        if reference is not None:  # beside the policy, on its device (frozen: no ZeRO)
-            reference = reference.to(self.engine.device)
+        # The KL reference is the starting policy, frozen: loaded again from `path`, so a
+        # resume (which restores the policy later) leaves it at the run's first weights.
+        # ZeRO-3: sharded, in an engine of its own (kept: its hooks gather the layers);
+        # stages 0-2: a whole copy on the policy's device.
+        reference = self.reference_engine = None
+        if spec.algorithm.kl_coef > 0:
+            reference, self.reference_engine = eng.build_reference(spec, path, self.engine.device)
         moe = moe_shape(model.config) if spec.model.moe is not None else None
-        self.policy = Policy(self.engine, moe, reference)
+        self.policy = Policy(self.engine, moe, reference, spec.learner.pack_sequences)
         if moe is not None and spec.algorithm.loss_level == "grpo" and self.rank == 0:
             log.warning("algorithm.lossLevel grpo on a mixture-of-experts model: token ratios "
                         "swing when one update changes a token's experts, and the GSPO paper "
@@ -393,7 +393,7 @@ class Learner:
         alg, moe = self.spec.algorithm, self.spec.model.moe
         t0 = time.perf_counter()
         plan = plan_step(packed, alg.mini_batches, self.spec.learner.micro_batch_tokens,
-                         self.ranks)  # fmt: skip
+                         self.ranks, pack=self.policy.packs())  # fmt: skip
         old = old_policy(self.policy, packed, plan, alg, diagnose=diagnose)
         t1 = time.perf_counter()
         behaviour = alg.max_staleness > 0 or self.spec.weight_sync.every_steps > 1

@@ -44,6 +44,11 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
         "Mean |log πengine - log πlearner| per token on the same weights.",
     ),
     "tokens_per_second": ("gspo_tokens_per_second", "Generated tokens per second of step time."),
+    "padded_token_fraction": (
+        "gspo_padded_token_fraction",
+        "Share of the token positions the last step's update forwards ran that were padding "
+        "(0 with learner.packSequences).",
+    ),
     "routing_drift": (
         "gspo_moe_routing_drift",
         "Share of activated experts one update changed, mean over layers (MoE only; "

@@ -72,3 +72,47 @@ def micro_count(rows_per_update: int, padded_len: int, token_budget: int) -> int
     when a single row is longer than the budget)."""
     per_micro = max(1, token_budget // max(padded_len, 1))
     return -(-rows_per_update // per_micro)
+
+
+def token_micro_count(lengths: list[int], token_budget: int) -> int:
+    """Packed (learner.packSequences), the fewest contiguous micro-batches of these rows
+    (their lengths, prompt + response) holding at most `token_budget` real tokens each (a row
+    longer than the budget goes alone)."""
+    return len(_cut(lengths, token_budget))
+
+
+def token_micro_slices(rows: slice, lengths: list[int], count: int) -> list[slice]:
+    """`rows` (of `lengths` tokens each) cut into `count` contiguous micro-batches (fewer only
+    when there are fewer rows), none empty, the largest one's tokens as few as they can be."""
+    n = rows.stop - rows.start
+    assert len(lengths) == n
+    count = max(1, min(count, n))
+    lo, hi = max(lengths, default=0), sum(lengths)
+    while lo < hi:  # the smallest cap that `count` micro-batches can keep to
+        mid = (lo + hi) // 2
+        if len(_cut(lengths, mid)) <= count:
+            hi = mid
+        else:
+            lo = mid + 1
+    parts = _cut(lengths, lo)
+    while len(parts) < count:  # split the heaviest micro-batch of 2+ rows where it halves
+        a, b = max((p for p in parts if p[1] - p[0] > 1), key=lambda p: sum(lengths[p[0] : p[1]]))
+        total = sum(lengths[a:b])
+        at = min(range(a + 1, b), key=lambda i: max(s := sum(lengths[a:i]), total - s))
+        k = parts.index((a, b))
+        parts[k : k + 1] = [(a, at), (at, b)]
+    return [slice(rows.start + a, rows.start + b) for a, b in parts]
+
+
+def _cut(lengths: list[int], cap: int) -> list[tuple[int, int]]:
+    """Greedy contiguous parts of at most `cap` tokens (a longer row alone), as (start, stop)."""
+    parts: list[tuple[int, int]] = []
+    start, total = 0, 0
+    for i, x in enumerate(lengths):
+        if i > start and total + x > cap:
+            parts.append((start, i))
+            start, total = i, 0
+        total += x
+    if lengths:
+        parts.append((start, len(lengths)))
+    return parts

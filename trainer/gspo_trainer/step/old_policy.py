@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gspo_trainer.config import AlgorithmConfig
-from gspo_trainer.engine import lm_head_weight, score_with_head
+from gspo_trainer.engine import score_with_head
 from gspo_trainer.logprobs import token_logprobs_from_hidden
 from gspo_trainer.step.batch import Packed
 from gspo_trainer.step.plan import MiniBatch
@@ -67,10 +67,9 @@ def old_policy(policy: Policy, packed: Packed, plan: list[MiniBatch], alg: Algor
                         chosen.append(policy.experts(packed, sub, fwd))
                 if ref is not None:
                     h_ref = policy.forward(packed, sub, router=False, model=policy.reference).hidden
-                    ref[here, : L - 1] = token_logprobs_from_hidden(
-                        h_ref, lm_head_weight(policy.reference), targets,
-                        temperature=alg.temperature, mask=mask,
-                    ).logp  # fmt: skip
+                    # through the reference's own head scorer: under ZeRO-3 it gathers lm_head
+                    ref[here, : L - 1] = score_with_head(policy.reference, _logp, h_ref, targets,
+                                                         mask, alg.temperature)  # fmt: skip
             logps.append(old)
             if ref is not None:
                 refs.append(ref)

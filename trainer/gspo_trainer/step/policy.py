@@ -1,5 +1,7 @@
 """The learner's model as the stages use it: final hidden states (and router logits) of some
-rows, the token mask router logits are laid out by, and the frozen KL reference.
+rows, the token mask router logits are laid out by, and the frozen KL reference. The rows run
+padded or, with learner.packSequences, packed without padding (`Policy.forward`); either way
+the stages read the same padded layout.
 
 Log-probs and the loss are computed from hidden states through the lm_head (`score_with_head`
 gathers its weight under ZeRO-3), so the full (rows, L, vocabulary) logits never exist.
@@ -7,6 +9,7 @@ gathers its weight under ZeRO-3), so the full (rows, L, vocabulary) logits never
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +26,8 @@ class Forward:
     hidden: torch.Tensor  # (n, L-1, H) final hidden states, row t predicting targets[:, t]
     L: int  # the rows' length (the longest of them)
     router: Any  # tuple of (n*L, E) router logits per MoE layer, or None
+    positions: int = 0  # token positions the model ran (n*L padded, the real tokens packed)
+    tokens: int = 0  # real tokens among them (the rows' lengths, summed)
 
     def mask(self, packed: Packed, rows: slice) -> torch.Tensor:
         return packed.mask[rows, : self.L - 1]  # (n, L-1)
@@ -31,11 +36,62 @@ class Forward:
         return packed.targets[rows, : self.L - 1]  # (n, L-1)
 
 
+# Attention implementations that keep sequences packed into one row apart by their position
+# ids: eager, sdpa and flex through masking_utils' packed-sequence mask, flash attention
+# through its varlen kernel (cu_seqlens from the position ids).
+PACKABLE_ATTENTION = frozenset(
+    {"eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3",
+     "flash_attention_4"}
+)  # fmt: skip
+# Those among them whose cost follows the sequences, not the row: flash attention's varlen
+# kernel, flex attention's block mask (it skips the blocks the mask empties). A micro-batch
+# runs with them as one row of its real tokens. eager and sdpa compute every (query, key)
+# pair of a row, masked or not, so one row of T tokens would cost T^2 where the padded rows
+# cost n * L^2: with them the sequences go into as few rows of the longest one's length as
+# they fit (first fit, longest first), which never costs more than the padded rows.
+ONE_ROW_ATTENTION = frozenset(
+    {"flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4"}
+)
+
+
+def can_pack(module: Any) -> bool:
+    """Whether `module` (a transformers causal LM) keeps sequences packed into one row from
+    attending to each other when given position ids restarting at 0 per sequence and no
+    attention mask. It does when its base model takes `position_ids` and builds its mask with
+    transformers' `masking_utils.create_causal_mask` (which, with no attention mask and no
+    cache, finds the sequences with `find_packed_sequence_indices` and adds the block-diagonal
+    `packed_sequence_mask_function`; the sliding-window mask likewise), under an attention
+    implementation of PACKABLE_ATTENTION (flash attention ignores that mask and runs varlen
+    from the position ids: `_flash_attention_forward` -> `_is_packed_sequence` ->
+    `prepare_fa_kwargs_from_position_ids`). Qwen3, Qwen3-MoE, Qwen2(-MoE), Mixtral, Mistral
+    and Llama in transformers 5 do. Anything else (remote code with its own mask, another
+    attention kernel) is run padded."""
+    base = getattr(module, getattr(module, "base_model_prefix", ""), None)
+    if base is None:
+        return False
+    impl = getattr(getattr(base, "config", None), "_attn_implementation", None)
+    return impl in PACKABLE_ATTENTION and _masks_packed(type(base))
+
+
+@functools.cache
+def _masks_packed(cls: type) -> bool:
+    import inspect
+    import sys
+
+    from transformers import masking_utils
+
+    if "position_ids" not in inspect.signature(cls.forward).parameters:
+        return False
+    defined_in = sys.modules.get(cls.__module__)
+    return getattr(defined_in, "create_causal_mask", None) is masking_utils.create_causal_mask
+
+
 @dataclass
 class Policy:
     engine: Any  # the DeepSpeed engine training the policy
     moe: MoEShape | None  # None: dense, or model.moe unset
     reference: Any = None  # the frozen starting policy (algorithm.klCoef > 0), else None
+    pack: bool = True  # learner.packSequences: run each micro-batch packed when the model can
 
     @property
     def module(self) -> Any:
@@ -47,8 +103,22 @@ class Policy:
         the loss and the collectives read goes there."""
         return self.engine.device
 
+    def packs(self, model: Any = None) -> bool:
+        """Whether forwards of the policy (or `model`) run packed: packSequences on and a
+        model that keeps packed sequences apart (`can_pack`)."""
+        return self.pack and can_pack(self.module if model is None else model)
+
     def forward(self, packed: Packed, rows: slice, *, router: bool, model: Any = None) -> Forward:
-        """The policy's (or `model`'s) forward over `rows`, cut to their own length."""
+        """The policy's (or `model`'s: the KL reference) forward over `rows`, cut to their own
+        length. Padded, the rows run right-padded to the longest with an attention mask.
+        Packed (`packs`), the sequences run without padding (`pack_rows`): as one row of their
+        real tokens under flash or flex attention, in as few rows of the longest one's length
+        as they fit under sdpa or eager (ONE_ROW_ATTENTION says why), position ids restarting
+        at 0 per sequence, no attention mask and no cache (with one, transformers does not
+        look for packed sequences), so that transformers builds the block-diagonal causal mask
+        (or runs flash attention varlen). The last hidden states and router logits are
+        scattered back into the padded layout (zeros at padding; the scatter passes
+        gradients), so everything downstream reads the same tensors either way."""
         module = model
         if module is None:
             begin_forward(self.engine)
@@ -57,8 +127,27 @@ class Policy:
         L = int(attn.sum(-1).max())
         base = getattr(module, module.base_model_prefix)
         kw = {"output_router_logits": True} if (router and self.moe) else {}
-        out = base(input_ids=packed.ids[rows, :L], attention_mask=attn[:, :L], **kw)
-        return Forward(out.last_hidden_state[:, : L - 1], L, getattr(out, "router_logits", None))
+        n = rows.stop - rows.start
+        if not self.packs(module):
+            out = base(input_ids=packed.ids[rows, :L], attention_mask=attn[:, :L], **kw)
+            return Forward(out.last_hidden_state[:, : L - 1], L,
+                           getattr(out, "router_logits", None), n * L,
+                           int(attn.sum()))  # fmt: skip
+        lengths = attn.sum(-1).tolist()
+        one_row = base.config._attn_implementation in ONE_ROW_ATTENTION
+        ids, positions, src, dst = pack_rows(packed.ids[rows, :L], lengths,
+                                             sum(lengths) if one_row else L)  # fmt: skip
+        out = base(input_ids=ids, position_ids=positions, use_cache=False, **kw)
+
+        def unpack(x: torch.Tensor) -> torch.Tensor:  # (k*W, D) -> (n*L, D), zeros at padding
+            x = x.reshape(-1, x.shape[-1])[src]
+            return x.new_zeros(n * L, x.shape[-1]).index_copy(0, dst, x)
+
+        hidden = unpack(out.last_hidden_state).reshape(n, L, -1)[:, : L - 1]
+        router_logits = getattr(out, "router_logits", None)
+        if router_logits is not None:
+            router_logits = tuple(unpack(r) for r in router_logits)
+        return Forward(hidden, L, router_logits, ids.numel(), int(src.numel()))
 
     def token_mask(self, packed: Packed, rows: slice, L: int) -> torch.Tensor:
         """(n*L,) True at response-token positions, the layout of router logits."""
@@ -73,6 +162,45 @@ class Policy:
 
         assert self.moe is not None
         return top_k_experts(fwd.router, self.token_mask(packed, rows, fwd.L), self.moe.top_k)
+
+
+def pack_rows(ids: torch.Tensor, lengths: list[int], width: int) -> tuple[torch.Tensor, ...]:
+    """The sequences of `ids` (n, L; row i's first lengths[i] tokens) packed into rows of
+    `width` tokens: (ids, position_ids, src, dst), ids and position_ids (k, width), position
+    ids restarting at 0 for each sequence; src and dst (T,) the places of the T real tokens
+    in the packed (k*width) and the padded (n*L) layout, flattened. A sequence goes into the
+    first row it fits, longest first (in order, all in one row, when `width` holds them all);
+    a row's unused tail is a filler sequence of its own (positions from 0 again), which
+    attends to nothing real and is never read."""
+    import torch
+
+    n, L = ids.shape
+    order = range(n) if width >= sum(lengths) else sorted(range(n), key=lambda i: -lengths[i])
+    bins: list[list[int]] = []
+    used: list[int] = []
+    for i in order:
+        b = next((b for b, u in enumerate(used) if u + lengths[i] <= width), len(bins))
+        if b == len(bins):
+            bins.append([])
+            used.append(0)
+        bins[b].append(i)
+        used[b] += lengths[i]
+    device = ids.device
+    out = torch.zeros(len(bins), width, dtype=ids.dtype, device=device)
+    pos = torch.zeros(len(bins), width, dtype=torch.long)
+    src: list[torch.Tensor] = []
+    dst: list[torch.Tensor] = []
+    for b, members in enumerate(bins):
+        at = 0
+        for i in members:
+            m = lengths[i]
+            out[b, at : at + m] = ids[i, :m]
+            pos[b, at : at + m] = torch.arange(m)
+            src.append(torch.arange(b * width + at, b * width + at + m))
+            dst.append(torch.arange(i * L, i * L + m))
+            at += m
+        pos[b, at:] = torch.arange(width - at)
+    return (out, pos.to(device), torch.cat(src).to(device), torch.cat(dst).to(device))
 
 
 def per_layer(parts: list[list[torch.Tensor]]) -> list[torch.Tensor]:

@@ -23,13 +23,18 @@ log = logging.getLogger("gspo.learner")
 def learner_stats(update: UpdateStats, old: OldPolicy, mini_batches: int,
                   ranks: Ranks) -> dict[str, float]:  # fmt: skip
     """The loss, clip, entropy, mismatch and drift numbers, over every rank's rows (mismatch
-    and drift only when measured: every rank measures on the same steps)."""
+    and drift only when measured: every rank measures on the same steps), and
+    padded_token_fraction: the share of the token positions the updates' forwards ran, over
+    every rank, that were padding (0 when packed, learner.packSequences)."""
     local = update.local(mini_batches)
     if old.mismatch is not None:
         local["logprob_mismatch"] = old.mismatch
     if update.drift is not None:
         local["routing_drift"] = sum(update.drift) / len(update.drift)
+    local["_positions"], local["_padding"] = update.positions, update.positions - update.tokens
     stats = ranks.mean(local)
+    positions, padding = stats.pop("_positions"), stats.pop("_padding")
+    stats["padded_token_fraction"] = padding / positions if positions else 0.0
     stats.update(ranks.maximum(update.maxima))
     if update.grad_norm is not None:
         stats["grad_norm"] = update.grad_norm

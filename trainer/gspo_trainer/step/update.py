@@ -39,6 +39,8 @@ class UpdateStats:
     maxima: dict[str, float] = field(default_factory=dict)
     grad_norm: float | None = None
     drift: list[float] | None = None  # per MoE layer; None when not measured
+    positions: int = 0  # token positions the updates' forwards ran (padding included)
+    tokens: int = 0  # real tokens among them
 
     def add(self, key: str, value: float) -> None:
         self.sums[key] = self.sums.get(key, 0.0) + value
@@ -67,6 +69,7 @@ def update(policy: Policy, packed: Packed, plan: list[MiniBatch], old: OldPolicy
         for j, sub in enumerate(mb.micro):
             here, share = mb.local(sub), mb.share(sub)
             fwd = policy.forward(packed, sub, router=aux_coef > 0)
+            out.positions, out.tokens = out.positions + fwd.positions, out.tokens + fwd.tokens
             mask, targets = fwd.mask(packed, sub), fwd.targets(packed, sub)
             extra: dict[str, Any] = {}
             if old.ref is not None:
