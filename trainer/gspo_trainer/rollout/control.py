@@ -15,7 +15,11 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+# An engine operation that loads weights and answers what it loaded ({"bytes": ..., ...}).
+Loader = Callable[..., Awaitable[dict[str, int]]]
 
 log = logging.getLogger("gspo.rollout")
 
@@ -113,6 +117,40 @@ class RolloutState:
     def resume(self) -> dict[str, Any]:
         self.gate.resume()
         return {"paused": False, "policy_version": self.policy_version}
+
+    async def join(self, body: dict[str, Any], init: Callable[..., Awaitable[T]]) -> T:
+        """/control/sync/init: the engine's workers join the learner's sync group
+        (`init(**coordinates)`, whose result is returned); 500 naming the cause otherwise."""
+        coords = sync_coordinates(body)
+        async with self.sync_lock:
+            try:
+                return await init(**coords)
+            except Exception as exc:
+                log.exception("joining the sync group failed")
+                raise ControlError(500, f"sync/init failed: {exc}") from exc
+
+    async def receive(self, body: dict[str, Any], receive: Loader) -> dict[str, Any]:
+        """/control/sync/update: one broadcast received and loaded (`receive(timeout_s)`,
+        answering its version and bytes), under the swap's pause."""
+        timeout_s = float(body.get("timeout_s", 600))
+
+        async def load() -> tuple[int, dict[str, int]]:
+            received = await receive(timeout_s)
+            return int(received["version"]), received
+
+        return await self.swap_weights(load, timeout_s, "sync/update")
+
+    async def load_file(self, body: dict[str, Any], weights_dir: Any, setting: str,
+                        load: Loader) -> dict[str, Any]:  # fmt: skip
+        """/control/sync/load: the version a body names, loaded from `weights_dir` (`load(path,
+        timeout_s)`), under the swap's pause; `setting` names what gives the directory."""
+        version, path = load_version(body, weights_dir, setting)
+        timeout_s = float(body.get("timeout_s", 600))
+
+        async def swap() -> tuple[int, dict[str, int]]:
+            return version, await load(str(path), timeout_s)
+
+        return await self.swap_weights(swap, timeout_s, "sync/load")
 
     async def swap_weights(self, load: Callable[[], Awaitable[tuple[int, dict[str, int]]]],
                            timeout_s: float, route: str) -> dict[str, Any]:  # fmt: skip

@@ -37,8 +37,6 @@ from gspo_trainer import ports
 from gspo_trainer.rollout.control import (
     ControlError,
     RolloutState,
-    load_version,
-    sync_coordinates,
 )
 from gspo_trainer.rollout.engine import Engine, EngineOptions, Sample
 from gspo_trainer.rollout.types import SamplingParams
@@ -264,13 +262,7 @@ async def sync_init(request: web.Request) -> web.Response:
     state, engine = request.app[STATE_KEY], request.app[ENGINE_KEY]
 
     async def join() -> dict[str, Any]:
-        coords = sync_coordinates(await _json(request))
-        async with state.sync_lock:
-            try:
-                await engine.init_sync_group(**coords)
-            except Exception as exc:
-                log.exception("joining the sync group failed")
-                raise ControlError(500, f"sync/init failed: {exc}") from exc
+        await state.join(await _json(request), engine.init_sync_group)
         return {"joined": True, "workers": engine.workers}
 
     return await _answer(join())
@@ -278,32 +270,16 @@ async def sync_init(request: web.Request) -> web.Response:
 
 @_guarded
 async def sync_update(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE_KEY]
-    body = await _json(request)
-    timeout_s = float(body.get("timeout_s", 600))
-
-    async def load() -> tuple[int, dict[str, int]]:
-        received = await engine.receive_weights(timeout_s)
-        return int(received["version"]), received
-
-    return await _answer(request.app[STATE_KEY].swap_weights(load, timeout_s, "sync/update"))
+    state, engine = request.app[STATE_KEY], request.app[ENGINE_KEY]
+    return await _answer(state.receive(await _json(request), engine.receive_weights))
 
 
 @_guarded
 async def sync_load(request: web.Request) -> web.Response:
     state, engine = request.app[STATE_KEY], request.app[ENGINE_KEY]
     body = await _json(request)
-    timeout_s = float(body.get("timeout_s", 600))
-
-    async def swap() -> dict[str, Any]:
-        version, path = load_version(body, state.weights_dir, "--weights-dir")
-
-        async def load() -> tuple[int, dict[str, int]]:
-            return version, await engine.load_weights_file(str(path), timeout_s)
-
-        return await state.swap_weights(load, timeout_s, "sync/load")
-
-    return await _answer(swap())
+    return await _answer(state.load_file(body, state.weights_dir, "--weights-dir",
+                                         engine.load_weights_file))  # fmt: skip
 
 
 async def _answer(result: Awaitable[dict[str, Any]]) -> web.Response:

@@ -27,6 +27,7 @@ and /version: vLLM's --api-key guards only /v1, leaving /tokenize, /invocations,
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import logging
@@ -42,8 +43,6 @@ from gspo_trainer import ports
 from gspo_trainer.rollout.control import (
     ControlError,
     RolloutState,
-    load_version,
-    sync_coordinates,
 )
 
 log = logging.getLogger("gspo.rollout")
@@ -145,36 +144,20 @@ class GSPOEndpoints:
     async def _join(self, body: dict[str, Any]) -> dict[str, Any]:
         from gspo_trainer.rollout.engine import init_sync_group
 
-        coords = sync_coordinates(body)
-        async with self.state.sync_lock:
-            try:
-                workers = await init_sync_group(self.engine, **coords)
-            except Exception as exc:
-                log.exception("joining the sync group failed")
-                raise ControlError(500, f"sync/init failed: {exc}") from exc
+        workers = await self.state.join(body, functools.partial(init_sync_group, self.engine))
         return {"joined": True, "workers": workers}
 
     async def _receive(self, body: dict[str, Any]) -> dict[str, Any]:
         from gspo_trainer.rollout.engine import receive_weights
 
-        timeout_s = float(body.get("timeout_s", 600))
-
-        async def load() -> tuple[int, dict[str, int]]:
-            received = await receive_weights(self.engine, timeout_s)
-            return int(received["version"]), received
-
-        return await self.state.swap_weights(load, timeout_s, "sync/update")
+        return await self.state.receive(body, functools.partial(receive_weights, self.engine))
 
     async def _load(self, body: dict[str, Any]) -> dict[str, Any]:
         from gspo_trainer.rollout.engine import load_weights_file
 
-        version, path = load_version(body, self.weights_dir, f"${ports.ENV_WEIGHTS_DIR}")
-        timeout_s = float(body.get("timeout_s", 600))
-
-        async def load() -> tuple[int, dict[str, int]]:
-            return version, await load_weights_file(self.engine, str(path), timeout_s)
-
-        return await self.state.swap_weights(load, timeout_s, "sync/load")
+        load = functools.partial(load_weights_file, self.engine)
+        setting = f"${ports.ENV_WEIGHTS_DIR}"
+        return await self.state.load_file(body, self.weights_dir, setting, load)
 
 
 async def _body(request: Any) -> dict[str, Any]:
