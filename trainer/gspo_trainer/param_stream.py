@@ -20,6 +20,7 @@ whole on every rank: the stream yields them as they are and nothing is collectiv
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -136,7 +137,4 @@ class ParamStream:
 
 
 def _nbytes(meta: TensorSpec) -> int:
-    n = int(meta[2].itemsize)
-    for d in meta[1]:
-        n *= int(d)
-    return n
+    return math.prod(meta[1]) * meta[2].itemsize

@@ -19,6 +19,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gspo_trainer.rollout.weight_sync import reading
+
 if TYPE_CHECKING:
     import torch
 
@@ -56,8 +58,9 @@ def write_version(
                       metadata={"policy_version": str(version)})  # fmt: skip
             shard, used = {}, 0
 
-    tensors = iter(named_tensors)
-    try:
+    # Closed however the writing ends: a failed write ends the stream's pass now, not when
+    # the error is let go.
+    with reading(named_tensors) as tensors:
         for name, t in tensors:
             nbytes = t.numel() * t.element_size()
             if shard and used + nbytes > shard_bytes:
@@ -70,10 +73,6 @@ def write_version(
             used += nbytes
             total += nbytes
         flush()
-    finally:  # a failed write ends the stream's pass now, not when the error is gone
-        close = getattr(tensors, "close", None)
-        if close is not None:
-            close()
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)

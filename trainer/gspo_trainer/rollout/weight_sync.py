@@ -285,6 +285,20 @@ class InMemory:
         return iter(self.items)
 
 
+@contextmanager
+def reading(source: Iterable[tuple[str, torch.Tensor]]) -> Iterator[Iterator[tuple[str, Any]]]:
+    """An iterator over `source`, closed on leaving however the reading ends: a ParamStream
+    pass left early (an error mid-way) then gathers what is left at once, as the other
+    learner ranks do, not whenever the error and its traceback are let go."""
+    tensors = iter(source)
+    try:
+        yield tensors
+    finally:
+        close = getattr(tensors, "close", None)
+        if close is not None:
+            close()
+
+
 class CheckpointNamed:
     """`source` under the checkpoint names vLLM loads (see checkpoint_named_tensors); its
     metas renamed the same way, from shape-only tensors, without reading a weight."""
@@ -299,13 +313,8 @@ class CheckpointNamed:
         return [(name, tuple(t.shape), t.dtype) for name, t in checkpoint_named_tensors(shapes)]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        inner = iter(self.source)
-        try:
+        with reading(self.source) as inner:
             yield from checkpoint_named_tensors(inner)
-        finally:  # a pass left early ends at once (a ParamStream then gathers what is left)
-            close = getattr(inner, "close", None)
-            if close is not None:
-                close()
 
 
 def tensor_source(named_tensors: Iterable[tuple[str, torch.Tensor]] | TensorSource) -> TensorSource:
@@ -428,8 +437,7 @@ class WeightSender:
                 self._layout = (key, buckets, encode_layout(buckets), staging)
             _, buckets, layout, staging = self._layout
             _broadcast_header(self.group, version, layout)
-            tensors = iter(source)
-            try:
+            with reading(source) as tensors:
                 # Fill bucket k+1 while bucket k is on the wire.
                 in_flight: Any = None
                 for k, bucket in enumerate(buckets):
@@ -439,10 +447,6 @@ class WeightSender:
                     in_flight = self.group.broadcast_async(buffer)
                 if in_flight is not None:
                     in_flight.wait()
-            finally:
-                close = getattr(tensors, "close", None)
-                if close is not None:
-                    close()
         return SyncStats(
             version=version,
             bytes_total=sum(m[3] for m in metas),
