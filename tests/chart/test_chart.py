@@ -386,12 +386,12 @@ def exported_metric_names() -> set[str]:
     """Every series name the learner, the rollout server and the operator can expose."""
     from gspo_operator.metrics import OperatorMetrics
     from gspo_trainer.metrics import LearnerMetrics
-    from gspo_trainer.rollout.server import ServerState
+    from gspo_trainer.rollout.control import RolloutState
 
     registries = [
         LearnerMetrics().registry,
         OperatorMetrics().registry,
-        ServerState(token=None, require_token_for_generate=False, version=None).registry,
+        RolloutState(version=None).registry,
     ]
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
     names = {"up"}

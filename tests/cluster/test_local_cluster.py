@@ -134,11 +134,12 @@ async def test_a_job_trains_through_faults_suspend_and_resume_to_succeeded(tmp_p
         assert held is not None and held >= 1
         # The learner generates with the job's token; anyone else reaching the pod is refused.
         (server_pod,) = cluster.pods(JOB, "rollout", running=True)
-        url = f"http://{server_pod['status']['podIP']}:{ports.ROLLOUT_HTTP_PORT}/v1/generate"
+        base = f"http://{server_pod['status']['podIP']}:{ports.ROLLOUT_HTTP_PORT}"
         async with aiohttp.ClientSession() as session:
-            body = {"prompts": ["1+2="], "sampling": {"max_tokens": 2}}
-            async with session.post(url, json=body) as resp:
-                assert resp.status == 401, await resp.text()
+            body = {"model": "any", "prompt": "1+2=", "max_tokens": 2}
+            for path in ("/v1/completions", "/tokenize", "/control/pause"):
+                async with session.post(base + path, json=body) as resp:
+                    assert resp.status == 401, (path, await resp.text())
 
         # --- a learner rank SIGKILLed: the group restarts from the newest checkpoint ---------
         await cluster.wait(lambda: checkpoints(cluster), 300, "a first checkpoint", JOB)

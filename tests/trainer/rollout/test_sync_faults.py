@@ -1,8 +1,9 @@
 """Weight sync through faults: a server vanishes mid-broadcast, a server restarts mid-run.
 
-Servers are real `build_app` processes whose engine joins the sync group and receives
-weights with the project's own worker extension over real gloo; only vLLM's model runner
-is replaced (by a dict that loads slowly, so a broadcast can be interrupted).
+Servers are stand-in processes (rollout_standin.py): the project's endpoint plugin on vLLM's
+app shape, whose engine client reaches the project's own worker extension, which joins the
+sync group and receives weights over real gloo; only vLLM's engine, route and model runner
+are replaced (the runner by a dict that loads slowly, so a broadcast can be interrupted).
 """
 
 from __future__ import annotations

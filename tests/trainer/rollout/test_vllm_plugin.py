@@ -1,8 +1,8 @@
 """vLLM's own OpenAI server with our endpoint plugin and worker extension (CPU build, one
 engine start): what the rollout server adds, seen through vLLM's routes.
 
-The server is started from `serve_command` (the one place its command line is built), not
-from our aiohttp server; weights arrive through the same control routes and bucketed
+The server is started from `serve_command` (the one place its command line is built, which
+`gspo rollout-server` execs); weights arrive through the control routes and bucketed
 broadcast the learner's client drives.
 """
 
@@ -34,8 +34,8 @@ from test_vllm_e2e import (
 
 from gspo_trainer import ports
 from gspo_trainer.rollout.client import RequestRefused, RolloutClient, SyncOptions
-from gspo_trainer.rollout.serve_command import ServeOptions, serve_argv, serve_env
-from gspo_trainer.tiny import build_tiny_model, materialize
+from gspo_trainer.rollout.launch import command, parse_args
+from gspo_trainer.tiny import build_tiny_model
 
 pytestmark = pytest.mark.e2e
 
@@ -68,18 +68,22 @@ def complete(url: str, temperature: float = 0.7, **kw: Any) -> tuple[int, dict[s
 def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """One plugin server, started unsynced (no initial version), on the tiny dense model."""
     root = tmp_path_factory.mktemp("plugin")
-    model = materialize(NAME, root / "models")
-    opts = ServeOptions(model=str(model), served_name=NAME, host="127.0.0.1", port=free_port(),
-                        dtype="float32", max_model_len=128, max_num_seqs=16,
-                        enforce_eager=True, weights_dir=str(root / "weights"))  # fmt: skip
-    env = {**os.environ, **serve_env(opts, TOKEN), "HF_HUB_OFFLINE": "1",
-           "VLLM_CPU_KVCACHE_SPACE": "1",
-           "PYTHONPATH": f"{REPO / 'operator'}:{REPO / 'trainer'}"}  # fmt: skip
+    port = free_port()
+    # What `gspo rollout-server` would exec: the builtin model built, CPU defaults, no chat
+    # template in the tiny tokenizer so the plain one, the plugin and token in the env.
+    args = parse_args(["--model", NAME, "--host", "127.0.0.1", "--port", str(port),
+                       "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "16",
+                       "--cache-dir", str(root / "models"),
+                       "--weights-dir", str(root / "weights")])  # fmt: skip
+    environ = {**os.environ, ports.ENV_SYNC_TOKEN: TOKEN,
+               "PYTHONPATH": f"{REPO / 'operator'}:{REPO / 'trainer'}"}  # fmt: skip
+    argv, env = command(args, environ)
+    assert "--chat-template" in argv and env["VLLM_API_KEY"] == TOKEN
     log = root / "server.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(serve_argv(opts), env=env, stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # fmt: skip
-    url = f"http://127.0.0.1:{opts.port}"
+    url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         assert proc.poll() is None, log.read_text()[-3000:]
@@ -185,6 +189,15 @@ def test_the_learners_client_generates_through_vllms_completions_route(server: A
     ]
     assert refused.prompt_index == 1 and "128" in str(refused)
     assert after.groups[0][0].policy_version == 4 and not after.servers_failed
+
+
+def test_anyone_with_the_token_can_chat_with_the_live_policy(server: Any) -> None:
+    url, _ = server
+    body = {"model": NAME, "messages": [{"role": "user", "content": "3+4="}], "max_tokens": 4}
+    assert call(url + "/v1/chat/completions", body, token=None)[0] == 401
+    status, headers, reply = call(url + "/v1/chat/completions", body)
+    assert status == 200 and headers[ports.VERSION_HEADER] == "4"
+    assert reply["choices"][0]["message"]["role"] == "assistant"
 
 
 def test_a_paused_server_holds_generations_until_it_resumes(server: Any) -> None:

@@ -1,6 +1,8 @@
 """Weight sync through a shared volume: the version files, and the client and servers over
-HTTP. The servers are the project's own (`server.build_app`, the worker extension's file
-load); only vLLM's model runner is stood in for, as in the broadcast tests."""
+HTTP. The servers are stand-ins with the project's own endpoint plugin (/control/sync/load,
+$GSPO_WEIGHTS_DIR) and worker extension (the file load, reached through the engine client's
+collective_rpc); only vLLM's engine and model runner are stood in for, as in the broadcast
+tests."""
 
 from __future__ import annotations
 
@@ -10,9 +12,9 @@ from typing import Any
 import aiohttp
 import pytest
 import torch
-from rollout_standin import TOKEN, GlooEngine, StandInEngine
-from test_client_server import _start
+from rollout_standin import TOKEN, GlooEngine, StandInEngine, serve_in_process
 
+from gspo_trainer import ports
 from gspo_trainer.rollout import weight_files
 from gspo_trainer.rollout.client import RolloutClient, SyncOptions
 from gspo_trainer.rollout.weight_sync import checkpoint_named_tensors
@@ -67,8 +69,8 @@ async def test_every_server_loads_the_version_and_one_without_the_volume_is_left
     expected = {n: t.detach().clone() for n, t in named}
     engines = [GlooEngine(), GlooEngine(), GlooEngine()]
     weights = tmp_path / "weights"
-    started = [await _start(e, initial_version=None, weights_dir=weights) for e in engines[:2]]
-    started.append(await _start(engines[2], initial_version=None))  # no --weights-dir
+    started = [await serve_in_process(e, None, weights_dir=weights) for e in engines[:2]]
+    started.append(await serve_in_process(engines[2], None))  # no $GSPO_WEIGHTS_DIR
     urls = [url for _, url in started]
     try:
         sync = SyncOptions(master_addr="127.0.0.1", method="filesystem", directory=str(weights),
@@ -78,21 +80,31 @@ async def test_every_server_loads_the_version_and_one_without_the_volume_is_left
             assert report.servers == urls[:2] and report.servers_failed == [urls[2]]
             assert report.bytes_total == sum(t.numel() * 4 for t in expected.values())
             assert [client.servers[u].policy_version for u in urls] == [5, 5, None]
-        for engine in engines[:2]:
+        for (server, _), engine in zip(started[:2], engines[:2], strict=True):
             held = engine.worker.model_runner.weights
             assert held.keys() == expected.keys()
             assert all(torch.equal(held[n], t) for n, t in expected.items())
+            # The worker's file load through collective_rpc, then the prefix cache dropped.
+            assert server.engine_client.rpcs == ["gspo_load_weights_file"]
+            assert engine.prefix_cache_resets == 1
         assert engines[2].worker.model_runner.weights == {}
+        assert started[2][0].engine_client.rpcs == []
         async with aiohttp.ClientSession() as http:
             for url, version in zip(urls, [5, 5, None], strict=True):
                 async with http.get(url + "/health") as resp:
                     assert (await resp.json())["policy_version"] == version
             async with http.post(urls[2] + "/control/sync/load", headers=AUTH,
                                  json={"name": "v00000005", "version": 5}) as resp:  # fmt: skip
-                assert resp.status == 409 and "--weights-dir" in (await resp.json())["error"]
+                assert resp.status == 409 and "GSPO_WEIGHTS_DIR" in (await resp.json())["error"]
+            async with http.post(urls[0] + "/v1/completions", headers=AUTH,
+                                 json={"prompt": [3, 4], "max_tokens": 2,
+                                       "return_token_ids": True}) as resp:  # fmt: skip
+                assert resp.status == 200 and resp.headers[ports.VERSION_HEADER] == "5"
+                digest = int(sum(float(t.double().sum()) for t in expected.values())) % 15
+                assert (await resp.json())["choices"][0]["token_ids"][0] == digest
     finally:
-        for runner, _ in started:
-            await runner.cleanup()
+        for server, _ in started:
+            await server.stop()
 
 
 BAD_LOADS = [
@@ -110,7 +122,7 @@ async def test_a_bad_load_request_is_named_and_changes_nothing(
 ) -> None:
     weight_files.write_version(tensors(0), tmp_path, 1, shard_bytes=1024)
     engine = StandInEngine()  # its file load would fail the test: it must not be reached
-    runner, url = await _start(engine, initial_version=0, weights_dir=tmp_path)
+    server, url = await serve_in_process(engine, 0, weights_dir=tmp_path)
     try:
         async with aiohttp.ClientSession() as http:
             async with http.post(url + "/control/sync/load", json=body, headers=AUTH) as resp:
@@ -118,5 +130,6 @@ async def test_a_bad_load_request_is_named_and_changes_nothing(
             async with http.get(url + "/health") as resp:
                 health = await resp.json()
             assert health["policy_version"] == 0 and health["paused"] is False
+            assert server.engine_client.rpcs == []
     finally:
-        await runner.cleanup()
+        await server.stop()

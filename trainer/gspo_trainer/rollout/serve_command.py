@@ -53,6 +53,9 @@ def serve_argv(opts: ServeOptions, python: str = sys.executable) -> list[str]:
             # top-p): the learner scores under the same temperature, so the gap between
             # the two (the mismatch metric; oldLogprobSource engine) is numerics only.
             "--logprobs-mode", "processed_logprobs",
+            # vLLM's token-in/token-out route, /inference/v1/generate: what the learner's
+            # client samples through (no detokenized text, no top-log-prob dictionaries).
+            "--enable-scale-out",
             "--disable-uvicorn-access-log"]  # fmt: skip
     if opts.max_model_len is not None:
         argv += ["--max-model-len", str(opts.max_model_len)]
@@ -64,15 +67,19 @@ def serve_argv(opts: ServeOptions, python: str = sys.executable) -> list[str]:
 
 
 def engine_flag(key: str, value: Any) -> list[str]:
-    """One engine argument as vLLM's command line takes it (`seed: 0` → --seed 0; a true
-    boolean → the bare flag; false → nothing; lists and objects as JSON)."""
+    """One engine argument as vLLM's command line takes it (`seed: 0` → --seed 0; true → the
+    bare flag; false → --no-<flag>, vLLM's boolean flags all take both; null → nothing;
+    lists and objects as JSON)."""
     import json
 
-    flag = "--" + key.replace("_", "-")
+    name = key.replace("_", "-")
     if value is True:
-        return [flag]
-    if value is False or value is None:
+        return [f"--{name}"]
+    if value is False:
+        return [f"--no-{name}"]
+    if value is None:
         return []
+    flag = f"--{name}"
     if isinstance(value, dict | list):
         return [flag, json.dumps(value)]
     return [flag, str(value)]

@@ -61,6 +61,7 @@ class GSPOEndpoints:
     required_tasks = ("generate",)
 
     def __init__(self) -> None:
+        _log_to_stderr()
         self.token = os.environ.get(ports.ENV_SYNC_TOKEN) or None
         weights = os.environ.get(ports.ENV_WEIGHTS_DIR)
         self.weights_dir = Path(weights) if weights else None
@@ -251,6 +252,17 @@ def _authorized(scope: Any, token: str) -> bool:
             return scheme.lower() == "bearer" and hmac.compare_digest(given.encode(),
                                                                       token.encode())  # fmt: skip
     return False
+
+
+def _log_to_stderr() -> None:
+    """Our INFO lines (weights loaded, versions) in the server's log: vLLM configures only its
+    own logger, and Python's fallback handler prints warnings and worse."""
+    gspo = logging.getLogger("gspo")
+    if not gspo.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        gspo.addHandler(handler)
+        gspo.setLevel(logging.INFO)
 
 
 def _default_registry() -> Any:
