@@ -513,7 +513,10 @@ class RolloutConfig(PodSettings):
     )
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
-        description="Extra vLLM engine arguments, passed through unchanged.",
+        description=(
+            "Extra vLLM engine arguments (snake_case keys, each becomes vLLM's own flag), "
+            "checked against the pinned vLLM's flags before any pod starts."
+        ),
         json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
     )
 

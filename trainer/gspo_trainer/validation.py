@@ -16,6 +16,7 @@ from pydantic.alias_generators import to_snake
 
 from gspo_trainer.config import BUILTIN_MODELS, GSPOJobSpec, PodSettings
 from gspo_trainer.ports import RESERVED_PORTS
+from gspo_trainer.rollout.engine_args import engine_arg_problems
 
 
 @dataclass(frozen=True)
@@ -265,6 +266,8 @@ def check_spec(spec: GSPOJobSpec, *, prefix: str = "spec") -> list[Problem]:
             "metrics.port",
             f"{spec.metrics.port} is used by {RESERVED_PORTS[spec.metrics.port]}; pick another",
         )
+    for key, message in engine_arg_problems(rollout.engine_args):
+        bad(f"rollout.engineArgs.{key}", message)
     return out
 
 

@@ -68,8 +68,9 @@ def serve_argv(opts: ServeOptions, python: str = sys.executable) -> list[str]:
 
 def engine_flag(key: str, value: Any) -> list[str]:
     """One engine argument as vLLM's command line takes it (`seed: 0` → --seed 0; true → the
-    bare flag; false → --no-<flag>, vLLM's boolean flags all take both; null → nothing;
-    lists and objects as JSON)."""
+    bare flag; false → --no-<flag>; null → nothing; lists and objects as JSON). The spec's
+    validation (engine_args.py) has refused keys vLLM lacks and false for its few switches
+    without a --no- form."""
     import json
 
     name = key.replace("_", "-")
