@@ -19,7 +19,11 @@ runs alternate and the medians are compared per generated token. Four paths:
   answered (recorded on the first pass): what the learner's process pays per batch (its
   HTTP, the JSON decoding, the checks), the 5% budget.
 
-    python bench/bench_rollout_client.py [--prompts 64] [--n 8] [--max-tokens 32]
+Then, unless `--no-sync`, the same run compares weight-sync (and generation) time with the
+aiohttp server this one replaced (`bench_rollout_servers.py`, the replaced server taken from
+git history), each server in a process of its own.
+
+    python bench/bench_rollout_client.py [--prompts 64] [--n 8] [--max-tokens 32] [--no-sync]
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import argparse
 import asyncio
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -236,7 +241,15 @@ def main() -> None:
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--chunk", type=int, default=8)
-    asyncio.run(bench(p.parse_args()))
+    p.add_argument("--no-sync", action="store_true", help="skip the sync comparison")
+    p.add_argument("--sync-rounds", type=int, default=5)
+    args = p.parse_args()
+    asyncio.run(bench(args))
+    if not args.no_sync:  # its own process: its servers start engines of their own
+        print("\nWeight sync and generation vs the replaced server:", flush=True)
+        servers = Path(__file__).with_name("bench_rollout_servers.py")
+        cmd = [sys.executable, str(servers), "--rounds", str(args.sync_rounds)]
+        sys.exit(subprocess.run(cmd, check=False).returncode)
 
 
 if __name__ == "__main__":

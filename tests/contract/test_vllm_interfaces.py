@@ -64,6 +64,39 @@ def test_the_server_takes_every_flag_the_command_line_gives() -> None:
     assert args.served_model_name == ["builtin:tiny"] and args.seed == 0
 
 
+def test_the_generate_route_takes_the_clients_request_and_answers_what_it_reads() -> None:
+    """The client's body validates as vLLM's GenerateRequest (token_ids and sampling_params
+    are required there: a rename fails here) with the sampling the client asked for; a reply
+    vLLM's own response models serialize reads back through the client's decoder; the route
+    is where the client posts."""
+    from vllm.entrypoints.scale_out.token_in_token_out import api_router, protocol
+
+    from gspo_trainer.rollout.client import GENERATE_ROUTE, _parse_choices, generate_body
+    from gspo_trainer.rollout.types import SamplingParams
+
+    params = SamplingParams(n=2, max_tokens=3, temperature=0.7, top_p=0.9, seed=11,
+                            stop_token_ids=(1,))  # fmt: skip
+    request = protocol.GenerateRequest.model_validate(generate_body("m", [3, 4], params))
+    sampling = request.sampling_params
+    assert request.token_ids == [3, 4] and request.output_mode == "tokens"
+    assert (sampling.n, sampling.max_tokens, sampling.seed, sampling.logprobs) == (2, 3, 11, 0)
+    assert sampling.temperature == 0.7 and sampling.stop_token_ids == [1]
+    assert GENERATE_ROUTE in {route.path for route in api_router.router.routes}
+
+    def choice(k: int) -> protocol.GenerateTokensChoice:
+        content = [protocol.GenerateLogProbsContent(token_id=10 * k + t, logprob=-0.5 * t)
+                   for t in range(3)]  # fmt: skip
+        return protocol.GenerateTokensChoice(
+            index=k, finish_reason="length", token_ids=[10 * k + t for t in range(3)],
+            logprobs=protocol.GenerateLogProbs(content=content),
+        )  # fmt: skip
+
+    reply = protocol.GenerateTokensResponse(model="m", choices=[choice(1), choice(0)])
+    out = _parse_choices(reply.model_dump_json().encode(), 2, "5", 5)
+    assert [c["token_ids"] for c in out] == [[0, 1, 2], [10, 11, 12]]
+    assert out[1]["logprobs"] == [0.0, -0.5, -1.0] and out[0]["policy_version"] == 5
+
+
 def _has(dist: str) -> bool:
     try:
         importlib.metadata.version(dist)

@@ -34,8 +34,10 @@ vllm/renderers/params.py and base.py, vllm/v1/engine/input_processor.py):
   max_tokens clamped as vLLM does), the same prompt refusals; each choice: index, token_ids,
   logprobs {content: [{token_id, logprob}]} (with sampling_params.logprobs), finish_reason.
 - The EngineClient (`StandInEngineClient`): `generate` (an async generator of one final
-  RequestOutput), `collective_rpc(method, timeout, args, kwargs)` (the worker's method of that
-  name in a thread; one result per worker, world size 1), `reset_prefix_cache`,
+  RequestOutput), `collective_rpc(method, timeout, args, kwargs)` (as vLLM's
+  MultiprocExecutor: the worker runs calls one at a time in order, the caller reads the next
+  reply off a queue without a call id, so a call that timed out leaves its reply for the next
+  call; one result per worker, world size 1), `reset_prefix_cache`,
   `check_health` (raises EngineDeadError once `dead` is set), `model_config` (max_model_len,
   vocabulary size) and `vllm_config.parallel_config.world_size`.
 - The model (`StandInEngine`): completion k of prompt p is [sum(p) % 15, k, 1, 1, ...] cut
@@ -64,10 +66,12 @@ import asyncio
 import contextlib
 import itertools
 import os
+import queue
 import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -235,6 +239,8 @@ class StandInEngineClient:
         self.engine = engine
         self.dead = False  # set: check_health raises, as vLLM's does once the engine died
         self.rpcs: list[str] = []  # collective_rpc method names, in order
+        self._calls: queue.Queue[Any] | None = None  # the worker's call and reply queues
+        self._replies: queue.Queue[Any] | None = None
         self.model_config = SimpleNamespace(
             max_model_len=engine.max_model_len, get_vocab_size=lambda: engine.vocab_size
         )
@@ -252,9 +258,32 @@ class StandInEngineClient:
     async def collective_rpc(self, method: str, timeout: float | None = None,
                              args: tuple[Any, ...] = (),
                              kwargs: dict[str, Any] | None = None) -> list[Any]:  # fmt: skip
+        """As vLLM's MultiprocExecutor.collective_rpc: the worker runs calls one at a time, in
+        order, and the caller reads the next reply off the worker's reply queue, without a
+        call id; a call that times out leaves its reply there for the next call to read."""
         self.rpcs.append(method)
-        call = getattr(self.engine.worker, method)
-        return [await asyncio.wait_for(asyncio.to_thread(call, *args, **(kwargs or {})), timeout)]
+        if self._calls is None:
+            self._calls, self._replies = queue.Queue(), queue.Queue()
+            threading.Thread(target=self._serve_calls, daemon=True).start()
+        self._calls.put((method, args, kwargs or {}))
+        try:
+            ok, result = await asyncio.to_thread(self._replies.get, True, timeout)
+        except queue.Empty:
+            raise TimeoutError(f"RPC call to {method} timed out.") from None
+        if not ok:
+            raise RuntimeError(f"Worker failed with error '{result}', please check the stack "
+                               "trace above for the root cause")  # fmt: skip
+        return [result]
+
+    def _serve_calls(self) -> None:
+        """The worker process's loop: each call in turn, its reply queued."""
+        assert self._calls is not None and self._replies is not None
+        while True:
+            method, args, kwargs = self._calls.get()
+            try:
+                self._replies.put((True, getattr(self.engine.worker, method)(*args, **kwargs)))
+            except Exception as exc:  # the worker reports it and serves the next call
+                self._replies.put((False, exc))
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False,
                                  reset_connector: bool = False) -> bool:  # fmt: skip

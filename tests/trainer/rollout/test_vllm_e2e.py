@@ -1,4 +1,4 @@
-"""Real vLLM rollout servers (CPU build) on tiny random models: three engine starts in all.
+"""Real vLLM rollout servers (CPU build) on tiny random models: four engine starts in all.
 
 Engine log-probs are compared with a transformers forward of the same weights, in float32,
 within LOGPROB_ATOL (measured gaps are ~1e-5; the engine uses different kernels).
@@ -241,6 +241,35 @@ def test_versions_written_to_a_shared_volume_update_both_servers(
         assert max_logprob_gap(previous, batch) > 0.05
 
 
+def test_a_load_that_fails_part_way_leaves_the_server_able_to_load_the_next(
+    dense_pair: list[Any], weights_root: Path
+) -> None:
+    """A version whose last shard is unreadable fails after the first was loaded:
+    the server answers 500 and serves nothing (not synced), and the next good version loads
+    and generates (vLLM's in-place reload, interrupted, would leave layers it can never load
+    again)."""
+    from gspo_trainer.rollout import weight_files
+
+    url = dense_pair[0].url
+    broken, _ = build_tiny_model("builtin:tiny-qwen3", seed=5)
+    good, _ = build_tiny_model("builtin:tiny-qwen3", seed=6)
+    # Shard 1: the embedding and layer 0's q_proj (vLLM's fused qkv_proj then half loaded);
+    # shard 2 unreadable.
+    first = list(broken.named_parameters())[:2]
+    assert first[1][0] == "model.layers.0.self_attn.q_proj.weight"
+    path, _ = weight_files.write_version(first, weights_root, 3, 1 << 30)
+    (path / weight_files.SHARD.format(2)).write_bytes(b"not a safetensors file")
+    body = {"name": path.name, "version": 3, "timeout_s": 60}
+    assert post(url + "/control/sync/load", body, TOKEN) == 500
+    status, health = get_json(url + "/health")
+    assert status == 200 and health["policy_version"] is None and health["synced"] is False
+    report = sync_from_files([url], good, 4, weights_root)
+    assert report.servers == [url] and report.servers_failed == []
+    batch = generate([url], GREEDY)
+    check_batch(batch, GREEDY, version=4)
+    assert max_logprob_gap(good, batch) < LOGPROB_ATOL
+
+
 def test_server_killed_mid_batch_every_prompt_gets_its_group(dense_pair: list[Any]) -> None:
     """Runs last in this module: it kills one of the shared servers.
 
@@ -269,3 +298,55 @@ def test_server_killed_mid_batch_every_prompt_gets_its_group(dense_pair: list[An
     assert len(batch.groups) == len(prompts)
     for i, group in enumerate(batch.groups):
         assert len(group) == 4 and all(c.prompt_index == i for c in group)
+
+
+class KillMidBroadcast:
+    """A TensorSource whose tensors kill `victim` once `after` of them have been read: the
+    sender has broadcast the buckets before it (bucket_mb is small), so the kill lands inside
+    the broadcast; only the first pass kills (a re-formed group reads the source again)."""
+
+    def __init__(self, model: Any, after: int, victim: Any) -> None:
+        self.items = list(model.named_parameters())
+        self.after, self.victim, self.passes = after, victim, 0
+
+    def metas(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        return [(name, tuple(t.shape), t.dtype) for name, t in self.items]
+
+    def __iter__(self) -> Any:
+        self.passes += 1
+        for i, item in enumerate(self.items):
+            if self.passes == 1 and i == self.after:
+                self.victim.kill()
+            yield item
+
+
+def test_server_killed_mid_sync_the_survivor_takes_the_version(
+    dense_pair: list[Any], start_rollout: Any, dense_dir: Path
+) -> None:
+    """Runs after the mid-batch kill: a fresh server joins the first survivor. A clean sync
+    forms their group; during the next broadcast the fresh one is SIGKILLed. The sync re-forms
+    the group with the survivor alone and sends again: the survivor generates from the new
+    weights under the new version, the victim is reported failed."""
+    survivor = dense_pair[0]
+    (victim,) = start_rollout(dense_dir, 1, "--initial-policy-version", "0")
+    before, _ = build_tiny_model("builtin:tiny-qwen3", seed=3)
+    after, _ = build_tiny_model("builtin:tiny-qwen3", seed=4)
+    source = KillMidBroadcast(after, after=len(list(after.parameters())) // 2, victim=victim)
+
+    async def run() -> tuple[Any, Any, RolloutBatch]:
+        sync = SyncOptions(master_addr="127.0.0.1", master_port=free_port(), bucket_mb=0.01,
+                           timeout_s=20)  # fmt: skip
+        async with RolloutClient([survivor.url, victim.url], TOKEN, sync=sync) as client:
+            clean = await client.sync_weights(before.named_parameters(), version=11)
+            broken = await client.sync_weights(source, version=12)
+            return clean, broken, await client.generate(PROMPTS, GREEDY)
+
+    clean, broken, batch = asyncio.run(run())
+    assert sorted(clean.servers) == sorted([survivor.url, victim.url])
+    assert victim.proc.poll() is not None and source.passes == 2
+    assert broken.regrouped and broken.servers == [survivor.url]
+    assert broken.servers_failed == [victim.url]
+    check_batch(batch, GREEDY, version=12)
+    assert batch.servers_failed == []
+    assert max_logprob_gap(after, batch) < LOGPROB_ATOL
+    assert max_logprob_gap(before, batch) > 0.05

@@ -163,10 +163,11 @@ def test_weights_from_the_learner_are_what_generates_and_each_response_names_its
     assert (hf_logprobs(model, PROMPT, ids, 0.7) - got).abs().max() < LOGPROB_ATOL
 
 
-def test_the_learners_client_generates_through_vllms_completions_route(server: Any) -> None:
+def test_the_learners_client_generates_through_vllms_generate_route(server: Any) -> None:
     """The client sees the plugin in /health (the served model's name) and samples through
-    /v1/completions: one request per prompt with its own seed, each completion carrying the
-    version the header names; a prompt the model cannot hold is refused by index."""
+    /inference/v1/generate: one request per prompt with its own seed, each completion
+    carrying the version the header names; a prompt the model cannot hold is refused by
+    index."""
     url, _ = server
     model, _ = build_tiny_model(NAME)  # what the filesystem sync above loaded, as version 4
 
@@ -189,6 +190,38 @@ def test_the_learners_client_generates_through_vllms_completions_route(server: A
     ]
     assert refused.prompt_index == 1 and "128" in str(refused)
     assert after.groups[0][0].policy_version == 4 and not after.servers_failed
+
+
+BAD_GENERATIONS = {
+    "a negative token id": {"token_ids": [3, -1]},
+    "a token id past the vocabulary": {"token_ids": [3, 10**6]},
+    "no prompt": {"token_ids": []},
+    "more samples than the server runs at once": {"sampling_params": {"n": 17}},
+    "a negative temperature": {"sampling_params": {"temperature": -1.0}},
+    "a prompt that is not token ids": {"token_ids": "1+2="},
+}
+
+
+def test_bad_generation_requests_are_refused_and_leave_nothing_held(server: Any) -> None:
+    """Each bad body gets vLLM's 4xx with a message, stamped with the version like any
+    generation; none stays admitted (a leak would hang the next sync's drain) and the server
+    answers the next good request."""
+    url = server[0] + "/inference/v1/generate"
+    good = {"model": NAME, "token_ids": PROMPT, "output_mode": "tokens",
+            "sampling_params": {"n": 1, "max_tokens": 4, "logprobs": 0}}  # fmt: skip
+    for what, change in BAD_GENERATIONS.items():
+        body = {**good, **change}
+        if "sampling_params" in change:
+            body["sampling_params"] = {**good["sampling_params"], **change["sampling_params"]}
+        status, headers, reply = call(url, body)
+        assert status in (400, 422), (what, status, reply)
+        assert reply["error"] if "error" in reply else reply["detail"], what
+        assert headers.get(ports.VERSION_HEADER) == "4", what
+    status, _, health = call(server[0] + "/health", token=None)
+    assert status == 200 and health["active_requests"] == 0 and health["paused"] is False
+    status, headers, reply = call(url, good)
+    assert status == 200 and len(reply["choices"]) == 1
+    assert headers[ports.VERSION_HEADER] == "4"
 
 
 def test_anyone_with_the_token_can_chat_with_the_live_policy(server: Any) -> None:

@@ -277,12 +277,7 @@ class RolloutClient:
 
     async def _complete_one(self, server: Server, prompt: list[int], index: int,
                             params: SamplingParams) -> list[dict[str, Any]]:  # fmt: skip
-        sampling = {"n": params.n, "max_tokens": params.max_tokens,
-                    "temperature": params.temperature, "top_p": params.top_p,
-                    "top_k": params.top_k, "seed": params.seed,
-                    "stop_token_ids": list(params.stop_token_ids), "logprobs": 0}  # fmt: skip
-        body = {"model": server.model, "token_ids": prompt, "sampling_params": sampling,
-                "output_mode": "tokens"}  # fmt: skip
+        body = generate_body(server.model or "", prompt, params)
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         url = server.url + GENERATE_ROUTE
         async with self._http().post(url, json=body, timeout=timeout) as resp:
@@ -513,6 +508,17 @@ def _error_text(payload: Any) -> str:
 
 
 GENERATE_ROUTE = "/inference/v1/generate"  # vLLM's, with --enable-scale-out (serve_command)
+
+
+def generate_body(model: str, prompt: list[int], params: SamplingParams) -> dict[str, Any]:
+    """One prompt's request to vLLM's generate route: token ids in, `n` samples of token ids
+    and each sampled token's log-prob out (logprobs 0: the sampled token only)."""
+    sampling = {"n": params.n, "max_tokens": params.max_tokens,
+                "temperature": params.temperature, "top_p": params.top_p,
+                "top_k": params.top_k, "seed": params.seed,
+                "stop_token_ids": list(params.stop_token_ids), "logprobs": 0}  # fmt: skip
+    return {"model": model, "token_ids": prompt, "sampling_params": sampling,
+            "output_mode": "tokens"}  # fmt: skip
 
 
 class _Step(msgspec.Struct):

