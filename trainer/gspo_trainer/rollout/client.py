@@ -160,9 +160,9 @@ class RolloutClient:
         async with self._http().post(url + path, json=body, timeout=timeout) as resp:
             payload = await resp.json(content_type=None)
             if resp.status in (401, 403):
-                raise RolloutError(f"{url}{path}: {resp.status} {payload.get('error')}")
+                raise RolloutError(f"{url}{path}: {resp.status} {_error_text(payload)}")
             if resp.status != 200:
-                raise ServerError(f"{url}{path}: {resp.status} {payload.get('error')}",
+                raise ServerError(f"{url}{path}: {resp.status} {_error_text(payload)}",
                                   resp.status, payload)  # fmt: skip
             return payload
 

