@@ -10,6 +10,9 @@ semantics) with what the local cluster needs beyond it:
   period of 0 (`remove_pod`), which deletes it at once. A pod that no kubelet ever started
   (`spec.nodeName` unset) is removed at once, as kube-apiserver does for unscheduled pods.
 - Secrets: `stringData` is merged into base64 `data` on create, as kube-apiserver does;
+- JobSet's CRD (jobset_crd.py, from JobSet's published models), so JobSets are pruned,
+  defaulted and validated as custom resources (kmock_apiserver.py: every write, the
+  request's fieldValidation), before the admission hooks below;
 - admission: `admit` hooks (the JobSet webhook, the API server's own pod checks) run on
   every create and may refuse it with a 422 (Invalid) or 403 (Forbidden) carrying their message.
 
@@ -27,6 +30,7 @@ from typing import Any
 
 import attrs
 import kmock
+from jobset_crd import render_jobset_crd
 from kmock_apiserver import RESOURCES, ApiServer, Key, Obj
 
 CLUSTER_RESOURCES = [
@@ -51,6 +55,11 @@ class ClusterApiServer(ApiServer):
 
     def served_resources(self) -> list[tuple[str, str, str, str, bool, bool, list[str]]]:
         return [r for r in CLUSTER_RESOURCES if r[3] not in self.without]
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        if "JobSet" not in self.without:
+            self.add(render_jobset_crd())
 
     def _store_new(self, key: Key, namespace: str, body: Obj) -> Obj:
         obj = copy.deepcopy(body)

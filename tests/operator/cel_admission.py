@@ -1,9 +1,11 @@
 """What kube-apiserver does with a CRD's schema on a write, with cel-python as the CEL engine.
 
-`admit` is the API stand-in's admission of a custom resource (create, and update of the main
-resource): prune nulls the schema does not allow, apply the schema's defaults, evaluate every
-x-kubernetes-validations rule (transition rules against the stored object), and refuse with
-a 422 Status worded as kube-apiserver words it. `failures` is the evaluation alone, for tests.
+`admit` is the API stand-in's admission of a custom resource (every write): prune unknown
+fields under the request's fieldValidation, prune nulls the schema does not allow, apply the
+schema's defaults, validate against the OpenAPI schema (schema_admission.py says how, from
+which source, and what not), evaluate every x-kubernetes-validations rule (writes of the main
+resource; transition rules against the stored object), and refuse with a Status worded as
+kube-apiserver words it. `failures` is the CEL evaluation alone, for tests.
 
 Modelled as in k8s.io/apiextensions-apiserver (schema/cel/validation.go, schema/defaulting)
 and k8s.io/apiserver/pkg/cel/common/values.go:
@@ -20,9 +22,8 @@ and k8s.io/apiserver/pkg/cel/common/values.go:
 Not modelled: type-checking of rules (cel-python is dynamically typed: a rule that would not
 compile in Kubernetes may still run here; the contract tests compile and cost every rule),
 runtime cost limits, validation ratcheting (1.30+: unchanged values are not re-validated),
-pruning of unknown fields, OpenAPI value validation (types, enums, bounds: kubectl and the
-models check those), and access to fields of preserved unknown objects (here they read as
-maps; Kubernetes refuses such a rule at CRD creation: the rules never do it).
+CEL rules on status writes, and access to fields of preserved unknown objects (here they read
+as maps; Kubernetes refuses such a rule at CRD creation: the rules never do it).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from functools import cache
 from typing import Any
 
 import celpy
+import schema_admission
 from celpy import celtypes
 
 from gspo_operator.crd_rules import prop
@@ -281,27 +283,54 @@ def crd_schema(crds: Iterable[Obj], group: str, version: str, plural: str) -> Sc
     return None
 
 
-def admit(crds: Iterable[Obj], key: tuple[str, str, str], old: Obj | None, new: Obj) -> Obj:
-    """`new` as the API server stores it (defaults filled in), or kmock.KubernetesError 422
-    with kube-apiserver's Status when a rule refuses it. Objects of kinds no CRD defines pass."""
+def admit(
+    crds: Iterable[Obj],
+    key: tuple[str, str, str],
+    old: Obj | None,
+    new: Obj,
+    *,
+    params: Any = None,
+    status: bool = False,
+) -> tuple[Obj, list[str]]:
+    """`new` as the API server stores it, and the Warning headers of the answer; or
+    kmock.KubernetesError: 400 for unknown fields under fieldValidation=Strict, 422 with
+    kube-apiserver's Status when the OpenAPI schema or a rule refuses it. Objects of kinds
+    no CRD defines pass untouched. A write of the status subresource (`status`) is pruned,
+    defaulted and validated against the schema; the rules run on writes of the main resource.
+    Order as kube-apiserver's: decode (prune), default, validate (schema, then CEL)."""
+    import kmock
+
     crd_list = list(crds)
     schema = crd_schema(crd_list, *key)
     if schema is None:
-        return new
-    new = default(schema, new)
-    found = failures(schema, new, None if old is None else default(schema, old))
-    if not found:
-        return new
-    import kmock
-
+        return new, []
     kind = next(
         c["spec"]["names"]["kind"]
         for c in crd_list
         if c["spec"]["group"] == key[0] and c["spec"]["names"]["plural"] == key[2]
     )
+    new, unknown = schema_admission.prune(new, schema)
+    mode = schema_admission.directive(params or {})
+    if unknown and mode == schema_admission.STRICT:
+        raise kmock.KubernetesError(
+            status=400,
+            reason="BadRequest",
+            message=schema_admission.unknown_field_message(kind, key[1], unknown),
+        )
+    said = schema_admission.warnings(unknown) if mode == schema_admission.WARN else []
+    new = default(schema, new)
+    causes = schema_admission.validate(schema, new)
+    if not status and not any(c.blocking for c in causes):
+        before = None if old is None else default(schema, old)
+        causes += [
+            schema_admission.Cause(f.field, f.reason, f.body())
+            for f in failures(schema, new, before)
+        ]
+    if not causes:
+        return new, said
     meta = new.get("metadata") or {}
     name = meta.get("name") or meta.get("generateName") or ""
-    errors = [str(f) for f in found]
+    errors = [str(c) for c in causes]
     listed = errors[0] if len(errors) == 1 else f"[{', '.join(errors)}]"
     raise kmock.KubernetesError(
         status=422,
@@ -311,7 +340,7 @@ def admit(crds: Iterable[Obj], key: tuple[str, str, str], old: Obj | None, new: 
             "name": name,
             "group": key[0],
             "kind": kind,
-            "causes": [{"reason": f.reason, "message": f.body(), "field": f.field} for f in found],
+            "causes": [{"reason": c.reason, "message": c.detail, "field": c.field} for c in causes],
         },
     )
 

@@ -14,12 +14,15 @@ a PUT without one is unconditional. Merge and JSON patches carry no precondition
 coordination.k8s.io/v1 Leases are served, so two operator replicas can elect a leader
 (gspo_operator.leader) against this stand-in.
 
-Custom resources are admitted as kube-apiserver admits them, by the stored CRD's schema: a
-create, and an update of the main resource (PUT or PATCH, not /status), gets the schema's
-defaults and must pass its x-kubernetes-validations CEL rules (oldSelf: the stored object),
-else 422 Invalid with kube-apiserver's Status and causes (cel_admission.py says what it models
-and what not). Replace the stored CRD (`add`) to model a cluster whose CRD predates the rules.
-`add` itself admits nothing: it stores what a test hands it.
+Custom resources are admitted as kube-apiserver admits them, by the stored CRD's schema: every
+write (create, PUT, PATCH, /status too) is pruned of the fields the schema does not declare,
+under the request's `fieldValidation` (Strict: 400 naming each unknown field; Warn, the
+default: a Warning header each; Ignore: silently), gets the schema's defaults and is validated
+against it (types, enums, required, bounds); a write of the main resource must also pass the
+x-kubernetes-validations CEL rules (oldSelf: the stored object); else 422 Invalid with
+kube-apiserver's Status and causes (schema_admission.py and cel_admission.py say what they
+model, from which source, and what not). Replace the stored CRD (`add`) to model a cluster
+whose CRD predates the rules. `add` itself admits nothing: it stores what a test hands it.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import aiohttp.web
 import attrs
 import cel_admission
 import kmock
+import multidict
 from kmock._internal import rendering
 
 from gspo_operator.crd import PLURAL, PRINTER_COLUMNS, SHORT_NAMES, render_crd
@@ -254,6 +258,9 @@ class ApiServer(kmock.KubernetesScaffold):
     _kinds: dict[Key, tuple[str, bool, bool]] = attrs.field(factory=dict, init=False)
     faults: list[Fault] = attrs.field(factory=list, init=False)  # tests add error answers
     _uids: set[str] = attrs.field(factory=set, init=False)  # seen uids (garbage collection)
+    # Warning headers of the request being answered (admission runs without an await point
+    # between the request's start and its answer, so one list serves every request in turn).
+    _warnings: list[str] = attrs.field(factory=list, init=False)
 
     def served_resources(self) -> list[tuple[str, str, str, str, bool, bool, list[str]]]:
         """The kinds this API server serves (a subclass adds its own)."""
@@ -374,7 +381,14 @@ class ApiServer(kmock.KubernetesScaffold):
         return obj
 
     async def _update(
-        self, key: Key, namespace: str, name: str, patch: Any, sub: str | None, replace=False
+        self,
+        key: Key,
+        namespace: str,
+        name: str,
+        patch: Any,
+        sub: str | None,
+        replace: bool = False,
+        params: Any = None,
     ) -> Obj:
         old = self.objects.get((key, namespace, name))
         if old is None:
@@ -407,8 +421,7 @@ class ApiServer(kmock.KubernetesScaffold):
         if new.get("status") is None:
             new.pop("status", None)
         new["metadata"]["uid"] = old["metadata"]["uid"]
-        if sub != "status":
-            new = self._admit(key, old, new)
+        new = self._admit(key, old, new, params, status=sub == "status")
         strip = ("metadata", "status")
         if {k: v for k, v in new.items() if k not in strip} != {
             k: v for k, v in old.items() if k not in strip
@@ -425,9 +438,15 @@ class ApiServer(kmock.KubernetesScaffold):
         self._emit(key, "MODIFIED", new)
         return new
 
-    def _admit(self, key: Key, old: Obj | None, new: Obj) -> Obj:
-        """A custom resource as its CRD admits it: defaults filled in, or a 422 from a rule."""
-        return cel_admission.admit(self.list_kind("CustomResourceDefinition"), key, old, new)
+    def _admit(
+        self, key: Key, old: Obj | None, new: Obj, params: Any = None, status: bool = False
+    ) -> Obj:
+        """A custom resource as its CRD admits it (pruned, defaulted), or the API server's
+        400/422. The answer's Warning headers are kept in `_warnings` for `_handle`."""
+        crds = self.list_kind("CustomResourceDefinition")
+        admitted, said = cel_admission.admit(crds, key, old, new, params=params, status=status)
+        self._warnings += said
+        return admitted
 
     def _delete(self, key: Key, namespace: str, name: str, options: Obj | None = None) -> Obj:
         """DELETE with `options` (a DeleteOptions body; a subclass reads gracePeriodSeconds)."""
@@ -465,6 +484,8 @@ class ApiServer(kmock.KubernetesScaffold):
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         if self._changed is None:
             self._changed = asyncio.Event()
+        if request.url.path.startswith("/openapi/v3"):
+            return self._openapi_v3(request.url.path.removeprefix("/openapi/v3").strip("/"))
         res = request.resource
         key = None if res is None else (res.group or "", res.version or "", res.plural or "")
         if key not in self._kinds:
@@ -477,6 +498,7 @@ class ApiServer(kmock.KubernetesScaffold):
                 return fault.response()
         ns = request.namespace or ""
         params = request.params
+        self._warnings = []
         if params.get("watch") in ("true", "1"):
             return await self._watch(request, key, ns)
         if request.name is None:
@@ -491,10 +513,12 @@ class ApiServer(kmock.KubernetesScaffold):
                         reason="AlreadyExists",
                         message=f'{key[2]} "{name}" already exists',
                     )
-                body = self._admit(key, None, body)
+                body = self._admit(key, None, body, params)
+                said = self._said()
                 if params.get("dryRun"):
-                    return aiohttp.web.json_response(body, status=201)
-                return aiohttp.web.json_response(self._store_new(key, ns, body), status=201)
+                    return aiohttp.web.json_response(body, status=201, headers=said)
+                stored = self._store_new(key, ns, body)
+                return aiohttp.web.json_response(stored, status=201, headers=said)
         else:
             scope = (key, ns if self._kinds[key][1] else "", request.name)
             if method == "GET":
@@ -518,9 +542,9 @@ class ApiServer(kmock.KubernetesScaffold):
                     )
                 data = request.data
                 obj = await self._update(
-                    *scope, data or {}, request.subresource, replace=method == "PUT"
+                    *scope, data or {}, request.subresource, method == "PUT", params
                 )
-                return aiohttp.web.json_response(obj)
+                return aiohttp.web.json_response(obj, headers=self._said())
             if method == "DELETE":
                 if scope not in self.objects:
                     raise kmock.KubernetesError(
@@ -530,6 +554,49 @@ class ApiServer(kmock.KubernetesScaffold):
                     )
                 return aiohttp.web.json_response(self._delete(*scope, request.data or None))
         raise kmock.KubernetesError(status=405, reason="MethodNotAllowed")
+
+    def _openapi_v3(self, group_version: str) -> aiohttp.web.Response:
+        """OpenAPI v3 discovery (`/openapi/v3`) and one document per group-version, holding
+        what kubectl reads from them: each resource's PATCH operation, tagged with its
+        x-kubernetes-group-version-kind, takes the `fieldValidation` query parameter; so
+        kubectl's --validate=strict (its default) and =warn leave field validation to this
+        server (kubectl's QueryParamVerifierV3) instead of needing OpenAPI v2 schemas. No
+        schemas are served (components are empty): kubectl explain and client-side
+        validation are not modelled."""
+        served: dict[str, list[tuple[Key, str, bool]]] = {}
+        for key, (kind, namespaced, _) in self._kinds.items():
+            prefix = f"apis/{key[0]}/{key[1]}" if key[0] else f"api/{key[1]}"
+            served.setdefault(prefix, []).append((key, kind, namespaced))
+        if not group_version:
+            paths = {gv: {"serverRelativeURL": f"/openapi/v3/{gv}?hash=0"} for gv in served}
+            return aiohttp.web.json_response({"paths": paths})
+        if group_version not in served:
+            raise kmock.KubernetesError(status=404, reason="NotFound", message="not found")
+        paths = {}
+        for key, kind, namespaced in served[group_version]:
+            scope = "/namespaces/{namespace}" if namespaced else ""
+            gvk = {"group": key[0], "version": key[1], "kind": kind}
+            patch = {
+                "x-kubernetes-group-version-kind": gvk,
+                "parameters": [
+                    {"name": "fieldValidation", "in": "query", "schema": {"type": "string"}}
+                ],
+                "responses": {"200": {"description": "OK"}},
+            }
+            paths[f"/{group_version}{scope}/{key[2]}/{{name}}"] = {"patch": patch}
+        document = {
+            "openapi": "3.0.0",
+            "info": {"title": "Kubernetes", "version": "unversioned"},
+            "paths": paths,
+            "components": {"schemas": {}},
+        }
+        return aiohttp.web.json_response(document)
+
+    def _said(self) -> multidict.CIMultiDict[str] | None:
+        """The Warning headers admission gave this request (one header per warning)."""
+        if not self._warnings:
+            return None
+        return multidict.CIMultiDict(("Warning", w) for w in self._warnings)
 
     def _matching(self, key: Key, ns: str, params: Any) -> list[Obj]:
         return [
