@@ -25,14 +25,11 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import math
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import lark
 import pytest
 import yaml
 from cel_admission import (
@@ -43,6 +40,16 @@ from cel_admission import (
     rules_of,
     to_cel,
     uses_old_self,
+)
+from cel_cost import (
+    MAX_REQUEST_BYTES,
+    STATIC_CRD_LIMIT,
+    STATIC_RULE_LIMIT,
+    _ceil,
+    cardinality,
+    estimate,
+    max_items,
+    max_length,
 )
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -206,6 +213,7 @@ def test_every_rule_compiles_and_is_well_formed() -> None:
             "exists",
             "exists_one",
             "filter",
+            "map",
             "hasValue",
         }, calls
 
@@ -445,208 +453,6 @@ def test_a_null_model_moe_does_not_freeze_the_job() -> None:
 
 # --- cost ----------------------------------------------------------------------------------
 
-STATIC_RULE_LIMIT = 10_000_000  # apiextensions validation.StaticEstimatedCostLimit
-STATIC_CRD_LIMIT = 100_000_000  # StaticEstimatedCRDCostLimit
-MAX_REQUEST_BYTES = 3 * 1024 * 1024  # the API server's request size limit
-UNKNOWN = 2**64 - 1  # cel-go's unknown size
-STRING_FACTOR, REGEX_FACTOR = 0.1, 0.25  # cel-go common.StringTraversalCostFactor, Regex...
-LIST_CREATE, MAP_CREATE = 10, 30  # cel-go common.ListCreateBaseCost, MapCreateBaseCost
-
-
-@dataclass
-class Est:
-    """cel-go's estimate of one sub-expression: its cost, and what it is (kind, max size,
-    schema node) so that the expressions using it can be estimated."""
-
-    cost: int
-    kind: str = "dyn"  # string int double bool list map object dyn
-    size: int = UNKNOWN  # strings: characters; lists and maps: entries
-    node: dict[str, Any] | None = None  # the schema node of a value read from the object
-    item: Est | None = None  # a list's or map's entries
-
-
-def _ceil(x: float) -> int:
-    return min(UNKNOWN, math.ceil(x))
-
-
-def _of_node(node: dict[str, Any]) -> Est:
-    """A value read from the object, sized as Kubernetes sizes it (schema bounds, else the
-    most a request can carry)."""
-    if node.get("x-kubernetes-int-or-string") or node.get("type") == "string":
-        kind = "dyn" if node.get("x-kubernetes-int-or-string") else "string"
-        return Est(0, kind, node.get("maxLength", MAX_REQUEST_BYTES - 2), node)
-    if node.get("type") == "array":
-        items = node.get("maxItems", (MAX_REQUEST_BYTES - 2) // 3)
-        return Est(0, "list", items, node, _of_node(node["items"]))
-    if node.get("type") == "object" and "properties" not in node:
-        entries = node.get("maxProperties", (MAX_REQUEST_BYTES - 2) // 3)
-        inner = node.get("additionalProperties")
-        return Est(0, "map", entries, node, _of_node(inner) if isinstance(inner, dict) else None)
-    kinds = {"integer": "int", "number": "double", "boolean": "bool", "object": "object"}
-    kind = kinds.get(node.get("type", ""), "dyn")
-    return Est(0, kind, 1 if kind in ("int", "double", "bool") else 0, node)
-
-
-def _child(est: Est, name: str) -> Est:
-    node = est.node or {}
-    name = re.sub(r"^__(.+)__$", r"\1", name)  # Kubernetes' escaping of CEL keywords
-    if name in node.get("properties", {}):
-        return _of_node(node["properties"][name])
-    return Est(0)
-
-
-class Estimator:
-    """cel-go's checker.Cost over cel-python's parse tree, for the rules' constructs."""
-
-    def __init__(self, node: dict[str, Any]) -> None:
-        self.vars: dict[str, Est] = {"self": _of_node(node), "oldSelf": _of_node(node)}
-
-    def __call__(self, tree: Any) -> Est:
-        if isinstance(tree, lark.Token):
-            return self.literal(tree)
-        kids = tree.children
-        name = tree.data
-        if name in ("expr",) and len(kids) == 3:  # c ? a : b
-            c, a, b = (self(k) for k in kids)
-            return Est(c.cost + max(a.cost, b.cost), a.kind, max(a.size, b.size))
-        if name in ("conditionalor", "conditionaland") and len(kids) == 2:
-            a, b = self(kids[0]), self(kids[1])
-            return Est(a.cost + b.cost, "bool", 1)
-        if name == "relation" and len(kids) == 2:
-            return self.relation(kids[0].data, self(kids[0].children[0]), self(kids[1]))
-        if name in ("addition", "multiplication") and len(kids) == 2:
-            a, b = self(kids[0].children[0]), self(kids[1])
-            if kids[0].data == "addition_add" and "string" in (a.kind, b.kind):
-                size = min(UNKNOWN, a.size + b.size)
-                return Est(a.cost + b.cost + _ceil(size * STRING_FACTOR), "string", size)
-            return Est(a.cost + b.cost + 1, a.kind, 1)
-        if name == "unary" and len(kids) == 2:
-            return Est(self(kids[1]).cost + 1, "bool", 1)
-        if name == "member_dot":
-            target = self(kids[0])
-            return Est(target.cost + 1, **_fields(_child(target, str(kids[1]))))
-        if name == "member_dot_arg":
-            return self.method(kids[0], str(kids[1]), _args(kids[2] if len(kids) > 2 else None))
-        if name == "member_index":
-            target, index = self(kids[0]), self(kids[1])
-            item = target.item or Est(0)
-            return Est(target.cost + index.cost + 1, **_fields(item))
-        if name == "ident_arg":
-            return self.function(str(kids[0]), _args(kids[1] if len(kids) > 1 else None))
-        if name == "ident":
-            found = self.vars.get(str(kids[0]), Est(0))
-            return Est(1, **_fields(found))
-        if name == "list_lit":
-            items = [self(k) for k in _args(kids[0] if kids else None)]
-            widest = max(items, key=lambda e: e.size, default=Est(0))
-            return Est(LIST_CREATE + sum(e.cost for e in items), "list", len(items), None, widest)
-        if name == "map_lit":
-            parts = [self(k) for k in _args(kids[0] if kids else None)]
-            values = parts[1::2]
-            widest = max(values, key=lambda e: e.size, default=Est(0))
-            return Est(MAP_CREATE + sum(e.cost for e in parts), "map", len(values), None, widest)
-        if len(kids) == 1:  # a grammar level with nothing of its own
-            return self(kids[0])
-        raise AssertionError(f"no estimate for {name}")
-
-    def literal(self, token: lark.Token) -> Est:
-        text = str(token)
-        if token.type in ("STRING_LIT", "MLSTRING_LIT"):
-            return Est(0, "string", len(text) - 2)
-        if token.type == "BOOL_LIT":
-            return Est(0, "bool", 1)
-        return Est(0, "double" if token.type == "FLOAT_LIT" else "int", 1)
-
-    def relation(self, op: str, a: Est, b: Est) -> Est:
-        if op == "relation_in":
-            per = b.size if b.kind == "list" else 1
-            return Est(a.cost + b.cost + per, "bool", 1)
-        if op in ("relation_eq", "relation_ne") or "string" in (a.kind, b.kind):
-            return Est(a.cost + b.cost + _ceil(min(a.size, b.size) * STRING_FACTOR), "bool", 1)
-        return Est(a.cost + b.cost + 1, "bool", 1)
-
-    def method(self, target_tree: Any, name: str, args: list[Any]) -> Est:
-        target = self(target_tree)
-        if name in ("all", "exists", "exists_one", "filter", "map"):
-            var = str(next(args[0].scan_values(lambda t: isinstance(t, lark.Token))))
-            saved = self.vars.get(var)
-            self.vars[var] = target.item or Est(0)
-            body = self(args[1])
-            if saved is None:
-                del self.vars[var]
-            else:
-                self.vars[var] = saved
-            # cel-go's expansion of each macro: the loop step and condition around the body.
-            step = {"all": 3, "exists": 4, "exists_one": 2}.get(name, 13)
-            per = body.cost + step
-            cost = target.cost + _ceil(min(UNKNOWN, target.size * per))
-            if name in ("filter", "map"):
-                return Est(cost, "list", target.size, None, target.item)
-            return Est(cost, "bool", 1)
-        values = [self(a) for a in args]
-        cost = target.cost + sum(v.cost for v in values)
-        if name == "matches":
-            text = _ceil((target.size + 1) * STRING_FACTOR)
-            regex = _ceil(values[0].size * REGEX_FACTOR)
-            return Est(cost + min(UNKNOWN, text * regex), "bool", 1)
-        if name in ("startsWith", "endsWith"):
-            return Est(cost + _ceil(values[0].size * STRING_FACTOR), "bool", 1)
-        if name == "size":
-            return Est(cost + 1, "int", 1)
-        if name in ("hasValue",):
-            return Est(cost + 1, "bool", 1)
-        raise AssertionError(f"no estimate for .{name}()")
-
-    def function(self, name: str, args: list[Any]) -> Est:
-        if name == "has":  # a presence test: the select costs nothing more
-            inner = args[0]
-            while len(inner.children) == 1 and not isinstance(inner.children[0], lark.Token):
-                inner = inner.children[0]
-            return Est(self(inner.children[0]).cost + 1, "bool", 1)
-        values = [self(a) for a in args]
-        cost = sum(v.cost for v in values) + 1
-        if name == "size":
-            return Est(cost, "int", 1)
-        if name == "string":  # no size estimate for a conversion: unknown
-            return Est(cost, "string", values[0].size if values[0].kind == "string" else UNKNOWN)
-        if name == "type":
-            return Est(cost, "dyn", 1)
-        raise AssertionError(f"no estimate for {name}()")
-
-
-def _fields(est: Est) -> dict[str, Any]:
-    return {"kind": est.kind, "size": est.size, "node": est.node, "item": est.item}
-
-
-def _args(exprlist: Any) -> list[Any]:
-    return [] if exprlist is None else list(exprlist.children)
-
-
-def estimate(text: str, node: dict[str, Any]) -> int:
-    return Estimator(node)(program_tree(text)).cost
-
-
-def program_tree(text: str) -> Any:
-    import celpy
-
-    return celpy.Environment().compile(text)
-
-
-def _cardinality(path: str) -> int:
-    """How often a rule at `path` runs per object: the product of its enclosing lists' and
-    maps' maxItems/maxProperties (Kubernetes' MaxCardinality)."""
-    node, out = SCHEMA, 1
-    for step in re.findall(r"\.[A-Za-z]+|\[\]|\{\}", path):
-        if step == "[]":
-            out *= node.get("maxItems", (MAX_REQUEST_BYTES - 2) // 3)
-            node = node["items"]
-        elif step == "{}":
-            out *= node.get("maxProperties", (MAX_REQUEST_BYTES - 2) // 3)
-            node = node["additionalProperties"]
-        else:
-            node = node["properties"][step[1:]]
-    return out
-
 
 def test_the_estimator_follows_cel_go_formulas() -> None:
     """The estimator on small shapes, worked out by hand from cel-go's checker/cost.go."""
@@ -659,21 +465,45 @@ def test_the_estimator_follows_cel_go_formulas() -> None:
         },
     }
     assert estimate("self.n >= 2", node) == 3  # ident 1, select 1, compare 1
-    assert estimate("self.s == 'abc'", node) == 3  # 2 + ceil(min(10, 3) * 0.1)
-    assert estimate("self.s.matches('^ab$')", node) == 2 + 2 * 1  # ceil(11 * .1) * ceil(4 * .25)
+    assert estimate("self.s == 'abc'", node) == 3  # 2 + ceil(min(4 x 10, 3) * 0.1)
+    assert estimate("self.s.matches('^ab$')", node) == 2 + 5 * 1  # ceil(41 * .1) * ceil(4 * .25)
+    assert estimate("self.s == self.s", node) == 4 + 4  # ceil(min(40, 40) * 0.1)
     assert estimate("self.l.all(x, x == 'a')", node) == 2 + 5 * (2 + 3)  # 5 x (body + step)
+    # 5 x (x 1, self.s 2, compare ceil(min(16, 40) * 0.1) = 2, step 3)
+    assert estimate("self.l.all(x, x == self.s)", node) == 2 + 5 * (1 + 2 + 2 + 3)
     assert estimate("self.l.size() + 1 > self.n", node) == 2 + 1 + 1 + 2 + 1
     unbounded = {"type": "object", "properties": {"s": {"type": "string"}}}
     assert estimate("self.s == self.s", unbounded) == 4 + _ceil((MAX_REQUEST_BYTES - 2) * 0.1)
 
 
+def test_sizes_follow_the_api_servers_declared_types() -> None:
+    """apiserver/pkg/cel/common/schemas.go: 4 bytes per character of maxLength, an enum's
+    longest value, the request limit otherwise; lists and maps sized by their items' smallest
+    JSON when unbounded; rules under an unbounded list run as often as their node fits."""
+    assert max_length({"type": "string", "maxLength": 253}) == 1012
+    assert max_length({"type": "string", "enum": ["all", "learner"]}) == 7
+    assert max_length({"type": "string"}) == MAX_REQUEST_BYTES - 2
+    assert max_length({"x-kubernetes-int-or-string": True}) == MAX_REQUEST_BYTES - 2
+    strings = {"type": "array", "items": {"type": "string"}}
+    assert max_items(strings) == (MAX_REQUEST_BYTES - 2) // 3
+    assert max_items({**strings, "maxItems": 8}) == 8
+    ints = {"type": "object", "additionalProperties": {"type": "integer"}}
+    assert max_items(ints) == (MAX_REQUEST_BYTES - 2) // 7
+    item = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}
+    schema = {"type": "object", "properties": {"l": {"type": "array", "items": item}}}
+    assert cardinality(schema, ".l[]") == MAX_REQUEST_BYTES // (2 + len("name") + 2 + 4 + 1)
+    schema["properties"]["l"]["maxItems"] = 16
+    assert cardinality(schema, ".l[]") == 16
+
+
 def test_every_rule_cost_is_bounded() -> None:
     """Each rule times how often it runs, and each messageExpression, under half of the API
-    server's per-expression limit (the estimate approximates cel-go's); all under its CRD
-    total. Every list a rule iterates, or a rule sits in, is bounded by maxItems."""
+    server's per-expression limit (the estimate follows cel-go's and the API server's sizes;
+    half leaves room for a schema change); all under half of its CRD total. Every list a rule
+    iterates, or a rule sits in, is bounded by maxItems."""
     total = 0
     for path, node, r in RULES:
-        cost = estimate(r["rule"], node) * _cardinality(path)
+        cost = estimate(r["rule"], node) * cardinality(SCHEMA, path)
         assert cost <= STATIC_RULE_LIMIT // 2, (path, r["rule"][:80], cost)
         total += cost
         if "messageExpression" in r:
