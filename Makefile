@@ -79,7 +79,7 @@ cluster: venv
 	$(BIN)/python tests/cluster/run.py $(JOB)
 
 crd: venv
-	$(BIN)/gspo crd --write charts/gspo-operator/crds/gspo.dev_gspojobs.yaml
+	$(BIN)/gspo crd --write charts/gspo-operator/files/gspo.dev_gspojobs.yaml
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -242,7 +242,7 @@ def render(file: str, namespace: str | None, show_secrets: bool, output: str | N
     type=click.Path(dir_okay=False, allow_dash=True),
     default=STDIN,
     metavar="FILE",
-    help="Write to FILE (e.g. charts/gspo-operator/crds/gspo.dev_gspojobs.yaml; - for stdout); "
+    help="Write to FILE (e.g. charts/gspo-operator/files/gspo.dev_gspojobs.yaml; - for stdout); "
     "its directory must exist.",
 )
 @click.option("-o", "--output", type=click.Choice(["yaml", "json"]), default="yaml", help="Format.")

@@ -28,7 +28,8 @@ PLURAL = "gspojobs"
 SINGULAR = "gspojob"
 SHORT_NAMES = ["gspo"]
 CRD_NAME = f"{PLURAL}.{API_GROUP}"
-CHART_CRD_PATH = Path("charts/gspo-operator/crds") / f"{API_GROUP}_{PLURAL}.yaml"
+# The chart templates it (templates/crd.yaml), so helm upgrade carries a changed CRD.
+CHART_CRD_PATH = Path("charts/gspo-operator/files") / f"{API_GROUP}_{PLURAL}.yaml"
 
 PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},

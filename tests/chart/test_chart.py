@@ -131,7 +131,7 @@ def test_rbac_is_namespaced_by_default() -> None:
         (("--set", "watchNamespaces={team-a,team-b}"), [NAMESPACE, "team-a", "team-b"]),
         (("--set", f"watchNamespaces={{team-a,{NAMESPACE}}}"), [NAMESPACE, "team-a"]),
     ]:
-        docs = template(*args)
+        docs = template("--set", "crds.enabled=false", *args)  # the CRD: test_chart_crd.py
         assert not {d["kind"] for d in docs} & CLUSTER_SCOPED_KINDS, args
         for kind in ("Role", "RoleBinding"):
             objs = job_rbac(docs, kind)

@@ -347,7 +347,8 @@ def admit(
 
 def predating_rules(crd: Obj) -> Obj:
     """`crd` without its CEL rules and defaults, as this chart's CRD was before them: what a
-    cluster keeps after a Helm upgrade (Helm never upgrades what it installed from crds/).
+    cluster keeps when its CRD is not upgraded (crds.enabled false, or a release installed
+    from an earlier chart's crds/, which Helm never upgrades, not yet adopted).
     There the operator's own checks are what refuses a bad job or a frozen field's change."""
 
     def strip(node: Any) -> Any:
