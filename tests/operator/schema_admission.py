@@ -2,31 +2,34 @@
 before the CEL rules (cel_admission.py) run: prune, apply the field-validation directive,
 default, validate against the OpenAPI schema.
 
-Modelled on k8s.io/apiextensions-apiserver and k8s.io/apiserver (Kubernetes 1.33, read at
-kubernetes/kubernetes master of 2026):
-- pruning, pkg/apiserver/schema/pruning/algorithm.go (PruneWithOptions): an object keeps a key
-  only where the schema declares it in `properties`, or has `additionalProperties`, or is
-  under `x-kubernetes-preserve-unknown-fields: true` (which still prunes inside the properties
-  it declares); the root and `x-kubernetes-embedded-resource` nodes keep apiVersion, kind and
-  metadata; the pruned keys are returned as paths (`spec.learner.volumes[0].x`). Root metadata
-  keeps ObjectMeta's own fields only (pkg/apiserver/schema/objectmeta's coercion);
-- field validation, the `fieldValidation` query parameter kubectl sends (--validate=strict:
-  Strict, =warn: Warn, =false: Ignore; a request without one: Warn, the server's default):
-  Strict refuses the write with 400 BadRequest, `<Kind> in version "<v>" cannot be handled
-  as a <Kind>: strict decoding error: unknown field "spec.x", ...` (customresource_handler.go);
-  Warn stores the pruned object with one `Warning: 299 - "unknown field \\"spec.x\\""` header
-  each; Ignore stores it silently;
-- defaulting, pkg/apiserver/schema/defaulting (PruneNonNullableNullsWithoutDefaults, then
-  Default top-down): cel_admission.default;
-- OpenAPI validation, k8s.io/kube-openapi/pkg/validation/validate as
-  apiextensions-apiserver/pkg/apiserver/validation reports it: type (int-or-string, nullable,
-  `number` taking integers), enum, required, minimum/maximum (exclusive too), min/maxLength,
-  pattern, min/maxItems, min/maxProperties, with kube-apiserver's field.Error wording; a
-  type or required error blocks the CEL rules, as customresource strategy's hasBlockingErr.
-Not modelled: formats (date-time, byte, ...), x-kubernetes-list-type/map-keys uniqueness,
-metadata validation beyond the schema's own name rules, ratcheting of unchanged invalid
-values (1.30+), allOf/anyOf/oneOf/not value validation, CRD versions and conversion, and
-server-side apply's field managers.
+Modelled on kubernetes/kubernetes (staging/src/k8s.io, read at its 2026 master):
+- pruning: apiextensions-apiserver/pkg/apiserver/schema/pruning/algorithm.go and its
+  successor apiserver/pkg/cel/apivalidation/pruning/algorithm.go (PruneWithOptions): an
+  object keeps a key only where the schema declares it in `properties`, or has
+  `additionalProperties`, or is under `x-kubernetes-preserve-unknown-fields: true` (which
+  still prunes inside the properties it declares); the root and
+  `x-kubernetes-embedded-resource` nodes keep apiVersion, kind and metadata; the pruned keys
+  come back as paths (`spec.learner.volumes[0].x`). Root metadata keeps ObjectMeta's own
+  fields (apiextensions-apiserver's objectmeta coercion);
+- field validation: the `fieldValidation` query parameter kubectl sends (--validate=strict,
+  its default: Strict; =warn: Warn; =false: Ignore; a request without one gets Warn, the
+  server's default). Strict refuses the write with 400 BadRequest worded as
+  apiserver/pkg/endpoints/handlers/rest.go's transformDecodeError around apimachinery's strict
+  decoding error: `<Kind> in version "<v>" cannot be handled as a <Kind>: strict decoding
+  error: unknown field "spec.x", ...`; Warn stores the pruned object with a
+  `Warning: 299 - "unknown field \"spec.x\""` header each; Ignore stores it silently;
+- defaulting (apiextensions-apiserver/pkg/apiserver/schema/defaulting: nulls the schema does
+  not allow pruned, then defaults top-down): cel_admission.default;
+- OpenAPI validation (k8s.io/kube-openapi/pkg/validation/validate, as
+  apiextensions-apiserver/pkg/apiserver/validation reports it): type (int-or-string,
+  nullable, `number` taking integers), enum, required, minimum/maximum (exclusive too),
+  min/maxLength, pattern, min/maxItems, min/maxProperties, with field.Error's wording; a type
+  or required error keeps the CEL rules from running (the strategy's hasBlockingErr).
+Not modelled: a PATCH's strict error keeps the same wording (the real one drops the "cannot
+be handled" prefix); formats (date-time, byte, ...); x-kubernetes-list-type/map-keys
+uniqueness; metadata validation beyond the schema's name rules; ratcheting of unchanged
+invalid values (1.30+); allOf/anyOf/oneOf/not value validation; CRD versions and
+conversion; server-side apply; the schemas of built-in kinds (they are stored as sent).
 """
 
 from __future__ import annotations
