@@ -291,6 +291,7 @@ def admit(
     *,
     params: Any = None,
     status: bool = False,
+    patch: bool = False,
 ) -> tuple[Obj, list[str]]:
     """`new` as the API server stores it, and the Warning headers of the answer; or
     kmock.KubernetesError: 400 for unknown fields under fieldValidation=Strict, 422 with
@@ -315,7 +316,7 @@ def admit(
         raise kmock.KubernetesError(
             status=400,
             reason="BadRequest",
-            message=schema_admission.unknown_field_message(kind, key[1], unknown),
+            message=schema_admission.unknown_field_message(kind, key[1], unknown, patch),
         )
     said = schema_admission.warnings(unknown) if mode == schema_admission.WARN else []
     new = default(schema, new)

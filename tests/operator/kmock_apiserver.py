@@ -421,7 +421,7 @@ class ApiServer(kmock.KubernetesScaffold):
         if new.get("status") is None:
             new.pop("status", None)
         new["metadata"]["uid"] = old["metadata"]["uid"]
-        new = self._admit(key, old, new, params, status=sub == "status")
+        new = self._admit(key, old, new, params, status=sub == "status", patch=not replace)
         strip = ("metadata", "status")
         if {k: v for k, v in new.items() if k not in strip} != {
             k: v for k, v in old.items() if k not in strip
@@ -439,12 +439,20 @@ class ApiServer(kmock.KubernetesScaffold):
         return new
 
     def _admit(
-        self, key: Key, old: Obj | None, new: Obj, params: Any = None, status: bool = False
+        self,
+        key: Key,
+        old: Obj | None,
+        new: Obj,
+        params: Any = None,
+        status: bool = False,
+        patch: bool = False,
     ) -> Obj:
         """A custom resource as its CRD admits it (pruned, defaulted), or the API server's
         400/422. The answer's Warning headers are kept in `_warnings` for `_handle`."""
         crds = self.list_kind("CustomResourceDefinition")
-        admitted, said = cel_admission.admit(crds, key, old, new, params=params, status=status)
+        admitted, said = cel_admission.admit(
+            crds, key, old, new, params=params, status=status, patch=patch
+        )
         self._warnings += said
         return admitted
 

@@ -25,8 +25,8 @@ Modelled on kubernetes/kubernetes (staging/src/k8s.io, read at its 2026 master):
   nullable, `number` taking integers), enum, required, minimum/maximum (exclusive too),
   min/maxLength, pattern, min/maxItems, min/maxProperties, with field.Error's wording; a type
   or required error keeps the CEL rules from running (the strategy's hasBlockingErr).
-Not modelled: a PATCH's strict error keeps the same wording (the real one drops the "cannot
-be handled" prefix); formats (date-time, byte, ...); x-kubernetes-list-type/map-keys
+A PATCH's Strict refusal is the bare `strict decoding error: ...` (patch.go).
+Not modelled: formats (date-time, byte, ...); x-kubernetes-list-type/map-keys
 uniqueness; metadata validation beyond the schema's name rules; ratcheting of unchanged
 invalid values (1.30+); allOf/anyOf/oneOf/not value validation; CRD versions and
 conversion; server-side apply; the schemas of built-in kinds (they are stored as sent).
@@ -131,10 +131,11 @@ def directive(params: Any) -> str:
     return value if value in (STRICT, WARN, IGNORE) else WARN
 
 
-def unknown_field_message(kind: str, version: str, paths: list[str]) -> str:
-    said = ", ".join(f"unknown field {json.dumps(p)}" for p in paths)
-    cannot = f'{kind} in version "{version}" cannot be handled as a {kind}'
-    return f"{cannot}: strict decoding error: {said}"
+def unknown_field_message(kind: str, version: str, paths: list[str], patch: bool = False) -> str:
+    """A create's or replace's decode error (rest.go's transformDecodeError); a patch's is
+    the bare strict decoding error (patch.go's applyPatchToCurrentObject)."""
+    said = "strict decoding error: " + ", ".join(f"unknown field {json.dumps(p)}" for p in paths)
+    return said if patch else f'{kind} in version "{version}" cannot be handled as a {kind}: {said}'
 
 
 def warnings(paths: list[str]) -> list[str]:

@@ -118,7 +118,14 @@ def test_a_jobset_is_pruned_and_refused_by_its_crd() -> None:
     with pytest.raises(kmock.KubernetesError) as strict:
         admit(crds, key, None, _jobset(suspnd=True), params={"fieldValidation": "Strict"})
     assert strict.value.status == 400
-    assert 'unknown field "spec.suspnd"' in str(strict.value.message)
+    assert strict.value.message == (
+        'JobSet in version "v1alpha2" cannot be handled as a JobSet: strict decoding error: '
+        'unknown field "spec.suspnd"'
+    )
+    with pytest.raises(kmock.KubernetesError) as patched:
+        strict_patch = {"fieldValidation": "Strict"}
+        admit(crds, key, None, _jobset(suspnd=True), params=strict_patch, patch=True)
+    assert patched.value.message == 'strict decoding error: unknown field "spec.suspnd"'
     with pytest.raises(kmock.KubernetesError) as invalid:
         admit(crds, key, None, _jobset(suspend="yes"))
     assert invalid.value.status == 422
