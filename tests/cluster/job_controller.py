@@ -65,8 +65,11 @@ Implemented (a level-triggered loop that re-reads every Job and its pods each ~0
   with a podFailurePolicy, completions required for Indexed, job names that make too long a
   job-name label value, malformed podFailurePolicy rules.
 
-Not implemented: the exponential pod-failure backoff (10 s doubling to 6 min) before a
-replacement pod is created, backoffLimitPerIndex / maxFailedIndexes / the FailIndex action
+- The pod-failure back-off before pods are created again (backoff.py): 10 s doubling per pod
+  failure since the Job's last success, capped at 10 minutes, times `time_scale` (TIME_SCALE by
+  default, 0.05: 0.5 s to 30 s), on the injectable `clock`.
+
+Not implemented: backoffLimitPerIndex / maxFailedIndexes / the FailIndex action
 (a FailIndex rule is skipped), the Job successPolicy (SuccessPolicy reason),
 ttlSecondsAfterFinished, spec.selector generation and pod adoption (pods are matched by the
 controller ownerReference), expectations and the job-tracking finalizer: instead of a finalizer
@@ -83,10 +86,20 @@ import copy
 import datetime as dt
 import logging
 import random
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import kmock
+from backoff import (
+    JOB_POD_FAILURE_BACKOFF_MAX_S,
+    JOB_POD_FAILURE_BACKOFF_S,
+    TIME_SCALE,
+    PodFailureRecord,
+    next_record,
+    pod_failure_delay_s,
+)
 from jobset_webhook import invalid, invalid_message, is_valid_label_value
 from reconciler import Reconciler
 
@@ -467,16 +480,38 @@ def _removal_order(pod: Obj) -> tuple[Any, ...]:
 class JobController(Reconciler):
     """batch/v1 Jobs: pods from the template, counters, conditions (see the module docstring)."""
 
-    def __init__(self, api: ClusterApiServer, *, period_s: float = 0.1) -> None:
-        """`api`: the store to reconcile; `period_s`: how often `run` re-reads every Job."""
+    def __init__(
+        self,
+        api: ClusterApiServer,
+        *,
+        period_s: float = 0.1,
+        clock: Callable[[], float] = time.monotonic,
+        time_scale: float = TIME_SCALE,
+    ) -> None:
+        """`api`: the store to reconcile; `period_s`: how often `run` re-reads every Job;
+        `clock`: seconds (a fake one in tests); `time_scale`: multiplies the pod-failure
+        back-off's 10 s and 10 min (backoff.py)."""
         super().__init__(api, period_s)
+        self.clock = clock
+        self.backoff_s = JOB_POD_FAILURE_BACKOFF_S * time_scale
+        self.backoff_max_s = JOB_POD_FAILURE_BACKOFF_MAX_S * time_scale
         self._tracking: dict[str, _Tracking] = {}
+        # By Job uid (the real store keys it by namespace/name and drops it when a sync finds
+        # the Job gone, which it does before JobSet can recreate a Job under the same name).
+        self._backoff: dict[str, PodFailureRecord] = {}
 
     async def sync_all(self) -> None:
         """One pass over all Jobs; what is tracked for Jobs that are gone is dropped."""
         seen = await self.sync_each("Job", self.sync_job)
         for uid in set(self._tracking) - seen:
             del self._tracking[uid]
+        for uid in set(self._backoff) - seen:  # syncJob of a deleted Job removes its record
+            del self._backoff[uid]
+
+    def pod_failure_delay_s(self, job: Obj) -> float:
+        """How long the Job's next pod creation still waits after its pods' failures."""
+        record = self._backoff.get(job["metadata"]["uid"], PodFailureRecord())
+        return pod_failure_delay_s(record, self.clock(), self.backoff_s, self.backoff_max_s)
 
     def _pods_of(self, namespace: str, uid: str) -> list[Obj]:
         """The Job's pods, by controller ownerReference (the stand-in has no selectors)."""
@@ -494,6 +529,7 @@ class JobController(Reconciler):
         conditions = copy.deepcopy(status.get("conditions") or [])
         if condition_true(conditions, "Complete") or condition_true(conditions, "Failed"):
             self._tracking.pop(uid, None)
+            self._backoff.pop(uid, None)
             return
         indexed = spec.get("completionMode") == "Indexed"
         completions = spec.get("completions")
@@ -511,6 +547,7 @@ class JobController(Reconciler):
         succeeded = int(status.get("succeeded") or 0)
         failed = int(status.get("failed") or 0)
         failed_pods: list[Obj] = []
+        new_succeeded = new_failed = 0  # pods first seen finished in this pass
         present = {p["metadata"]["uid"] for p in pods}
         for pod_uid in [u for u in tr.last_seen if u not in present]:
             gone = tr.last_seen.pop(pod_uid)
@@ -518,6 +555,7 @@ class JobController(Reconciler):
                 continue
             tr.counted.add(pod_uid)  # vanished unfinished: the finalizer would count a failure
             failed_pods.append(gone)
+            new_failed += 1
             if match_pod_failure_policy(policy, gone)[1]:
                 failed += 1
         for pod in pods:
@@ -530,6 +568,7 @@ class JobController(Reconciler):
             if phase(pod) == "Succeeded":
                 tr.counted.add(pod_uid)
                 tr.last_seen.pop(pod_uid, None)
+                new_succeeded += 1
                 index = completion_index(pod)
                 if not indexed:
                     succeeded += 1
@@ -538,12 +577,19 @@ class JobController(Reconciler):
             elif pod_failed:
                 tr.counted.add(pod_uid)
                 tr.last_seen.pop(pod_uid, None)
+                new_failed += 1  # Ignored ones too: the back-off counts every failed pod
                 if match_pod_failure_policy(policy, pod)[1]:
                     failed += 1
             else:
                 tr.last_seen[pod_uid] = pod
         if indexed:
             succeeded = len(completed)
+        finished_s = self.clock()
+        self._backoff[uid] = next_record(
+            self._backoff.get(uid, PodFailureRecord()),
+            [finished_s] * new_succeeded,
+            [finished_s] * new_failed,
+        )
 
         start_time = status.get("startTime")
         if start_time is None and not suspended:
@@ -709,6 +755,8 @@ class JobController(Reconciler):
         diff = want - len(terminating) - len(active)
         if diff <= 0:
             return
+        if self.pod_failure_delay_s(job) > 0:
+            return  # the real controller requeues the Job for then; this loop comes back
         if not indexed:
             for _ in range(diff):
                 await self._create_pod(job, None)

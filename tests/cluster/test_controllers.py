@@ -22,6 +22,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))  # kmock_apiserver
 
 from apiserver import ClusterApiServer
+from backoff import PodFailureRecord, next_record, pod_failure_delay_s
 from job_controller import (
     BACKOFF_LIMIT_MESSAGE,
     JobController,
@@ -43,6 +44,24 @@ Obj = dict[str, Any]
 NS = "default"
 SUFFIX = "[bcdfghjklmnpqrstvwxz2456789]{5}"
 INDEX = "batch.kubernetes.io/job-completion-index"
+
+
+class FakeClock:
+    """Seconds that pass only when a test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def job_controller(api: ClusterApiServer, clock: FakeClock) -> JobController:
+    """A Job controller on `clock` with the real (unscaled) pod-failure back-off."""
+    return JobController(api, clock=clock, time_scale=1.0)
 
 
 @pytest.fixture
@@ -253,7 +272,8 @@ async def test_indexed_job_pods_names_hostnames_labels_env(api: ClusterApiServer
 async def test_backoff_limit_replaces_failed_pod_with_same_index_then_fails(
     api: ClusterApiServer,
 ) -> None:
-    jc = JobController(api)
+    clock = FakeClock()
+    jc = job_controller(api, clock)
     await api.create(indexed_job("bo", 2, backoffLimit=1))
     await step(jc)
     for index in (0, 1):
@@ -264,6 +284,9 @@ async def test_backoff_limit_replaces_failed_pod_with_same_index_then_fails(
     st = status(api, "Job", "bo")
     assert st["failed"] == 1
     assert condition_types(st) == []
+    assert len(pods_of(api, "bo")) == 2  # the pod-failure back-off: 10 s before a new pod
+    clock.advance(10)
+    await step(jc)
     replacement = pod_at(api, "bo", 0)
     assert replacement["metadata"]["name"] != first["metadata"]["name"]
     assert replacement["spec"]["hostname"] == "bo-0"
@@ -325,7 +348,8 @@ async def test_pod_failure_policy_fail_job_on_exit_code_2(api: ClusterApiServer)
 async def test_pod_failure_policy_ignores_disruption_and_exit_1_counts(
     api: ClusterApiServer,
 ) -> None:
-    jc = JobController(api)
+    clock = FakeClock()
+    jc = job_controller(api, clock)
     await api.create(indexed_job("evict", 1, backoffLimit=0, podFailurePolicy=FAIL_ON_EXIT_2))
     await step(jc)
     evicted = pod_at(api, "evict", 0)
@@ -342,6 +366,8 @@ async def test_pod_failure_policy_ignores_disruption_and_exit_1_counts(
     st = status(api, "Job", "evict")
     assert "failed" not in st  # Ignore: not counted towards backoffLimit 0
     assert condition_types(st) == []
+    clock.advance(10)  # but counted by the pod-failure back-off
+    await step(jc)
     again = pod_at(api, "evict", 0)
     assert again["metadata"]["name"] != evicted["metadata"]["name"]
 
@@ -368,7 +394,8 @@ async def test_pod_failure_policy_requires_restart_policy_never(api: ClusterApiS
 
 
 async def test_deleted_pod_is_terminating_and_replacement_policy(api: ClusterApiServer) -> None:
-    jc = JobController(api)
+    clock = FakeClock()
+    jc = job_controller(api, clock)
     await api.create(indexed_job("tof", 1))  # podReplacementPolicy TerminatingOrFailed
     await api.create(indexed_job("fld", 1, podFailurePolicy=FAIL_ON_EXIT_2))  # Failed
     await step(jc)
@@ -376,6 +403,9 @@ async def test_deleted_pod_is_terminating_and_replacement_policy(api: ClusterApi
         pod = pod_at(api, name, 0)
         await run_pod(api, pod)
         await api.delete("Pod", NS, pod["metadata"]["name"])  # graceful: deletionTimestamp
+    await step(jc)
+    assert len(pods_of(api, "tof")) == 1  # counted as failed at once; 10 s of back-off
+    clock.advance(10)
     await step(jc)
 
     tof, fld = status(api, "Job", "tof"), status(api, "Job", "fld")
@@ -385,6 +415,9 @@ async def test_deleted_pod_is_terminating_and_replacement_policy(api: ClusterApi
     assert len(pods_of(api, "fld")) == 1  # replaced only once the old pod is gone
     old = pods_of(api, "fld")[0]
     api.remove_pod(NS, old["metadata"]["name"])
+    await step(jc)
+    assert pods_of(api, "fld") == []  # gone: a failure now, and its back-off starts now
+    clock.advance(10)
     await step(jc)
     fld = status(api, "Job", "fld")
     assert (fld["terminating"], fld["active"], fld["failed"]) == (0, 1, 1)
@@ -849,3 +882,77 @@ async def test_webhook_refuses_pod_names_over_the_limit(api: ClusterApiServer) -
     )
     assert any("job names generated for this JobSet will exceed 63 characters" in e for e in errors)
     assert admit({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"}}) is None
+
+
+# --- the pod-failure back-off ---------------------------------------------------------------------
+
+
+async def test_pod_failure_backoff_doubles_to_its_cap_and_a_success_resets_it(
+    api: ClusterApiServer,
+) -> None:
+    """10 s, 20 s, ... 10 min between a failed pod and its replacement (backoff_utils.go)."""
+    clock = FakeClock()
+    jc = job_controller(api, clock)
+    job = await api.create(
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": "flaky", "namespace": NS},
+            "spec": {
+                "completions": 2,
+                "parallelism": 1,
+                "backoffLimit": 50,
+                "template": pod_template(),
+            },
+        }
+    )
+
+    def live() -> list[Obj]:
+        done = ("Succeeded", "Failed")
+        return [
+            p for p in pods_of(api, "flaky") if (p.get("status") or {}).get("phase") not in done
+        ]
+
+    async def end_pod(exit_code: int) -> None:
+        (pod,) = live()
+        await run_pod(api, pod)
+        await finish_pod(api, pod, exit_code)
+        await step(jc)
+
+    async def waited_s() -> float:
+        """Seconds (of the fake clock) the next pod waits: none a second before, one then."""
+        delay = jc.pod_failure_delay_s(job)
+        if delay:
+            clock.advance(delay - 1)
+            await step(jc)
+            assert not live(), f"a pod {delay - 1} s into a {delay} s back-off"
+            clock.advance(1)
+        await step(jc)
+        assert live(), f"no pod after the {delay} s back-off"
+        return delay
+
+    await step(jc)
+    delays = []
+    for _ in range(8):
+        await end_pod(1)
+        delays.append(await waited_s())
+    assert delays == [10, 20, 40, 80, 160, 320, 600, 600]
+    assert jc.pod_failure_delay_s(job) == 0
+
+    await end_pod(0)  # a success: the count starts again
+    assert await waited_s() == 0
+    await end_pod(1)
+    assert await waited_s() == 10
+    assert status(api, "Job", "flaky")["failed"] == 9
+
+
+def test_pod_failure_record_follows_new_backoff_record() -> None:
+    """newBackoffRecord: failures after the newest success count; a failure-free sync keeps."""
+    record = next_record(PodFailureRecord(), [], [5.0, 3.0])
+    assert record == PodFailureRecord(2, 5.0)
+    assert next_record(record, [], []) == record
+    assert next_record(record, [6.0], [4.0, 7.0, 8.0]) == PodFailureRecord(2, 8.0)
+    assert next_record(record, [9.0], [8.0]) == PodFailureRecord(0, None)
+    assert pod_failure_delay_s(PodFailureRecord(2, 8.0), now_s=15.0) == 13.0
+    assert pod_failure_delay_s(PodFailureRecord(3, 8.0), now_s=48.0) == 0.0
+    assert pod_failure_delay_s(PodFailureRecord(30, 0.0), now_s=0.0) == 600.0
