@@ -58,10 +58,12 @@ Modelled:
   initialDelaySeconds/periodSeconds multiplied by `probe_period_scale`, timeoutSeconds,
   success/failureThreshold; a failed liveness/startup probe kills the container (SIGTERM, the
   grace period, SIGKILL) and restartPolicy decides.
-- restartPolicy Always/OnFailure: in-place restarts with an exponential back-off from
-  `restart_backoff_s` (capped at 10 s; Kubernetes uses 10 s to 5 min), waiting reason
-  CrashLoopBackOff in between; Never ends the container. Init containers run in order
-  before the others (a failure under Never fails the pod).
+- restartPolicy Always/OnFailure: in-place restarts with the kubelet's CrashLoopBackOff
+  (backoff.py: the first restart at once, then 10 s doubling to 5 min, back to 10 s after 10
+  minutes of running; every duration times `time_scale`, TIME_SCALE by default, on `clock`),
+  waiting reason CrashLoopBackOff with the kubelet's message (the unscaled duration, "back-off
+  20s restarting failed container=...") in between; Never ends the container. Init
+  containers run in order before the others (a failure under Never fails the pod).
 - graceful deletion: SIGTERM to each container's main process (what the runtime sends to
   PID 1), deletionGracePeriodSeconds x `grace_scale`, then SIGKILL to its process group; exit
   codes as runtimes report them (128+signal); the final status (terminal phase, as kubelets
@@ -120,13 +122,21 @@ import ssl
 import stat
 import subprocess
 import sys
+import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from backoff import (
+    CRASH_LOOP_BACKOFF_MAX_S,
+    CRASH_LOOP_BACKOFF_S,
+    TIME_SCALE,
+    CrashLoopBackOff,
+    go_duration,
+)
 from netns import Endpoint, PodNetwork
 from netpol import NO_RULES, PodAddress, apply_ruleset, pod_ruleset
 
@@ -872,7 +882,8 @@ class ProcessKubelet:
     node_labels: labels beyond kubernetes.io/hostname, os and arch; probe_period_scale:
     multiplies probes' initialDelaySeconds and periodSeconds (timeouts stay real) so tests need
     not wait 10 s periods; grace_scale: multiplies termination grace periods;
-    restart_backoff_s: the first restart back-off; image_env: variables an image would set;
+    time_scale: multiplies the CrashLoopBackOff's durations; clock: seconds, what those are
+    measured with; image_env: variables an image would set;
     network: the pod network (default: 10.244.77.0/24 on bridge gspo-br0); events: write
     Events; poll_s: the reconcile period.
     """
@@ -890,7 +901,8 @@ class ProcessKubelet:
         node_labels: dict[str, str] | None = None,
         probe_period_scale: float = 1.0,
         grace_scale: float = 1.0,
-        restart_backoff_s: float = 0.5,
+        time_scale: float = TIME_SCALE,
+        clock: Callable[[], float] = time.monotonic,
         image_env: dict[str, str] | None = None,
         network: PodNetwork | None = None,
         events: bool = True,
@@ -911,7 +923,11 @@ class ProcessKubelet:
         }
         self.probe_period_scale = probe_period_scale
         self.grace_scale = grace_scale
-        self.restart_backoff_s = restart_backoff_s
+        self.time_scale = time_scale
+        self.clock = clock
+        self._crash_loop = CrashLoopBackOff(
+            CRASH_LOOP_BACKOFF_S * time_scale, CRASH_LOOP_BACKOFF_MAX_S * time_scale
+        )
         self.image_env = dict(image_env or {})
         self.network = network or PodNetwork()
         self.events = events
@@ -1232,6 +1248,7 @@ class ProcessKubelet:
     def _forget(self, rt: _PodRuntime) -> None:
         if self._pods.get(rt.uid) is rt:
             del self._pods[rt.uid]
+        self._crash_loop.forget(f"{rt.uid}/")
         shutil.rmtree(rt.dir, ignore_errors=True)
 
     async def _stop_process(self, proc: asyncio.subprocess.Process, grace: float) -> None:
@@ -1251,7 +1268,6 @@ class ProcessKubelet:
 
     async def _run_container(self, rt: _PodRuntime, c: _Container) -> bool:
         """Run (and restart) one container; True when it ended with exit code 0."""
-        backoff = self.restart_backoff_s
         policy = rt.restart_policy
         while not rt.terminating:
             try:
@@ -1276,16 +1292,20 @@ class ProcessKubelet:
             if not restart:
                 return exit_code == 0
             c.last_state = {"terminated": terminated}
-            message = (
-                f"back-off {backoff:g}s restarting failed container={c.name} "
-                f"pod={rt.name}_{rt.ns}({rt.uid})"
-            )
-            c.state = {"waiting": {"reason": "CrashLoopBackOff", "message": message}}
-            self._event(rt.pod, "Warning", "BackOff", "Back-off restarting failed container")
-            await rt.sleep(backoff)
-            backoff = min(backoff * 2, 10.0)
-            if rt.terminating:
-                return False
+            key, finished = f"{rt.uid}/{c.name}", self.clock()
+            delay = self._crash_loop.delay_s(key, finished, finished)
+            if delay > 0:
+                shown = go_duration(self._crash_loop.current_s(key) / self.time_scale)
+                message = (
+                    f"back-off {shown} restarting failed container={c.name} "
+                    f"pod={rt.name}_{rt.ns}({rt.uid})"
+                )
+                c.state = {"waiting": {"reason": "CrashLoopBackOff", "message": message}}
+                self._event(rt.pod, "Warning", "BackOff", "Back-off restarting failed container")
+                await rt.sleep(delay)
+                if rt.terminating:
+                    return False
+            self._crash_loop.next(key, finished, self.clock())
             c.restart_count += 1
         return False
 

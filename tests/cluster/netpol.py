@@ -8,7 +8,7 @@ This module turns the NetworkPolicies in the API store into nftables rules in ea
 network namespace (`pod_ruleset`, pure), and `ProcessKubelet` applies them (`apply_ruleset`).
 
 Semantics, from kubernetes pkg/apis/networking/types.go (NetworkPolicySpec, NetworkPolicyPeer,
-NetworkPolicyPort, IPBlock; read at master, 2026) and the NetworkPolicy concept page:
+NetworkPolicyPort, IPBlock; read at commit bd2776e, 2026) and the NetworkPolicy concept page:
 - A pod is isolated for ingress when a policy of its namespace selects it (spec.podSelector;
   `{}` selects every pod of the namespace) with "Ingress" in policyTypes, for egress likewise
   with "Egress". policyTypes unset: Ingress always, Egress when the policy has an egress section.
@@ -26,9 +26,9 @@ NetworkPolicyPort, IPBlock; read at master, 2026) and the NetworkPolicy concept 
   named port in an ingress rule is the selected pod's containerPort of that name and protocol; in
   an egress rule, each destination pod's own (so it needs pod peers).
 - Replies of an admitted connection pass (connection tracking), loopback inside a pod always
-  passes, and traffic from the pod's node always reaches it (the concept page: a pod cannot block
-  access from its node; kube-router accepts "fib saddr type local" for the pod's address: here the
-  node's address as pods see it, the bridge gateway).
+  passes, and traffic from the pod's node always reaches it (types.go: traffic is allowed "if the
+  traffic source is the pod's local node"; kube-router accepts "fib saddr type local" towards the
+  pod: here the node's address as pods see it, the bridge gateway, where probes come from).
 
 Rules, modelled on kube-router v2.11's nftables controller (cloudnativelabs/kube-router
 pkg/controllers/netpol/npc_nftables.go: a common chain that drops invalid and accepts
@@ -42,9 +42,10 @@ one transaction (`nft -f`) whenever what it should hold changes: a pod starts or
 policies change.
 
 Not modelled: IPv6, hostNetwork pods, Service ClusterIPs (there is no kube-proxy: names resolve
-to pod IPs), ipBlock for pod traffic from outside this node's /24 (nothing else routes here),
-kube-router's optional default-deny for pods no policy selects, AdminNetworkPolicy, logging of
-rejected packets, named ports in an egress rule towards an ipBlock (they match nothing).
+to pod IPs), traffic from beyond the node (nothing routes into the pod network, so an ipBlock only
+ever matches pods and the node), kube-router's optional default-deny for pods no policy selects,
+AdminNetworkPolicy, NetworkPolicy status conditions, logging of rejected packets, named ports in
+an egress rule towards an ipBlock (they match nothing).
 """
 
 from __future__ import annotations

@@ -26,12 +26,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))  # kmock_apiserver
 
 from apiserver import ClusterApiServer
+from backoff import CrashLoopBackOff, go_duration
 from kubelet import ProcessKubelet, pod_problems, scheduling_problems
 from netns import NETNS_ETC, PodNetwork, unavailable_reason
 
 Obj = dict[str, Any]
 NS = "default"
 PROBE_SCALE = 0.2  # probe periods of 1 s become 0.2 s
+TIME_SCALE = 0.02  # the CrashLoopBackOff: 10 s becomes 0.2 s
 
 
 @dataclass
@@ -102,7 +104,7 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
         pytest.skip(f"the local cluster's node needs network namespaces: {reason}")
     async with ClusterApiServer() as api:
         kubelet = ProcessKubelet(
-            api, tmp_path / "node", probe_period_scale=PROBE_SCALE, restart_backoff_s=0.2
+            api, tmp_path / "node", probe_period_scale=PROBE_SCALE, time_scale=TIME_SCALE
         )
         stop = asyncio.Event()
         task = asyncio.create_task(kubelet.run(stop))
@@ -632,6 +634,53 @@ async def test_crash_restarts_in_place_and_eviction_marks_disruption(cluster: Cl
     await cluster.wait(lambda: cluster.pod("crashy") is None, "the evicted pod removed")
     last = cluster.last_seen("crashy")["status"]
     assert condition(last, "DisruptionTarget")["reason"] == "EvictionByEvictionAPI"
+
+
+def restarts(runs_s: list[float]) -> list[float]:
+    """The waits before each restart of a container that runs `runs_s[i]` seconds each time,
+    driven as the kubelet drives CrashLoopBackOff (doBackOff: IsInBackOffSince, then Next)."""
+    backoff, now, waits = CrashLoopBackOff(), 0.0, []
+    for run in runs_s:
+        now += run  # it exits
+        finished = now
+        wait = backoff.delay_s("pod/main", finished, now)
+        waits.append(wait)
+        now += wait
+        backoff.next("pod/main", finished, now)  # and starts again
+    return waits
+
+
+def test_crash_loop_backoff_is_the_kubelets_sequence() -> None:
+    """Immediate, then 10 s doubling to 5 min; 10 minutes of running resets it."""
+    assert restarts([1.0] * 9) == [0, 10, 20, 40, 80, 160, 300, 300, 300]
+    # A run shorter than 2 x 5 min after its restart keeps the back-off; a longer one resets it.
+    assert restarts([1.0] * 4 + [590.0, 1.0])[-2:] == [80, 160]
+    assert restarts([1.0] * 4 + [610.0, 1.0, 1.0])[-3:] == [0, 10, 20]
+    assert go_duration(80) == "1m20s" and go_duration(300) == "5m0s" and go_duration(10) == "10s"
+
+
+async def test_crash_looping_container_waits_longer_each_time(cluster: Cluster) -> None:
+    """The first restart at once, then CrashLoopBackOff with the kubelet's message (10 s, 20 s
+    in the message; TIME_SCALE of them here)."""
+    started = time.monotonic()
+    await cluster.api.create(pod("looping", "raise SystemExit(3)", restartPolicy="Always"))
+
+    def waiting_message() -> str:
+        cs = (cluster.status("looping").get("containerStatuses") or [{}])[0]
+        waiting = cs.get("state", {}).get("waiting", {})
+        return waiting.get("message", "") if waiting.get("reason") == "CrashLoopBackOff" else ""
+
+    first = await cluster.wait(waiting_message, "the first CrashLoopBackOff")
+    assert first.startswith("back-off 10s restarting failed container=main pod=looping_default(")
+    count = container_status(cluster.status("looping"))["restartCount"]
+    assert count == 1  # the first restart did not wait
+    second = await cluster.wait(
+        lambda: "back-off 20s" in waiting_message() and waiting_message(), "the second back-off"
+    )
+    assert container_status(cluster.status("looping"))["restartCount"] == 2
+    assert second.startswith("back-off 20s")
+    assert time.monotonic() - started >= 10 * TIME_SCALE
+    await cluster.api.delete("Pod", NS, "looping")
 
 
 # --- scheduling -------------------------------------------------------------------------------
