@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))  # kmo
 from apiserver import ClusterApiServer
 from kubelet import ProcessKubelet
 from netns import unavailable_reason
-from netpol import PodAddress, nft_command, pod_ruleset
+from netpol import NFT_MISSING, PodAddress, nft_command, pod_ruleset
 from operator_harness import tiny_job
 
 from gspo_operator.render import render_job
@@ -108,7 +108,7 @@ async def node(tmp_path: Path) -> AsyncIterator[tuple[ClusterApiServer, ProcessK
     reason = unavailable_reason()
     if reason:
         pytest.skip(f"the local cluster's node needs network namespaces: {reason}")
-    assert nft_command() is not None, "run `make tools` (it unpacks nftables' nft into .tools/)"
+    assert nft_command() is not None, NFT_MISSING
     async with ClusterApiServer() as api:
         kubelet = ProcessKubelet(api, tmp_path / "node")
         stop = asyncio.Event()
@@ -340,9 +340,11 @@ def test_peers_ports_and_directions() -> None:
 
 def test_nft_accepts_every_rule_it_is_given() -> None:
     """`nft -c` (check only) parses what pod_ruleset writes, every kind of rule included."""
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"nft needs what network namespaces need: {reason}")
     found = nft_command()
-    if found is None:
-        pytest.skip("nft is not installed (`make tools`)")
+    assert found is not None, NFT_MISSING
     policy = policy_of(
         {
             "podSelector": {},
