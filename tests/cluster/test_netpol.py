@@ -159,7 +159,7 @@ async def test_job_traffic_flows_and_other_pods_are_kept_out(node: Any) -> None:
         return str((api.get("Pod", *key.split("/")).get("status") or {}).get("podIP", ""))
 
     ephemeral: dict[str, str] = {}
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60  # seven pods start on a busy 2-core machine
     while len(ephemeral) < len(pods):
         for key in pods:
             ns, name = key.split("/")
@@ -224,12 +224,10 @@ async def test_job_traffic_flows_and_other_pods_are_kept_out(node: Any) -> None:
     # The rules follow the store: without the policy the outsider gets in.
     await api.delete("NetworkPolicy", NS, policy["metadata"]["name"])
     target = at(rollout0, http)
-    for _ in range(50):
-        if (await connect(kubelet, f"{NS}/outsider", [target]))[target] == "ok":
-            break
+    deadline = time.monotonic() + 10
+    while (await connect(kubelet, f"{NS}/outsider", [target]))[target] != "ok":
+        assert time.monotonic() < deadline, "the rules stayed after the NetworkPolicy went"
         await asyncio.sleep(0.1)
-    else:
-        raise AssertionError("the rules stayed after the NetworkPolicy was deleted")
 
 
 # --- pod_ruleset: the semantics ---------------------------------------------------------------
