@@ -75,3 +75,48 @@ def test_discovery_adds_new_servers_and_drops_gone_ones() -> None:
     assert unchanged == []
     assert added == ["http://127.0.0.2:1"]
     assert now == ["http://127.0.0.2:1"]
+
+
+def test_sigterm_reaches_a_rank_that_never_yields_to_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ranks other than 0 train without awaiting anything (no rollout HTTP), so a stop
+    request handed to the event loop would wait for the end of training; an evicted rank 1
+    must see it at its next step boundary, like rank 0, to write its final checkpoint."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import gspo_trainer.learner as learner_module
+    from gspo_trainer.learner_cli import parse_args, run
+    from gspo_trainer.learner_state import LearnerState
+
+    class BusyLearner:  # steps in the main thread, never awaiting
+        def __init__(self, *_: object, **__: object) -> None:
+            self.state = LearnerState()
+
+        async def run(self) -> int:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                if self.state.stop_requested:
+                    self.state.phase = "Suspending"
+                    return 0
+                time.sleep(0.01)  # a training step's worth of blocking work
+            return 1  # the stop never arrived
+
+    monkeypatch.setattr(learner_module, "Learner", BusyLearner)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")  # a rank under torch.distributed.run
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        args = parse_args(["--checkpoint-dir", str(tmp_path)])
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        spec = GSPOJobSpec.model_validate(tiny_manifest()["spec"])
+        started = time.monotonic()
+        assert asyncio.run(run(args, spec)) == 0
+        assert time.monotonic() - started < 10
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)

@@ -221,14 +221,17 @@ async def run(args: argparse.Namespace, spec: GSPOJobSpec) -> int:
     learner = Learner(spec, rollout, checkpoint_dir=ckpt_dir,
                       history_path=history if rank == 0 else None,
                       tracker_dir=args.tracker_dir)  # fmt: skip
-    loop = asyncio.get_running_loop()
 
-    def request_stop() -> None:
+    def request_stop(signum: int, _frame: object) -> None:
         log.info("Asked to stop: finishing the step, then a final checkpoint")
         learner.state.stop_requested = True
 
+    # A plain handler, not the event loop's: ranks other than 0 train without ever yielding
+    # to the loop, so a loop callback would run only when training ended (an evicted rank 1
+    # would miss its final checkpoint and be killed after the grace period). Python runs
+    # this between two bytecodes of the main thread, and the next step's any_rank sees it.
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, request_stop)
+        signal.signal(sig, request_stop)
     server = None
     if rank == 0:
         metrics = learner.metrics if spec.metrics.enabled else None
