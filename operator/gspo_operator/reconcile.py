@@ -239,7 +239,7 @@ async def _reconcile(ctx: Context, key: Key, body: Obj) -> float | None:
     outcome = status.compute(spec, observed, current, now, body["metadata"].get("generation"))
     if children.jobset_unserved:
         outcome.status = status.jobset_missing(outcome.status, now, JOBSET_MISSING)
-    await _act(ctx, key, body["metadata"]["uid"], outcome)
+    await _act(ctx, key, body["metadata"]["uid"], outcome, observed)
     await _write(ctx, key, body, original, outcome.status, events + outcome.events)
     _record(ctx, key, original, outcome.status, spec)
     return _next_look(ctx, key, spec, outcome.status, observed, now)
@@ -451,15 +451,42 @@ async def _observe(ctx: Context, key: Key, spec: GSPOJobSpec) -> status.Observed
         jobset = await ctx.kube.get(render.JOBSET_API, "JobSet", ns, names.jobset(name))
         js = None if jobset is None else status.JobSetView.from_jobset(jobset)
     pods = sorted(ctx.indexed("pods", key), key=lambda p: p.name)
-    observed = status.Observed(jobset=js, pods=pods)
+    queued: dict[str, Any] = {}
+    if js is not None and spec.run_policy.scheduling.queue:
+        queued = await _observe_workload(ctx, ns, js.uid)
+    observed = status.Observed(jobset=js, pods=pods, **queued)
     rank0 = next((p for p in observed.learners(js.restarts if js else 0) if p.index == 0), None)
     if rank0 is not None and rank0.phase == "Running" and rank0.ip:
         progress = await fetch_progress(ctx.session(), rank0.ip, spec.metrics.port)
-        observed = status.Observed(jobset=js, pods=pods, progress=progress)
+        observed = status.Observed(jobset=js, pods=pods, progress=progress, **queued)
     return observed
 
 
-async def _act(ctx: Context, key: Key, uid: str, out: status.Outcome) -> None:
+async def _observe_workload(ctx: Context, ns: str, jobset_uid: str) -> dict[str, Any]:
+    """Kueue's Workload for a queued JobSet (found by the job-uid label Kueue puts on it):
+    `kueue` False when the cluster serves no Workload API (no Kueue: the JobSet's suspend
+    is the operator's), the error when this operator may not read Workloads."""
+    selector = f"{names.KUEUE_JOB_UID_LABEL}={jobset_uid}"
+    try:
+        found = await ctx.kube.list(names.KUEUE_API, "Workload", ns, selector)
+    except ApiError as exc:
+        if exc.status == 404:
+            return {"kueue": False}
+        if exc.status != 403:
+            raise
+        message = (
+            f"cannot read Kueue's Workloads ({exc.message}); grant the operator list and "
+            "patch on workloads.kueue.x-k8s.io (the chart's Role does)"
+        )
+        ctx.note_once(message)
+        return {"kueue": True, "workload_error": message}
+    workload = status.WorkloadView.from_workload(found[0]) if found else None
+    return {"kueue": True, "workload": workload}
+
+
+async def _act(
+    ctx: Context, key: Key, uid: str, out: status.Outcome, observed: status.Observed
+) -> None:
     """Suspend, resume and delete what `out` asks for; every call tolerates a repeat."""
     ns, name = key
     jobset = names.jobset(name)
@@ -467,6 +494,12 @@ async def _act(ctx: Context, key: Key, uid: str, out: status.Outcome) -> None:
         patch = {"spec": {"suspend": out.suspend_jobset}}
         await ctx.kube.patch(render.JOBSET_API, "JobSet", ns, jobset, patch)
         log.info("%s JobSet %s in %s", "Suspended" if out.suspend_jobset else "Resumed", jobset, ns)
+    if out.activate_workload is not None and observed.workload is not None:
+        workload = observed.workload.name
+        patch = {"spec": {"active": out.activate_workload}}
+        await ctx.kube.patch(names.KUEUE_API, "Workload", ns, workload, patch)
+        verb = "Activated" if out.activate_workload else "Deactivated"
+        log.info("%s Workload %s in %s", verb, workload, ns)
     if out.delete_jobset and await ctx.kube.delete(render.JOBSET_API, "JobSet", ns, jobset):
         log.info("Deleted JobSet %s in %s", jobset, ns)
     if out.delete_job:
@@ -556,6 +589,8 @@ def _next_look(
         waits.append(ctx.interval_s)
     if not ctx.watch_jobsets:
         waits.append(ctx.interval_s)
+    if observed.kueue and observed.jobset is not None and observed.jobset.suspended:
+        waits.append(ctx.interval_s)  # Kueue's Workload is not watched: read it again
     deadline = policy.active_deadline_seconds
     if deadline is not None and st.get("startTime") and not policy.suspend:
         due = status.parse_time(st["startTime"]).timestamp() + deadline

@@ -329,6 +329,7 @@ class KueueController(Reconciler):
         self.wait_for_pods_ready = wait_for_pods_ready
         self.clock = clock
         self.events: list[tuple[str, str, str, str]] = []  # (kind, name, reason, message)
+        self.passes = 0  # completed passes, for tests that wait for a number of them
 
     def event(self, obj: Obj, reason: str, message: str) -> None:
         self.events.append((obj["kind"], obj["metadata"]["name"], reason, message))
@@ -340,6 +341,7 @@ class KueueController(Reconciler):
         await self.sync_each("JobSet", self.sync_jobset)
         await self.sync_each("Workload", self.sync_workload)
         await self.schedule()
+        self.passes += 1
 
     # --- the JobSet reconciler (jobframework.ReconcileGenericJob) -----------------------------
 
