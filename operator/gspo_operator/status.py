@@ -292,14 +292,17 @@ def compute(
         "RolloutReady",
         rollout_ok,
         "ServersReady" if rollout_ok else "ServersNotReady",
-        f"{ready_servers}/{desired} rollout servers ready (ready means holding synced weights)",
+        f"{ready_servers}/{desired} rollout servers ready (their engines serve; "
+        "WeightsSynced says which hold the learner's weights)",
     )
     version = st.get("policyVersion") or 0
+    held = list((st.get("serverVersions") or {}).values())
+    holding = f"{sum(v == version for v in held)}/{len(held)} " if held else ""
     st.condition(
         "WeightsSynced",
         version > 0,
         "PolicyVersion" if version else "NotSynced",
-        f"rollout servers hold policy version {version}"
+        f"{holding}rollout servers hold policy version {version}"
         if version
         else "no weights synced to the rollout servers yet",
     )

@@ -105,7 +105,9 @@ def test_running_with_progress_written_to_status() -> None:
     assert st["serverVersions"] == {"http://10.0.0.7:8000": 12, "http://10.0.0.9:8000": None}
     assert cond(st, "LearnerReady")["status"] == "True"
     assert cond(st, "RolloutReady")["status"] == "False"
-    assert cond(st, "WeightsSynced")["status"] == "True"
+    synced = cond(st, "WeightsSynced")
+    assert synced["status"] == "True"
+    assert synced["message"] == "1/2 rollout servers hold policy version 12"
     assert cond(st, "Running")["status"] == "True"
     assert [e.reason for e in out.events] == ["Running"]
 
