@@ -349,7 +349,9 @@ def _queued(
     if spec.run_policy.suspend:
         where = f"; Workload {wl.name} deactivated (spec.active: false)" if wl else ""
         _suspended(st, f"runPolicy.suspend is true{where}")
-        return Outcome(st.done(), st.events, activate_workload=False if wl and wl.active else None)
+        if wl is None:  # nothing to deactivate: with no Workload Kueue lets it be suspended
+            return Outcome(st.done(), st.events, suspend_jobset=True if not js.suspended else None)
+        return Outcome(st.done(), st.events, activate_workload=False if wl.active else None)
     activate = True if wl is not None and not wl.active else None
     if phase == "Suspended":
         st.condition("Suspended", False, "Resumed", "resuming from the latest checkpoint")

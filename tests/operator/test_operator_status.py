@@ -392,6 +392,9 @@ def test_suspending_a_queued_job_deactivates_its_workload_and_leaves_the_jobset_
     again = step(spec(suspend=True), stopped, out.status)
     assert again.activate_workload is None and again.suspend_jobset is None
 
+    orphan = queued(js(), None, pods("Running", "Running"))  # its Workload was deleted
+    assert step(spec(suspend=True), orphan, out.status).suspend_jobset is True
+
     resumed = step(spec(), stopped, again.status, NOW + timedelta(hours=1))
     assert resumed.activate_workload is True and resumed.suspend_jobset is None
     assert cond(resumed.status, "Suspended")["status"] == "False"
