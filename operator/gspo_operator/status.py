@@ -141,7 +141,7 @@ class WorkloadView:
         then a requeue backoff, then why no quota is reserved."""
         held, reason, message = self.conditions.get("Evicted", (False, "", ""))
         if not self.active:
-            return "Deactivated", f"Workload {self.name} is deactivated (spec.active: false)"
+            return "Deactivated", "deactivated (spec.active: false)"
         if held:
             return reason, f"evicted: {message}"
         requeued, reason, message = self.conditions.get("Requeued", (True, "", ""))

@@ -43,7 +43,7 @@ Implemented (a level-triggered loop, each pass: JobSets, then Workloads, then th
   requeueState.requeueAt, then Requeued=True (BackoffFinished); a Workload whose LocalQueue
   or ClusterQueue is missing gets QuotaReserved=False reason Inadmissible ("LocalQueue <lq>
   doesn't exist", "ClusterQueue <cq> doesn't exist"). WaitForPodsReady: an admitted Workload
-  whose PodsReady is not True `timeout` after Admitted (or after the reason WaitForStart) is
+  whose PodsReady is not True (reason WaitForStart) `timeout` after it was Admitted is
   evicted (reason PodsReadyTimeout, "Exceeded the PodsReady timeout <ns>/<name>") with
   requeueState.count + 1 and requeueAt = now + base x 2^(count-1) capped at the maximum
   (jitter left out), or, past requeuingBackoffLimitCount, deactivated (DeactivationTarget

@@ -365,7 +365,7 @@ def test_a_queued_jobset_waits_for_kueue_and_is_never_unsuspended_by_the_operato
             "evicted (PodsReadyTimeout: Exceeded the PodsReady timeout ns/wl); requeued after "
             "Kueue's backoff",
         ),
-        ({}, False, "Deactivated", "is deactivated (spec.active: false)"),
+        ({}, False, "Deactivated", "deactivated (spec.active: false)"),
     ],
 )
 def test_a_queued_job_says_why_it_waits_in_kueues_words(conditions, active, reason, message):
