@@ -235,7 +235,7 @@ async def _reconcile(ctx: Context, key: Key, body: Obj) -> float | None:
         return None if verdict == "invalid" else _back_off(ctx, key)
     current = status.unblocked(current, now)
 
-    observed = await _observe(ctx, key, spec)
+    observed = await _observe(ctx, key, spec, current)
     outcome = status.compute(spec, observed, current, now, body["metadata"].get("generation"))
     if children.jobset_unserved:
         outcome.status = status.jobset_missing(outcome.status, now, JOBSET_MISSING)
@@ -440,8 +440,11 @@ def _assume_created(
 # --- observe, act, write --------------------------------------------------------------------
 
 
-async def _observe(ctx: Context, key: Key, spec: GSPOJobSpec) -> status.Observed:
-    """The JobSet and pods from the indexes; rank 0's progress while it runs."""
+async def _observe(
+    ctx: Context, key: Key, spec: GSPOJobSpec, current: Obj | None = None
+) -> status.Observed:
+    """The JobSet and pods from the indexes; rank 0's progress while it runs; a queued
+    JobSet's Workload while Kueue may hold it (a running job's once, to see it admitted)."""
     ns, name = key
     js: status.JobSetView | None = None
     if ctx.watch_jobsets:
@@ -453,7 +456,12 @@ async def _observe(ctx: Context, key: Key, spec: GSPOJobSpec) -> status.Observed
     pods = sorted(ctx.indexed("pods", key), key=lambda p: p.name)
     queued: dict[str, Any] = {}
     if js is not None and spec.run_policy.scheduling.queue:
-        queued = await _observe_workload(ctx, ns, js.uid)
+        admitted = any(
+            (c.get("type"), c.get("status"), c.get("reason")) == ("Queued", "False", "Admitted")
+            for c in (current or {}).get("conditions") or []
+        )
+        if js.suspended or spec.run_policy.suspend or not admitted:
+            queued = await _observe_workload(ctx, ns, js.uid)
     observed = status.Observed(jobset=js, pods=pods, **queued)
     rank0 = next((p for p in observed.learners(js.restarts if js else 0) if p.index == 0), None)
     if rank0 is not None and rank0.phase == "Running" and rank0.ip:

@@ -170,8 +170,10 @@ async def test_a_queue_without_gpus_says_so_in_the_job_status(progress) -> None:
         job = queued_job(metrics={"port": progress.port})
         job["spec"]["learner"]["gpusPerReplica"] = 1
         await create(api, job)
-        queued = await eventually(lambda: cond(api, "Queued"), what="Queued condition")
-        assert queued["reason"] == "Pending"
+        queued = await eventually(
+            lambda: (cond(api, "Queued") or {}).get("reason") == "Pending" and cond(api, "Queued"),
+            what="Kueue's reason in the Queued condition",
+        )
         assert queued["message"].endswith(
             "couldn't assign flavors to pod set learner: resource nvidia.com/gpu unavailable "
             "in ClusterQueue"
