@@ -355,7 +355,7 @@ def _queued(
     activate = True if wl is not None and not wl.active else None
     if phase == "Suspended":
         st.condition("Suspended", False, "Resumed", "resuming from the latest checkpoint")
-        st.set(startTime=st.now)  # the deadline counts running time since the resume
+        st.data.pop("startTime", None)  # the deadline counts from the next start
     if wl is not None and wl.admitted() and not js.suspended:
         st.condition("Queued", False, "Admitted", f"admitted by ClusterQueue {wl.cluster_queue}")
         return None
@@ -370,6 +370,8 @@ def _queued(
         reason = "WorkloadMissing"
         why = "Kueue has made no Workload for the JobSet yet (is its JobSet integration enabled?)"
     message = f"waiting for Kueue to admit the JobSet (LocalQueue {queue}); {why}"
+    # Time in the queue is not running time: like a Job's, the deadline counts from the start.
+    st.data.pop("startTime", None)
     st.phase("Pending", "Normal", "Queued", message)
     st.condition("Running", False, "Queued", message)
     st.condition("Queued", True, reason, why)

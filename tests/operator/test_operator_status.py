@@ -404,3 +404,19 @@ def test_suspending_a_queued_job_deactivates_its_workload_and_leaves_the_jobset_
     back = step(spec(), admitted, resumed.status, NOW + timedelta(hours=1))
     assert back.status["phase"] == "Running" and back.activate_workload is None
     assert cond(back.status, "Queued")["reason"] == "Admitted"
+
+
+def test_time_in_kueues_queue_does_not_count_against_the_deadline() -> None:
+    """activeDeadlineSeconds counts running time, as a Job's does: from admission."""
+    timed = spec(activeDeadlineSeconds=3600)
+    created = status.created(None, NOW, 8)
+    waiting = workload(QuotaReserved=(False, "Pending", "insufficient unused quota"))
+    held = step(timed, queued(js(suspended=True), waiting), created, NOW + timedelta(hours=2))
+    assert "startTime" not in held.status
+    later = NOW + timedelta(hours=3)
+    admitted = queued(js(), workload(**ADMITTED), pods("Running", "Running"), servers(4))
+    running = step(timed, admitted, held.status, later)
+    assert running.status["phase"] == "Running"
+    assert running.status["startTime"] == later.strftime("%Y-%m-%dT%H:%M:%SZ")
+    past = step(timed, admitted, running.status, later + timedelta(seconds=3601))
+    assert past.status["phase"] == "Failed" and past.delete_jobset
