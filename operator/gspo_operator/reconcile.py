@@ -104,6 +104,8 @@ class Context:
     # it again.
     expected: dict[Key, dict[ChildKey, tuple[ChildView, float]]] = field(default_factory=dict)
     noted: set[str] = field(default_factory=set)  # cluster-wide notes already logged
+    # Monotonic time until which Kueue's Workload API counts as not served (asked again then).
+    workloads_unserved_until: float = 0.0
 
     def note_once(self, message: str) -> None:
         if message not in self.noted:
@@ -474,11 +476,15 @@ async def _observe_workload(ctx: Context, ns: str, jobset_uid: str) -> dict[str,
     """Kueue's Workload for a queued JobSet (found by the job-uid label Kueue puts on it):
     `kueue` False when the cluster serves no Workload API (no Kueue: the JobSet's suspend
     is the operator's), the error when this operator may not read Workloads."""
+    if time.monotonic() < ctx.workloads_unserved_until:
+        return {"kueue": False}
     selector = f"{names.KUEUE_JOB_UID_LABEL}={jobset_uid}"
     try:
         found = await ctx.kube.list(names.KUEUE_API, "Workload", ns, selector)
     except ApiError as exc:
         if exc.status == 404:
+            ctx.workloads_unserved_until = time.monotonic() + ctx.resync_s
+            ctx.note_once("Kueue's Workload API is not served: queue labels do nothing here")
             return {"kueue": False}
         if exc.status != 403:
             raise

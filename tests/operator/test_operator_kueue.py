@@ -10,6 +10,7 @@ from typing import Any
 import kueue
 from operator_harness import (
     NS,
+    api_server,
     eventually,
     kueue_api_server,
     operator,
@@ -181,3 +182,16 @@ async def test_a_queue_without_gpus_says_so_in_the_job_status(progress) -> None:
         assert "LocalQueue team" in cond(api, "Running")["message"]
         await passes(kq, 5)
         assert not api.list_kind("Pod", NS)
+
+
+async def test_without_kueue_a_queue_label_does_nothing_and_suspend_patches_the_jobset(
+    progress,
+) -> None:
+    async with api_server() as api, operator(api):
+        await create(api, queued_job(metrics={"port": progress.port}))
+        await running(api)  # nothing held the JobSet for admission
+        await patch_spec(api, {"runPolicy": {"suspend": True}})
+        await eventually(lambda: not api.list_kind("Pod", NS), what="every pod gone")
+        assert api.get("JobSet", NS, JOB)["spec"]["suspend"] is True
+        asked = [r for r in api._requests if r.resource and r.resource.plural == "workloads"]
+        assert len(asked) == 1  # the 404 is remembered until the next resync
