@@ -111,8 +111,6 @@ RESOURCES = [
     (GROUP, "v1beta1", "clusterqueues", "ClusterQueue", False, True, ["cq"]),
     (GROUP, "v1beta1", "resourceflavors", "ResourceFlavor", False, False, ["flavor", "rf"]),
 ]
-KINDS = tuple(r[3] for r in RESOURCES)
-
 NOT_READY = "Not all pods are ready or succeeded"
 WAITING_FOR_RECOVERY = "At least one pod has failed, waiting for recovery"
 READY = "All pods reached readiness and the workload is running"
@@ -145,7 +143,7 @@ class ManualClock:
         self.now += dt.timedelta(seconds=seconds)
 
 
-def _stamp(t: dt.datetime) -> str:
+def stamp(t: dt.datetime) -> str:
     return t.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
@@ -264,20 +262,20 @@ def set_condition(
     return cond != before
 
 
-def _cond(obj: Obj, type_: str) -> Obj | None:
+def condition_of(obj: Obj, type_: str) -> Obj | None:
     return find_condition((obj.get("status") or {}).get("conditions") or [], type_)
 
 
-def _true(obj: Obj, type_: str) -> bool:
+def is_true(obj: Obj, type_: str) -> bool:
     return condition_true((obj.get("status") or {}).get("conditions") or [], type_)
 
 
 def _false(obj: Obj, type_: str) -> bool:
-    cond = _cond(obj, type_)
+    cond = condition_of(obj, type_)
     return cond is not None and cond.get("status") == "False"
 
 
-def _active(wl: Obj) -> bool:
+def is_active(wl: Obj) -> bool:
     """workload.IsActive: spec.active, true when unset."""
     return (wl.get("spec") or {}).get("active", True) is not False
 
@@ -299,7 +297,7 @@ def _jobset_pods_ready(js: Obj) -> bool:
 def _jobset_finished(js: Obj) -> tuple[str, bool] | None:
     """JobSet.Finished: (message, success) once Completed or Failed is True."""
     for type_, success in (("Completed", True), ("Failed", False)):
-        cond = _cond(js, type_)
+        cond = condition_of(js, type_)
         if cond is not None and cond.get("status") == "True":
             return cond.get("message", ""), success
     return None
@@ -335,7 +333,7 @@ class KueueController(Reconciler):
         self.events.append((obj["kind"], obj["metadata"]["name"], reason, message))
 
     def _now(self) -> str:
-        return _stamp(self.clock())
+        return stamp(self.clock())
 
     async def sync_all(self) -> None:
         await self.sync_each("JobSet", self.sync_jobset)
@@ -361,7 +359,7 @@ class KueueController(Reconciler):
         if meta.get("deletionTimestamp") or not (meta.get("labels") or {}).get(QUEUE_LABEL):
             return
         wl = self.workload_of(js)
-        if wl is not None and _true(wl, "Finished"):
+        if wl is not None and is_true(wl, "Finished"):
             return
         finished = _jobset_finished(js)
         if finished is not None:
@@ -376,14 +374,14 @@ class KueueController(Reconciler):
             return
         if self.wait_for_pods_ready is not None:
             state, reason, message = self._pods_ready_condition(js, wl)
-            have = _cond(wl, "PodsReady")
+            have = condition_of(wl, "PodsReady")
             if have is None or (have["status"], have["reason"]) != (state, reason):
                 await self._set(wl, "PodsReady", state == "True", reason, message)
                 return
-        evicted = _cond(wl, "Evicted")
+        evicted = condition_of(wl, "Evicted")
         if evicted is not None and evicted["status"] == "True":
             await self._stop(js, wl, evicted["message"])
-            if _true(wl, "QuotaReserved") and not _jobset_active(js):
+            if is_true(wl, "QuotaReserved") and not _jobset_active(js):
                 requeued = evicted["reason"] in ("Preempted", "NodeFailures")
                 await self._unreserve(
                     wl,
@@ -393,17 +391,17 @@ class KueueController(Reconciler):
                 )
             return
         if js["spec"].get("suspend"):
-            if _true(wl, "Admitted"):
+            if is_true(wl, "Admitted"):
                 await self._start(js, wl)
             return
-        if not _true(wl, "Admitted"):
+        if not is_true(wl, "Admitted"):
             await self._stop(js, wl, "Not admitted by cluster queue")
 
     def _pods_ready_condition(self, js: Obj, wl: Obj) -> tuple[str, str, str]:
         """generatePodsReadyCondition: (status, reason, message)."""
-        if not _true(wl, "Admitted"):
+        if not is_true(wl, "Admitted"):
             return "False", "WaitForStart", NOT_READY
-        have = _cond(wl, "PodsReady")
+        have = condition_of(wl, "PodsReady")
         if _jobset_pods_ready(js):
             recovering = have is not None and have["reason"] in ("WaitForRecovery", "Recovered")
             return "True", "Recovered" if recovering else "Started", READY
@@ -494,17 +492,17 @@ class KueueController(Reconciler):
     # --- the Workload controller --------------------------------------------------------------
 
     async def sync_workload(self, wl: Obj) -> None:
-        if _true(wl, "Finished"):
+        if is_true(wl, "Finished"):
             return
         now = self.clock()
-        if _active(wl):
-            if _true(wl, "DeactivationTarget"):
+        if is_active(wl):
+            if is_true(wl, "DeactivationTarget"):
                 meta = wl["metadata"]
                 await self.api.patch(
                     "Workload", meta["namespace"], meta["name"], {"spec": {"active": False}}
                 )
                 return
-            requeued = _cond(wl, "Requeued")
+            requeued = condition_of(wl, "Requeued")
             if requeued is not None and requeued["status"] == "False":
                 if requeued["reason"] == "Deactivated":
                     await self._set(
@@ -532,9 +530,9 @@ class KueueController(Reconciler):
         else:
             status = copy.deepcopy(wl.get("status") or {})
             changed = False
-            if not _true(wl, "Evicted"):
+            if not is_true(wl, "Evicted"):
                 reason, message = "Deactivated", "The workload is deactivated"
-                target = _cond(wl, "DeactivationTarget")
+                target = condition_of(wl, "DeactivationTarget")
                 if target is not None:
                     reason += f"DueTo{target['reason']}"
                     message += f" due to {target['message']}"
@@ -551,7 +549,7 @@ class KueueController(Reconciler):
             if changed:
                 await self._write(wl, status)
             return
-        if not _true(wl, "QuotaReserved"):
+        if not is_true(wl, "QuotaReserved"):
             await self._inadmissible(wl)
             return
         await self._pods_ready_timeout(wl, now)
@@ -572,14 +570,14 @@ class KueueController(Reconciler):
         """reconcileNotReadyTimeout: evict (and requeue with backoff) an admitted Workload
         whose pods were not all ready within the timeout."""
         config = self.wait_for_pods_ready
-        if config is None or _true(wl, "Evicted") or not _true(wl, "Admitted"):
+        if config is None or is_true(wl, "Evicted") or not is_true(wl, "Admitted"):
             return
-        ready = _cond(wl, "PodsReady")
+        ready = condition_of(wl, "PodsReady")
         if ready is not None and (
             ready["status"] == "True" or ready["reason"] not in ("WaitForStart", "PodsReady")
         ):
             return  # ready, or waiting for recovery (recoveryTimeout is not modelled)
-        admitted = _parse(_cond(wl, "Admitted")["lastTransitionTime"])  # type: ignore[index]
+        admitted = _parse(condition_of(wl, "Admitted")["lastTransitionTime"])  # type: ignore[index]
         if (now - admitted).total_seconds() < config.timeout_s:
             return
         status = copy.deepcopy(wl["status"])
@@ -601,7 +599,7 @@ class KueueController(Reconciler):
         wait_s = min(config.backoff_base_s * 2 ** (count - 1), config.backoff_max_s)
         status["requeueState"] = {
             "count": count,
-            "requeueAt": _stamp(now + dt.timedelta(seconds=wait_s)),
+            "requeueAt": stamp(now + dt.timedelta(seconds=wait_s)),
         }
         meta = wl["metadata"]
         message = f"Exceeded the PodsReady timeout {meta['namespace']}/{meta['name']}"
@@ -615,7 +613,7 @@ class KueueController(Reconciler):
         now = self.clock()
         out = []
         for wl in self.api.list_kind("Workload"):
-            if not _active(wl) or _true(wl, "QuotaReserved") or _true(wl, "Finished"):
+            if not is_active(wl) or is_true(wl, "QuotaReserved") or is_true(wl, "Finished"):
                 continue
             if _false(wl, "Requeued"):
                 continue
@@ -633,7 +631,7 @@ class KueueController(Reconciler):
         used: dict[tuple[str, str], int] = {}
         for wl in self.api.list_kind("Workload"):
             admission = (wl.get("status") or {}).get("admission")
-            if not _true(wl, "QuotaReserved") or not admission or admission["clusterQueue"] != cq:
+            if not is_true(wl, "QuotaReserved") or not admission or admission["clusterQueue"] != cq:
                 continue
             for psa in admission["podSetAssignments"]:
                 for res, flavor in psa["flavors"].items():
@@ -813,7 +811,7 @@ class KueueController(Reconciler):
         if status.get("admission") is not None:
             status["admission"] = None
             changed = True
-        if _true(wl, "Admitted"):
+        if is_true(wl, "Admitted"):
             set_condition(
                 status,
                 "Admitted",

@@ -286,7 +286,7 @@ async def test_wait_for_pods_ready_evicts_after_the_timeout_and_requeues_after_b
     assert cluster.condition("Requeued")[:2] == ("False", "PodsReadyTimeout")  # type: ignore[index]
     state = cluster.workload()["status"]["requeueState"]
     assert state["count"] == 1
-    assert state["requeueAt"] == kueue._stamp(cluster.clock.now + timedelta(seconds=60))
+    assert state["requeueAt"] == kueue.stamp(cluster.clock.now + timedelta(seconds=60))
     cluster.clock.advance(30)
     await cluster.settle()
     assert cluster.condition("QuotaReserved")[0] == "False"  # type: ignore[index]
@@ -314,7 +314,7 @@ async def test_past_the_requeue_limit_the_workload_is_deactivated(cluster: Clust
     await start(cluster)
     cluster.clock.advance(301)
     await cluster.settle()
-    assert not kueue._active(cluster.workload())
+    assert not kueue.is_active(cluster.workload())
     assert cluster.condition("Evicted") == (
         "True",
         "DeactivatedDueToRequeuingLimitExceeded",

@@ -115,7 +115,7 @@ async def test_suspend_and_resume_of_a_queued_job_go_through_kueue_without_a_loo
         await eventually(lambda: not api.list_kind("Pod", NS), what="every pod gone")
         assert api.get("JobSet", NS, JOB)["spec"]["suspend"] is True
         assert workload(api)["spec"]["active"] is False
-        evicted = kueue._cond(workload(api), "Evicted")
+        evicted = kueue.condition_of(workload(api), "Evicted")
         assert (evicted["status"], evicted["reason"]) == ("True", "Deactivated")
         assert "deactivated (spec.active: false)" in cond(api, "Suspended")["message"]
 
@@ -159,7 +159,7 @@ async def test_wait_for_pods_ready_evicts_requeues_and_the_status_says_so(progre
         clock.advance(config.backoff_base_s + 1)
         await running(api)
         await eventually(
-            lambda: kueue._true(workload(api), "PodsReady"), what="Kueue's PodsReady condition"
+            lambda: kueue.is_true(workload(api), "PodsReady"), what="Kueue's PodsReady condition"
         )
         assert suspend_flips(api) == [True, False, True, False]
 
