@@ -33,6 +33,7 @@ PLURALS = {
     "JobSet": "jobsets",
     "NetworkPolicy": "networkpolicies",
     "PodMonitor": "podmonitors",
+    "Workload": "workloads",
     "GSPOJob": "gspojobs",
 }
 JOB_API = f"{API_GROUP}/{API_VERSION}"

@@ -24,6 +24,9 @@ JOB_LABEL = f"{API_GROUP}/job-name"
 ROLE_LABEL = f"{API_GROUP}/role"
 SPEC_HASH_ANNOTATION = f"{API_GROUP}/spec-hash"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+# Kueue labels the Workload it makes for a job with that job's uid (here: the JobSet's).
+KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+KUEUE_API = "kueue.x-k8s.io/v1beta1"
 # What JobSet and the Job controller put on the pods they create.
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"

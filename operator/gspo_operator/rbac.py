@@ -38,6 +38,9 @@ RULES: list[Rule] = [
     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create", "get", "patch"]},
     {"apiGroups": ["monitoring.coreos.com"], "resources": ["podmonitors"],
      "verbs": ["create", "get", "patch"]},
+    # Kueue's Workload of a queued JobSet: listed by its job-uid label to report why the job
+    # waits, and patched (spec.active) to suspend or resume it the way Kueue expects.
+    {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads"], "verbs": ["list", "patch"]},
 ]  # fmt: skip
 
 

@@ -104,6 +104,8 @@ class Context:
     # it again.
     expected: dict[Key, dict[ChildKey, tuple[ChildView, float]]] = field(default_factory=dict)
     noted: set[str] = field(default_factory=set)  # cluster-wide notes already logged
+    # Monotonic time until which Kueue's Workload API counts as not served (asked again then).
+    workloads_unserved_until: float = 0.0
 
     def note_once(self, message: str) -> None:
         if message not in self.noted:
@@ -235,11 +237,11 @@ async def _reconcile(ctx: Context, key: Key, body: Obj) -> float | None:
         return None if verdict == "invalid" else _back_off(ctx, key)
     current = status.unblocked(current, now)
 
-    observed = await _observe(ctx, key, spec)
+    observed = await _observe(ctx, key, spec, current)
     outcome = status.compute(spec, observed, current, now, body["metadata"].get("generation"))
     if children.jobset_unserved:
         outcome.status = status.jobset_missing(outcome.status, now, JOBSET_MISSING)
-    await _act(ctx, key, body["metadata"]["uid"], outcome)
+    await _act(ctx, key, body["metadata"]["uid"], outcome, observed)
     await _write(ctx, key, body, original, outcome.status, events + outcome.events)
     _record(ctx, key, original, outcome.status, spec)
     return _next_look(ctx, key, spec, outcome.status, observed, now)
@@ -440,8 +442,11 @@ def _assume_created(
 # --- observe, act, write --------------------------------------------------------------------
 
 
-async def _observe(ctx: Context, key: Key, spec: GSPOJobSpec) -> status.Observed:
-    """The JobSet and pods from the indexes; rank 0's progress while it runs."""
+async def _observe(
+    ctx: Context, key: Key, spec: GSPOJobSpec, current: Obj | None = None
+) -> status.Observed:
+    """The JobSet and pods from the indexes; rank 0's progress while it runs; a queued
+    JobSet's Workload while Kueue may hold it (a running job's once, to see it admitted)."""
     ns, name = key
     js: status.JobSetView | None = None
     if ctx.watch_jobsets:
@@ -451,15 +456,51 @@ async def _observe(ctx: Context, key: Key, spec: GSPOJobSpec) -> status.Observed
         jobset = await ctx.kube.get(render.JOBSET_API, "JobSet", ns, names.jobset(name))
         js = None if jobset is None else status.JobSetView.from_jobset(jobset)
     pods = sorted(ctx.indexed("pods", key), key=lambda p: p.name)
-    observed = status.Observed(jobset=js, pods=pods)
+    queued: dict[str, Any] = {}
+    if js is not None and spec.run_policy.scheduling.queue:
+        admitted = any(
+            (c.get("type"), c.get("status"), c.get("reason")) == ("Queued", "False", "Admitted")
+            for c in (current or {}).get("conditions") or []
+        )
+        if js.suspended or spec.run_policy.suspend or not admitted:
+            queued = await _observe_workload(ctx, ns, js.uid)
+    observed = status.Observed(jobset=js, pods=pods, **queued)
     rank0 = next((p for p in observed.learners(js.restarts if js else 0) if p.index == 0), None)
     if rank0 is not None and rank0.phase == "Running" and rank0.ip:
         progress = await fetch_progress(ctx.session(), rank0.ip, spec.metrics.port)
-        observed = status.Observed(jobset=js, pods=pods, progress=progress)
+        observed = status.Observed(jobset=js, pods=pods, progress=progress, **queued)
     return observed
 
 
-async def _act(ctx: Context, key: Key, uid: str, out: status.Outcome) -> None:
+async def _observe_workload(ctx: Context, ns: str, jobset_uid: str) -> dict[str, Any]:
+    """Kueue's Workload for a queued JobSet (found by the job-uid label Kueue puts on it):
+    `kueue` False when the cluster serves no Workload API (no Kueue: the JobSet's suspend
+    is the operator's), the error when this operator may not read Workloads."""
+    if time.monotonic() < ctx.workloads_unserved_until:
+        return {"kueue": False}
+    selector = f"{names.KUEUE_JOB_UID_LABEL}={jobset_uid}"
+    try:
+        found = await ctx.kube.list(names.KUEUE_API, "Workload", ns, selector)
+    except ApiError as exc:
+        if exc.status == 404:
+            ctx.workloads_unserved_until = time.monotonic() + ctx.resync_s
+            ctx.note_once("Kueue's Workload API is not served: queue labels do nothing here")
+            return {"kueue": False}
+        if exc.status != 403:
+            raise
+        message = (
+            f"cannot read Kueue's Workloads ({exc.message}); grant the operator list and "
+            "patch on workloads.kueue.x-k8s.io (the chart's Role does)"
+        )
+        ctx.note_once(message)
+        return {"kueue": True, "workload_error": message}
+    workload = status.WorkloadView.from_workload(found[0]) if found else None
+    return {"kueue": True, "workload": workload}
+
+
+async def _act(
+    ctx: Context, key: Key, uid: str, out: status.Outcome, observed: status.Observed
+) -> None:
     """Suspend, resume and delete what `out` asks for; every call tolerates a repeat."""
     ns, name = key
     jobset = names.jobset(name)
@@ -467,6 +508,12 @@ async def _act(ctx: Context, key: Key, uid: str, out: status.Outcome) -> None:
         patch = {"spec": {"suspend": out.suspend_jobset}}
         await ctx.kube.patch(render.JOBSET_API, "JobSet", ns, jobset, patch)
         log.info("%s JobSet %s in %s", "Suspended" if out.suspend_jobset else "Resumed", jobset, ns)
+    if out.activate_workload is not None and observed.workload is not None:
+        workload = observed.workload.name
+        patch = {"spec": {"active": out.activate_workload}}
+        await ctx.kube.patch(names.KUEUE_API, "Workload", ns, workload, patch)
+        verb = "Activated" if out.activate_workload else "Deactivated"
+        log.info("%s Workload %s in %s", verb, workload, ns)
     if out.delete_jobset and await ctx.kube.delete(render.JOBSET_API, "JobSet", ns, jobset):
         log.info("Deleted JobSet %s in %s", jobset, ns)
     if out.delete_job:
@@ -556,6 +603,8 @@ def _next_look(
         waits.append(ctx.interval_s)
     if not ctx.watch_jobsets:
         waits.append(ctx.interval_s)
+    if observed.kueue and observed.jobset is not None and observed.jobset.suspended:
+        waits.append(ctx.interval_s)  # Kueue's Workload is not watched: read it again
     deadline = policy.active_deadline_seconds
     if deadline is not None and st.get("startTime") and not policy.suspend:
         due = status.parse_time(st["startTime"]).timestamp() + deadline

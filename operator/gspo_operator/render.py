@@ -454,8 +454,11 @@ def render_rollout_pod_template(ctx: _Ctx) -> Obj:
             _token_env(job),
         ],
         "ports": [_container_port("http", ports.ROLLOUT_HTTP_PORT)],
-        # /ready turns true only once the server holds weights synced from the learner.
-        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5},
+        # Ready = the engine is loaded and serves (/health). Not "holds synced weights"
+        # (/ready): the first sync waits for the learner to load, and Kueue's
+        # WaitForPodsReady evicts a job whose pods are not all ready within its timeout
+        # (5 minutes by default). Synced is the job's WeightsSynced condition.
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
         "startupProbe": {
             "httpGet": {"path": "/health", "port": "http"},
             "periodSeconds": ROLLOUT_STARTUP_PERIOD_S,

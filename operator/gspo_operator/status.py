@@ -89,11 +89,13 @@ class JobSetView:
     suspended: bool = False  # spec.suspend
     restarts: int = 0
     conditions: dict[str, tuple[bool, str, str]] = field(default_factory=dict)
+    uid: str = ""  # Kueue labels the JobSet's Workload with it
 
     @classmethod
     def from_jobset(cls, jobset: Mapping[str, Any]) -> JobSetView:
         status = jobset.get("status") or {}
         return cls(
+            uid=(jobset.get("metadata") or {}).get("uid", ""),
             suspended=bool((jobset.get("spec") or {}).get("suspend")),
             restarts=int(status.get("restarts") or 0),
             conditions={
@@ -109,10 +111,62 @@ class JobSetView:
 
 
 @dataclass(frozen=True)
+class WorkloadView:
+    """What the status needs from the Workload Kueue keeps for a queued JobSet
+    (kueue.x-k8s.io/v1beta1): whether it is active and Kueue's own conditions."""
+
+    name: str
+    active: bool = True  # spec.active: false is how a queued job is suspended
+    conditions: dict[str, tuple[bool, str, str]] = field(default_factory=dict)
+    cluster_queue: str = ""  # status.admission.clusterQueue while quota is reserved
+
+    @classmethod
+    def from_workload(cls, wl: Mapping[str, Any]) -> WorkloadView:
+        status = wl.get("status") or {}
+        return cls(
+            name=(wl.get("metadata") or {}).get("name", ""),
+            active=(wl.get("spec") or {}).get("active") is not False,
+            conditions={
+                c["type"]: (c.get("status") == "True", c.get("reason", ""), c.get("message", ""))
+                for c in status.get("conditions") or []
+            },
+            cluster_queue=(status.get("admission") or {}).get("clusterQueue", ""),
+        )
+
+    def admitted(self) -> bool:
+        return self.conditions.get("Admitted", (False, "", ""))[0]
+
+    def waiting(self) -> tuple[str, str]:
+        """(reason, message) of why Kueue holds the JobSet, in Kueue's words: eviction first,
+        then a requeue backoff, then why no quota is reserved."""
+        held, reason, message = self.conditions.get("Evicted", (False, "", ""))
+        if not self.active:
+            return "Deactivated", "deactivated (spec.active: false)"
+        if held:
+            return reason, f"evicted: {message}"
+        requeued, reason, message = self.conditions.get("Requeued", (True, "", ""))
+        if not requeued:
+            return reason, f"evicted ({reason}: {message}); requeued after Kueue's backoff"
+        reserved, reason, message = self.conditions.get("QuotaReserved", (False, "", ""))
+        if reserved and self.admitted():
+            return "Admitted", f"admitted by ClusterQueue {self.cluster_queue}; Kueue starts it"
+        if reserved:
+            return "QuotaReserved", f"{message}; waiting for its admission checks"
+        if reason:
+            return reason, message
+        return "Pending", "waiting for Kueue's scheduler to consider it"
+
+
+@dataclass(frozen=True)
 class Observed:
     jobset: JobSetView | None = None  # None: the JobSet does not exist (yet, or any more)
     pods: list[PodView] = field(default_factory=list)
     progress: LearnerProgress | None = None
+    # Kueue: whether the cluster serves its Workload API (then Kueue, not the operator, owns a
+    # queued JobSet's suspend), the JobSet's Workload, and why it could not be read.
+    kueue: bool = False
+    workload: WorkloadView | None = None
+    workload_error: str = ""
 
     def learners(self, attempt: int) -> list[PodView]:
         return [
@@ -141,6 +195,7 @@ class Outcome:
     events: list[Event] = field(default_factory=list)
     ensure_children: bool = False  # create whatever child is missing (existing ones stay)
     suspend_jobset: bool | None = None  # set the JobSet's spec.suspend to this
+    activate_workload: bool | None = None  # set the Workload's spec.active to this (Kueue)
     delete_jobset: bool = False  # stop every pod now (deadline exceeded)
     delete_job: bool = False  # ttlSecondsAfterFinished has passed
 
@@ -175,26 +230,15 @@ def compute(
         st.condition("Running", False, "JobSetMissing", "the job's JobSet does not exist yet")
         return Outcome(st.done(), st.events, ensure_children=not policy.suspend)
 
-    if policy.suspend:
-        st.phase(
-            "Suspended",
-            "Normal",
-            "Suspended",
-            "JobSet suspended: learner pods stop after a final checkpoint, servers stop",
-        )
-        st.condition("Suspended", True, "Suspended", "runPolicy.suspend is true")
-        st.condition("Running", False, "Suspended", "the job is suspended")
-        return Outcome(st.done(), st.events, suspend_jobset=True if not js.suspended else None)
     resume = None
-    queue = policy.scheduling.queue
-    if js.suspended and queue and phase != "Suspended":
-        # Kueue owns a queued JobSet's suspend: it unsuspends the JobSet once it admits the
-        # whole workload. The operator never does, or it would bypass the queue.
-        message = f"waiting for Kueue to admit the JobSet (LocalQueue {queue})"
-        st.phase("Pending", "Normal", "Queued", message)
-        st.condition("Running", False, "Queued", message)
-        return Outcome(st.done(), st.events)
-    if js.suspended:
+    if policy.scheduling.queue and observed.kueue:
+        held = _queued(st, spec, js, observed, phase)
+        if held is not None:
+            return held
+    elif policy.suspend:
+        _suspended(st, "runPolicy.suspend is true")
+        return Outcome(st.done(), st.events, suspend_jobset=True if not js.suspended else None)
+    elif js.suspended:
         resume = False
         if phase == "Suspended":
             st.condition("Suspended", False, "Resumed", "resuming from the latest checkpoint")
@@ -248,14 +292,17 @@ def compute(
         "RolloutReady",
         rollout_ok,
         "ServersReady" if rollout_ok else "ServersNotReady",
-        f"{ready_servers}/{desired} rollout servers ready (ready means holding synced weights)",
+        f"{ready_servers}/{desired} rollout servers ready (their engines serve; "
+        "WeightsSynced says which hold the learner's weights)",
     )
     version = st.get("policyVersion") or 0
+    held = list((st.get("serverVersions") or {}).values())
+    holding = f"{sum(v == version for v in held)}/{len(held)} " if held else ""
     st.condition(
         "WeightsSynced",
         version > 0,
         "PolicyVersion" if version else "NotSynced",
-        f"rollout servers hold policy version {version}"
+        f"{holding}rollout servers hold policy version {version}"
         if version
         else "no weights synced to the rollout servers yet",
     )
@@ -277,6 +324,58 @@ def compute(
         st.phase("Pending", "Normal", "Pending", message)
         st.condition("Running", False, "PodsPending", message)
     return Outcome(st.done(), st.events, suspend_jobset=resume)
+
+
+def _suspended(st: _Status, why: str) -> None:
+    st.phase(
+        "Suspended",
+        "Normal",
+        "Suspended",
+        "JobSet suspended: learner pods stop after a final checkpoint, servers stop",
+    )
+    st.condition("Suspended", True, "Suspended", why)
+    st.condition("Running", False, "Suspended", "the job is suspended")
+
+
+def _queued(
+    st: _Status, spec: GSPOJobSpec, js: JobSetView, observed: Observed, phase: Any
+) -> Outcome | None:
+    """A queued job on a cluster with Kueue, which owns its JobSet's suspend: Kueue unsuspends
+    an admitted JobSet and suspends one it evicts, so the operator never patches it (a
+    suspended, admitted JobSet is unsuspended again at once, every pod deleted each round).
+    Suspend deactivates the Workload (`spec.active: false`, Kueue's way to stop a job),
+    resume activates it again. An Outcome while Kueue holds the JobSet; None once it runs."""
+    queue, wl = spec.run_policy.scheduling.queue, observed.workload
+    if spec.run_policy.suspend:
+        where = f"; Workload {wl.name} deactivated (spec.active: false)" if wl else ""
+        _suspended(st, f"runPolicy.suspend is true{where}")
+        if wl is None:  # nothing to deactivate: with no Workload Kueue lets it be suspended
+            return Outcome(st.done(), st.events, suspend_jobset=True if not js.suspended else None)
+        return Outcome(st.done(), st.events, activate_workload=False if wl.active else None)
+    activate = True if wl is not None and not wl.active else None
+    if phase == "Suspended":
+        st.condition("Suspended", False, "Resumed", "resuming from the latest checkpoint")
+        st.data.pop("startTime", None)  # the deadline counts from the next start
+    if wl is not None and wl.admitted() and not js.suspended:
+        st.condition("Queued", False, "Admitted", f"admitted by ClusterQueue {wl.cluster_queue}")
+        return None
+    if not js.suspended:
+        return None  # running; Kueue suspends it if its Workload is not admitted
+    if wl is not None:
+        reason, why = wl.waiting()
+        why = f"Workload {wl.name}: {why}"
+    elif observed.workload_error:
+        reason, why = "WorkloadUnreadable", observed.workload_error
+    else:
+        reason = "WorkloadMissing"
+        why = "Kueue has made no Workload for the JobSet yet (is its JobSet integration enabled?)"
+    message = f"waiting for Kueue to admit the JobSet (LocalQueue {queue}); {why}"
+    # Time in the queue is not running time: like a Job's, the deadline counts from the start.
+    st.data.pop("startTime", None)
+    st.phase("Pending", "Normal", "Queued", message)
+    st.condition("Running", False, "Queued", message)
+    st.condition("Queued", True, reason, why)
+    return Outcome(st.done(), st.events, activate_workload=activate)
 
 
 def _failure(

@@ -52,9 +52,14 @@ def _now() -> str:
 class ClusterApiServer(ApiServer):
     admission: list[Admit] = attrs.field(factory=list)
     without: set[str] = attrs.field(factory=set)  # kinds this cluster does not serve
+    # Kinds an add-on installs beside them (kueue.RESOURCES), in CLUSTER_RESOURCES' form.
+    extra_resources: list[tuple[str, str, str, str, bool, bool, list[str]]] = attrs.field(
+        factory=list
+    )
 
     def served_resources(self) -> list[tuple[str, str, str, str, bool, bool, list[str]]]:
-        return [r for r in CLUSTER_RESOURCES if r[3] not in self.without]
+        served = [*CLUSTER_RESOURCES, *self.extra_resources]
+        return [r for r in served if r[3] not in self.without]
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()

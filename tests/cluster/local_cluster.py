@@ -10,7 +10,8 @@
   process, in its own network namespace (own address and ports, names from a hosts file) and
   mount namespace (its volumes at their mount paths, PVCs as shared directories under
   `workdir/pvc`), probes executed against it, graceful deletion with SIGTERM;
-- the operator: the real kopf handlers (`gspo_operator.run.serve`).
+- the operator: the real kopf handlers (`gspo_operator.run.serve`);
+- with `kueue=`, Kueue v0.13's stand-in (`kueue.py`): its kinds, JobSet webhook and controller.
 
 What each piece models and what it does not is in its own docstring. The image field is
 ignored: every container runs this checkout's `gspo` (the venv beside the running Python),
@@ -31,7 +32,7 @@ from typing import Any
 
 from kubectl import Kubectl
 from kubelet import ProcessKubelet
-from operator_harness import NS, api_server, operator
+from operator_harness import NS, api_server, kueue_api_server, operator
 
 from gspo_operator.handlers import Context
 
@@ -47,6 +48,7 @@ class LocalCluster:
     kubectl: Kubectl
     workdir: Path
     phases: list[tuple[str, float]] = field(default_factory=list)  # (what, seconds)
+    kueue: Any = None  # kueue.KueueController when the cluster runs Kueue
     _t0: float = field(default_factory=time.monotonic)
 
     def mark(self, what: str) -> None:
@@ -116,11 +118,18 @@ class LocalCluster:
 
 @contextlib.asynccontextmanager
 async def local_cluster(
-    workdir: Path, *, interval_s: float = 1.0, probe_period_scale: float = 0.3
+    workdir: Path,
+    *,
+    interval_s: float = 1.0,
+    probe_period_scale: float = 0.3,
+    kueue: dict[str, Any] | None = None,
 ) -> AsyncIterator[LocalCluster]:
-    """API, controllers, a process node and the operator, until the block ends."""
+    """API, controllers, a process node and the operator, until the block ends; with `kueue`
+    (KueueController's options, {} for Kueue's defaults) Kueue's stand-in too."""
     workdir.mkdir(parents=True, exist_ok=True)
-    async with api_server() as api:
+    serving = api_server() if kueue is None else kueue_api_server(**kueue)
+    async with serving as served:
+        api, controller = (served, None) if kueue is None else served
         node = ProcessKubelet(
             api, workdir, image_env=IMAGE_ENV, probe_period_scale=probe_period_scale
         )
@@ -128,7 +137,8 @@ async def local_cluster(
         node_task = asyncio.create_task(node.run(stop))
         try:
             async with operator(api, interval_s=interval_s) as ctx:
-                yield LocalCluster(api, node, ctx, Kubectl(api.base_url, workdir), workdir)
+                kubectl = Kubectl(api.base_url, workdir)
+                yield LocalCluster(api, node, ctx, kubectl, workdir, kueue=controller)
         finally:
             stop.set()
             await asyncio.wait([node_task], timeout=30)

@@ -68,13 +68,33 @@ async def api_server(without: tuple[str, ...] = ()) -> AsyncIterator[ClusterApiS
     running; `without` names kinds the cluster does not serve (e.g. "PodMonitor"). On exit,
     every request the operator made is checked against rbac.RULES."""
     server = ClusterApiServer(admission=[admit, admit_job], without=set(without))
+    async with _serving(server, []):
+        yield server
+
+
+@contextlib.asynccontextmanager
+async def kueue_api_server(**options: Any) -> AsyncIterator[tuple[ClusterApiServer, Any]]:
+    """`api_server` on a cluster with Kueue installed: its kinds, its JobSet webhook and its
+    controller (tests/cluster/kueue.py; `options` go to KueueController)."""
+    import kueue
+
+    server = ClusterApiServer(
+        admission=[admit, admit_job, kueue.admit], extra_resources=kueue.RESOURCES
+    )
+    controller = kueue.KueueController(server, **options)
+    async with _serving(server, [controller]):
+        yield server, controller
+
+
+@contextlib.asynccontextmanager
+async def _serving(server: ClusterApiServer, extra: list[Any]) -> AsyncIterator[None]:
     async with server, kmock.Server(server) as http:
         server.base_url = str(http.url).rstrip("/")
         stop = asyncio.Event()
-        controllers = [JobSetController(server), JobController(server)]
+        controllers = [JobSetController(server), JobController(server), *extra]
         tasks = [asyncio.create_task(_keep_running(c, stop)) for c in controllers]
         try:
-            yield server
+            yield
         finally:
             stop.set()
             await asyncio.gather(*tasks)

@@ -408,7 +408,8 @@ def test_rollout_jobs_run_the_server_with_the_spec_flags() -> None:
     server = container(rendered(CASES["example"]), "rollout")
     assert not any(a.startswith("--weights-dir") for a in server["args"])
     assert "--engine-arg=revision=main" in c["args"]
-    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    # Ready once the engine serves, not once synced: Kueue's WaitForPodsReady times readiness.
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert pod["spec"]["restartPolicy"] == "Never"

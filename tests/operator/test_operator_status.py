@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from gspo_operator import status
-from gspo_operator.status import JobSetView, Observed, PodView, compute
+from gspo_operator.status import JobSetView, Observed, PodView, WorkloadView, compute
 from gspo_trainer.progress import LearnerProgress
 from gspo_trainer.validation import parse_spec
 
@@ -105,7 +105,9 @@ def test_running_with_progress_written_to_status() -> None:
     assert st["serverVersions"] == {"http://10.0.0.7:8000": 12, "http://10.0.0.9:8000": None}
     assert cond(st, "LearnerReady")["status"] == "True"
     assert cond(st, "RolloutReady")["status"] == "False"
-    assert cond(st, "WeightsSynced")["status"] == "True"
+    synced = cond(st, "WeightsSynced")
+    assert synced["status"] == "True"
+    assert synced["message"] == "1/2 rollout servers hold policy version 12"
     assert cond(st, "Running")["status"] == "True"
     assert [e.reason for e in out.events] == ["Running"]
 
@@ -293,10 +295,128 @@ def test_invalid_and_refused_statuses_name_the_field() -> None:
     assert cond(status.accepted_change(st, NOW), "InvalidSpec")["status"] == "False"
 
 
+def queued(jobset: JobSetView, workload: WorkloadView | None, *pod_lists: list[PodView]):
+    """What the operator sees on a cluster with Kueue (it serves the Workload API)."""
+    everything = [p for group in pod_lists for p in group]
+    return Observed(jobset=jobset, pods=everything, kueue=True, workload=workload)
+
+
+def workload(active: bool = True, **conditions: tuple[bool, str, str]) -> WorkloadView:
+    return WorkloadView("jobset-x-1a2b3", active=active, conditions=conditions, cluster_queue="cq")
+
+
+ADMITTED = {
+    "QuotaReserved": (True, "QuotaReserved", "Quota reserved in ClusterQueue cq"),
+    "Admitted": (True, "Admitted", "The workload is admitted"),
+}
+
+
 def test_a_queued_jobset_waits_for_kueue_and_is_never_unsuspended_by_the_operator() -> None:
     """The example names a Kueue queue: Kueue, not the operator, unsuspends its JobSet."""
-    out = step(spec(), observed(jobset=js(suspended=True)), None)
+    out = step(spec(), queued(js(suspended=True), None), None)
     assert out.status["phase"] == "Pending" and out.suspend_jobset is None
     assert "gpu-team" in cond(out.status, "Running")["message"]
+    assert cond(out.status, "Queued")["reason"] == "WorkloadMissing"
     unqueued = spec(scheduling={})
     assert step(unqueued, observed(jobset=js(suspended=True)), None).suspend_jobset is False
+    # Without Kueue on the cluster nothing else would ever resume it.
+    assert step(spec(), observed(jobset=js(suspended=True)), None).suspend_jobset is False
+
+
+@pytest.mark.parametrize(
+    ("conditions", "active", "reason", "message"),
+    [
+        (
+            {
+                "QuotaReserved": (
+                    False,
+                    "Pending",
+                    "couldn't assign flavors to pod set learner: "
+                    "resource nvidia.com/gpu unavailable in ClusterQueue",
+                )
+            },
+            True,
+            "Pending",
+            "couldn't assign flavors to pod set learner: resource nvidia.com/gpu unavailable in "
+            "ClusterQueue",
+        ),
+        (
+            {"QuotaReserved": (False, "Inadmissible", "LocalQueue gpu-team doesn't exist")},
+            True,
+            "Inadmissible",
+            "LocalQueue gpu-team doesn't exist",
+        ),
+        (
+            {
+                "Evicted": (True, "PodsReadyTimeout", "Exceeded the PodsReady timeout ns/wl"),
+                **ADMITTED,
+            },
+            True,
+            "PodsReadyTimeout",
+            "evicted: Exceeded the PodsReady timeout ns/wl",
+        ),
+        (
+            {
+                "Requeued": (False, "PodsReadyTimeout", "Exceeded the PodsReady timeout ns/wl"),
+                "QuotaReserved": (False, "Pending", "Exceeded the PodsReady timeout ns/wl"),
+            },
+            True,
+            "PodsReadyTimeout",
+            "evicted (PodsReadyTimeout: Exceeded the PodsReady timeout ns/wl); requeued after "
+            "Kueue's backoff",
+        ),
+        ({}, False, "Deactivated", "deactivated (spec.active: false)"),
+    ],
+)
+def test_a_queued_job_says_why_it_waits_in_kueues_words(conditions, active, reason, message):
+    wl = workload(active, **conditions)
+    out = step(spec(), queued(js(suspended=True), wl), {"phase": "Pending"})
+    assert out.status["phase"] == "Pending" and out.suspend_jobset is None
+    queued_cond = cond(out.status, "Queued")
+    assert (queued_cond["status"], queued_cond["reason"]) == ("True", reason)
+    assert queued_cond["message"].startswith(f"Workload {wl.name}: ")
+    assert queued_cond["message"].endswith(message)
+    assert cond(out.status, "Running")["reason"] == "Queued"
+    assert message in cond(out.status, "Running")["message"]
+
+
+def test_suspending_a_queued_job_deactivates_its_workload_and_leaves_the_jobset_to_kueue() -> None:
+    """Kueue unsuspends any suspended JobSet whose Workload is admitted: patching the JobSet
+    would loop. Its way to stop a job is the Workload's spec.active."""
+    running = queued(js(), workload(**ADMITTED), pods("Running", "Running"), servers(4))
+    out = step(spec(suspend=True), running, {"phase": "Running"})
+    assert out.status["phase"] == "Suspended"
+    assert out.suspend_jobset is None and out.activate_workload is False
+    assert "deactivated" in cond(out.status, "Suspended")["message"]
+    stopped = queued(js(suspended=True), workload(active=False))
+    again = step(spec(suspend=True), stopped, out.status)
+    assert again.activate_workload is None and again.suspend_jobset is None
+
+    orphan = queued(js(), None, pods("Running", "Running"))  # its Workload was deleted
+    assert step(spec(suspend=True), orphan, out.status).suspend_jobset is True
+
+    resumed = step(spec(), stopped, again.status, NOW + timedelta(hours=1))
+    assert resumed.activate_workload is True and resumed.suspend_jobset is None
+    assert cond(resumed.status, "Suspended")["status"] == "False"
+    assert resumed.status["phase"] == "Pending"
+    assert cond(resumed.status, "Queued")["reason"] == "Deactivated"
+    admitted = queued(js(), workload(**ADMITTED), pods("Running", "Running"), servers(4))
+    back = step(spec(), admitted, resumed.status, NOW + timedelta(hours=1))
+    assert back.status["phase"] == "Running" and back.activate_workload is None
+    assert cond(back.status, "Queued")["reason"] == "Admitted"
+
+
+def test_time_in_kueues_queue_does_not_count_against_the_deadline() -> None:
+    """activeDeadlineSeconds counts running time, as a Job's does: from admission."""
+    timed = spec(activeDeadlineSeconds=3600)
+    created = status.created(None, NOW, 8)
+    waiting = workload(QuotaReserved=(False, "Pending", "insufficient unused quota"))
+    held = step(timed, queued(js(suspended=True), waiting), created, NOW + timedelta(hours=2))
+    assert "startTime" not in held.status
+    later = NOW + timedelta(hours=3)
+    admitted = queued(js(), workload(**ADMITTED), pods("Running", "Running"), servers(4))
+    running = step(timed, admitted, held.status, later)
+    assert running.status["phase"] == "Running"
+    assert running.status["startTime"] == later.strftime("%Y-%m-%dT%H:%M:%SZ")
+    past = step(timed, admitted, running.status, later + timedelta(seconds=3601))
+    assert past.status["phase"] == "Failed" and past.delete_jobset

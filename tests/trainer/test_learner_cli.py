@@ -120,3 +120,58 @@ def test_sigterm_reaches_a_rank_that_never_yields_to_the_event_loop(
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
+
+
+async def test_the_pod_is_ready_while_the_learner_still_loads(tmp_path: Path, monkeypatch) -> None:
+    """Kueue's WaitForPodsReady evicts a job whose pods are not all Ready within its timeout
+    (5 minutes by default); a large model loads for longer. /healthz (the learner's readiness
+    probe) answers from the start, and rank 0's /progress says "Starting" meanwhile."""
+    import json
+    import urllib.request
+
+    from gspo_trainer import learner, learner_cli
+    from gspo_trainer.progress import LearnerProgress
+
+    port = _free_port()
+    seen: dict[str, object] = {}
+
+    class Loading:
+        """Stands in for Learner: its constructor is where the model loads."""
+
+        def __init__(self, *_: object, **__: object) -> None:
+            base = f"http://127.0.0.1:{port}"
+            with urllib.request.urlopen(base + "/healthz", timeout=5) as resp:
+                seen["healthz"] = resp.status
+            with urllib.request.urlopen(base + "/progress", timeout=5) as resp:
+                seen["phase"] = json.loads(resp.read())["phase"]
+            self.state = type("State", (), {"phase": "Succeeded", "stop_requested": False})()
+
+        async def run(self) -> int:
+            return 0
+
+        def progress(self) -> LearnerProgress:
+            return LearnerProgress()
+
+    monkeypatch.setattr(learner, "Learner", Loading)
+    monkeypatch.setenv("RANK", "0")
+    spec = tiny_manifest()["spec"]
+    spec["metrics"] = {"port": port}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    flags = {
+        "--config": path,
+        "--checkpoint-dir": tmp_path,
+        "--metrics-host": "127.0.0.1",
+        "--rollout-urls": "http://127.0.0.1:1",
+    }
+    args = learner_cli.parse_args([str(x) for kv in flags.items() for x in kv])
+    assert await learner_cli.run(args, load_spec(path)) == 0
+    assert seen == {"healthz": 200, "phase": "Starting"}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

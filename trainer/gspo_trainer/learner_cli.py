@@ -212,15 +212,41 @@ def build_rollout(args: argparse.Namespace, spec: GSPOJobSpec) -> Any:
 
 async def run(args: argparse.Namespace, spec: GSPOJobSpec) -> int:
     from gspo_trainer.learner import Learner
+    from gspo_trainer.metrics import LearnerMetrics
+    from gspo_trainer.progress import LearnerProgress
     from gspo_trainer.status_server import serve_status
 
     rank = int(os.environ.get("RANK", "0"))
+    # The status server starts before the model loads (minutes for a large one, a Hub
+    # download included): the pod is Ready once its process serves, and /progress says
+    # "Starting" meanwhile. Kueue's WaitForPodsReady evicts a job whose pods are not all
+    # Ready within its timeout (5 minutes by default).
+    metrics = LearnerMetrics()
+    loaded: list[Learner] = []
+
+    def progress() -> LearnerProgress:
+        return loaded[0].progress() if loaded else LearnerProgress()
+
+    server = None
+    if rank == 0:
+        shown = metrics if spec.metrics.enabled else None
+        server = serve_status(shown, progress, args.metrics_host, spec.metrics.port)
+        log.info("Status on http://%s:%d (/progress, /healthz%s)", args.metrics_host,
+                 spec.metrics.port, ", /metrics" if shown else "")  # fmt: skip
+    elif int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        # The first process of every other pod answers the pod's readiness probe. Several
+        # "nodes" on one host (a test) share the port: the first one's answer serves them all.
+        try:
+            server = serve_status(None, None, args.metrics_host, spec.metrics.port)
+        except OSError as exc:
+            log.info("Health endpoint not started (%s); another process serves it", exc)
     rollout = build_rollout(args, spec) if rank == 0 else None
     ckpt_dir = Path(args.checkpoint_dir)
     history = args.history or (ckpt_dir / "history.jsonl")
-    learner = Learner(spec, rollout, checkpoint_dir=ckpt_dir,
+    learner = Learner(spec, rollout, checkpoint_dir=ckpt_dir, metrics=metrics,
                       history_path=history if rank == 0 else None,
                       tracker_dir=args.tracker_dir)  # fmt: skip
+    loaded.append(learner)
 
     def request_stop(signum: int, _frame: object) -> None:
         log.info("Asked to stop: finishing the step, then a final checkpoint")
@@ -232,19 +258,6 @@ async def run(args: argparse.Namespace, spec: GSPOJobSpec) -> int:
     # this between two bytecodes of the main thread, and the next step's any_rank sees it.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, request_stop)
-    server = None
-    if rank == 0:
-        metrics = learner.metrics if spec.metrics.enabled else None
-        server = serve_status(metrics, learner.progress, args.metrics_host, spec.metrics.port)
-        log.info("Status on http://%s:%d (/progress, /healthz%s)", args.metrics_host,
-                 spec.metrics.port, ", /metrics" if metrics else "")  # fmt: skip
-    elif int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        # The first process of every other pod answers the pod's readiness probe. Several
-        # "nodes" on one host (a test) share the port: the first one's answer serves them all.
-        try:
-            server = serve_status(None, None, args.metrics_host, spec.metrics.port)
-        except OSError as exc:
-            log.info("Health endpoint not started (%s); another process serves it", exc)
     try:
         code = await learner.run()
     except Exception as exc:

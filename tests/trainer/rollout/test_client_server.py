@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 from rollout_standin import (
     MODEL,
+    REPO,
     ROUTE_REQUESTS,
     TOKEN,
     StandInEngine,
@@ -96,6 +97,39 @@ async def test_no_server_left_raises_with_names() -> None:
     async with RolloutClient([url], TOKEN, probe_timeout_s=1) as client:
         with pytest.raises(RolloutError, match="no rollout server left"):
             await client.generate(PROMPTS[:2], PARAMS)
+
+
+def rendered_readiness_path() -> str:
+    """The path of the readiness probe the operator gives the flagship example's servers."""
+    import yaml
+
+    from gspo_operator import render
+    from gspo_operator.manifest import ClusterPolicy
+    from gspo_trainer.validation import parse_spec
+
+    body = yaml.safe_load((REPO / "examples/gspojob.yaml").read_text())
+    body["metadata"].update(namespace="default", uid="u")
+    objs = render.render_job(body, parse_spec(body["spec"]), token="t", policy=ClusterPolicy())
+    (js,) = [o for o in objs if o["kind"] == "JobSet"]
+    (rollout,) = [r for r in js["spec"]["replicatedJobs"] if r["name"] == "rollout"]
+    (container,) = rollout["template"]["spec"]["template"]["spec"]["containers"]
+    return str(container["readinessProbe"]["httpGet"]["path"])
+
+
+async def test_a_server_is_ready_once_its_engine_serves_before_the_first_sync() -> None:
+    """Kueue's WaitForPodsReady evicts a job whose pods are not all Ready within its timeout
+    (5 minutes by default), and the first sync waits for the learner to load its model: the
+    readiness the operator renders must pass on a live, unsynced server. Whether it holds
+    the learner's weights is /health's `synced`, which the learner reads."""
+    path = rendered_readiness_path()
+    server, url = await serve_in_process(StandInEngine(), None)  # no weights synced yet
+    try:
+        async with aiohttp.ClientSession() as http, http.get(url + path) as resp:
+            assert resp.status == 200, await resp.text()
+            async with http.get(url + "/health") as health:
+                assert (await health.json())["synced"] is False
+    finally:
+        await server.stop()
 
 
 async def test_not_synced_server_gets_no_traffic_and_is_not_ready() -> None:

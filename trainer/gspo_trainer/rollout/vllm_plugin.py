@@ -9,7 +9,8 @@ mode off:
 
     GET  /health               200 with this server's state while the engine lives (replaces
                                vLLM's bare /health; 503 once the engine is dead)
-    GET  /ready                200 only once the server holds the learner's weights
+    GET  /ready                200 only once the server holds the learner's weights (not the
+                               pods' readiness probe: that is /health, see docs/rollout.md)
     POST /control/pause        stop admitting generations and drain those in flight
     POST /control/resume
     POST /control/sync/init    join the learner's weight-sync group
