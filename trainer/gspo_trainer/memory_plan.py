@@ -224,7 +224,7 @@ def learner_rows(shape: ModelShape, s: LearnerSetup) -> tuple[Row, ...]:
     optimizer_shard = n if s.zero_stage >= 1 else 1
     grad_shard = n if s.zero_stage >= 2 else 1
     rows = [Row(f"weights ({s.dtype}, {_part(shard)})", P * b // shard)]
-    if s.zero_stage == 3:
+    if s.zero_stage == 3 and shard > 1:  # on one rank a layer's partition is the layer
         rows.append(
             Row("two layers gathered (running, prefetched)", 2 * shape.largest_layer_params * b)
         )
