@@ -60,17 +60,40 @@ def test_shipped_configs_count_the_published_sizes() -> None:
 
 
 CONFIGS = {
-    "qwen2_moe": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
-                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                      vocab_size=50, decoder_sparse_step=2, mlp_only_layers=[0]),
-    "mixtral": dict(hidden_size=64, intermediate_size=96, num_local_experts=4,
-                    num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, vocab_size=50),
-    "llama": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=50,
-                  tie_word_embeddings=True),
-}  # fmt: skip
+    "qwen2_moe": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=50,
+        decoder_sparse_step=2,
+        mlp_only_layers=[0],
+    ),
+    "mixtral": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=50,
+    ),
+    "llama": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=50,
+        tie_word_embeddings=True,
+    ),
+}
 
 
 @pytest.mark.parametrize("kind", sorted(CONFIGS))
@@ -96,8 +119,13 @@ def test_builtin_models_are_counted_without_building_them(name: str) -> None:
 
 
 def test_config_found_locally_then_in_the_hub_cache(tmp_path: Path, monkeypatch) -> None:
-    fields = {"hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
-              "intermediate_size": 16, "vocab_size": 10}  # fmt: skip
+    fields = {
+        "hidden_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "intermediate_size": 16,
+        "vocab_size": 10,
+    }
     local = tmp_path / "local"
     local.mkdir()
     (local / "config.json").write_text(json.dumps(fields))
@@ -210,8 +238,9 @@ def test_activations_name_micro_batch_tokens_and_checkpointing_as_fixes() -> Non
 def test_a_server_whose_kv_cache_cannot_hold_one_sequence_is_refused() -> None:
     """vLLM refuses to start when the KV cache left cannot hold one maxModelLen sequence:
     one Qwen3-30B-A3B server on one GPU (57 GiB of weights in 68 GiB) at 131072 tokens."""
-    spec = example(rollout={"tensorParallelSize": 1, "gpusPerReplica": 1},
-                   model={"maxModelLen": 131072})  # fmt: skip
+    spec = example(
+        rollout={"tensorParallelSize": 1, "gpusPerReplica": 1}, model={"maxModelLen": 131072}
+    )
     plan, _ = plan_spec(parse_spec(spec))
     assert plan is not None
     [(path, message)] = refusals(plan)

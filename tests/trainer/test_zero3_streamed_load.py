@@ -20,19 +20,33 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(
-        "qwen3_moe", vocab_size=40, hidden_size=32, intermediate_size=64,
-        moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, num_hidden_layers=3,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-    )  # fmt: skip
+        "qwen3_moe",
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
     path = tmp_path_factory.mktemp("moe") / "model"
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     return path / "model.safetensors"
 
 
 def test_keys_group_by_decoder_layer() -> None:
-    keys = ["model.embed_tokens.weight", "model.layers.0.mlp.experts.0.up_proj.weight",
-            "model.layers.0.self_attn.q_proj.weight", "model.layers.1.input_layernorm.weight",
-            "model.layers.10.mlp.gate.weight", "model.norm.weight", "lm_head.weight"]  # fmt: skip
+    keys = [
+        "model.embed_tokens.weight",
+        "model.layers.0.mlp.experts.0.up_proj.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.input_layernorm.weight",
+        "model.layers.10.mlp.gate.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+    ]
     assert zero3_load.group_keys(keys) == [
         ["model.embed_tokens.weight"],
         keys[1:3],
