@@ -298,7 +298,7 @@ def learner_fixes(spec: GSPOJobSpec, shape: ModelShape, s: LearnerSetup, capacit
     fewest replicas with every memory saving on."""
     per_pod = max(spec.learner.gpus_per_replica, 1)
     out: list[str] = []
-    more = _replicas_to_fit(shape, s, per_pod, capacity)
+    more = _replicas_to_fit(spec, shape, s, capacity)
     if more is not None and s.zero_stage > 0:
         out.append(f"learner.replicas: {more} ({more * per_pod} GPUs)")
     if s.zero_stage < 3 and _fits(shape, replace(s, zero_stage=3), capacity):
@@ -315,7 +315,7 @@ def learner_fixes(spec: GSPOJobSpec, shape: ModelShape, s: LearnerSetup, capacit
     if out:
         return "any one of these fits: " + "; ".join(out)
     saving = replace(s, zero_stage=3, offload=True, checkpointing=True)
-    combined = _replicas_to_fit(shape, saving, per_pod, capacity)
+    combined = _replicas_to_fit(spec, shape, saving, capacity)
     if combined is not None:
         return (
             f"nothing alone fits; learner.zeroStage: 3 with offloadOptimizer: true, "
@@ -326,12 +326,15 @@ def learner_fixes(spec: GSPOJobSpec, shape: ModelShape, s: LearnerSetup, capacit
 
 
 def _replicas_to_fit(
-    shape: ModelShape, s: LearnerSetup, per_pod: int, capacity: int, most: int = 512
+    spec: GSPOJobSpec, shape: ModelShape, s: LearnerSetup, capacity: int, most: int = 512
 ) -> int | None:
-    """The fewest learner pods (more than now) that fit, or None within `most` pods."""
-    start = s.gpus // per_pod + 1
-    for replicas in range(start, most + 1):
-        if _fits(shape, replace(s, gpus=replicas * per_pod), capacity):
+    """The fewest learner pods (more than now) that fit and over whose processes a
+    mini-batch's responses split evenly (as validation requires), or None within `most`."""
+    alg, per_pod = spec.algorithm, max(spec.learner.gpus_per_replica, 1)
+    responses = alg.prompts_per_step * alg.group_size // alg.mini_batches
+    for replicas in range(s.gpus // per_pod + 1, most + 1):
+        gpus = replicas * per_pod
+        if responses % gpus == 0 and _fits(shape, replace(s, gpus=gpus), capacity):
             return replicas
     return None
 
