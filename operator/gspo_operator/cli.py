@@ -171,6 +171,21 @@ MANIFEST = click.Path(allow_dash=True)
     help="As on a cluster whose policy.allowedPriorityClasses lists NAME (repeatable).  "
     "[default: any class]",
 )
+@click.option(
+    "--allow-overcommit",
+    is_flag=True,
+    help="Warn, instead of refusing, when the memory plan says a spec cannot fit its GPUs "
+    '(as the annotation gspo.dev/allow-overcommit: "true" does on a cluster).',
+)
+@click.option(
+    "--gpu-memory",
+    "gpu_memory_gib",
+    type=click.FloatRange(min=1),
+    default=None,
+    metavar="GIB",
+    help="Plan for GPUs of GIB GiB.  [default: the nodeSelector's nvidia.com/gpu.memory or "
+    "gpu.product label, else an 80 GiB H100]",
+)
 @OUTPUT
 def validate(
     files: tuple[str, ...],
@@ -178,12 +193,18 @@ def validate(
     jobset_restart_job_gate: bool,
     allowed_images: tuple[str, ...],
     allowed_priority_classes: tuple[str, ...],
+    allow_overcommit: bool,
+    gpu_memory_gib: float | None,
     output: str | None,
 ) -> int:
     """Check GSPOJob manifests offline with the operator's own checks: every problem of
     every file, one `FILE: field.path: message` line each (FILE[i] in a file of several
     documents), or with -o a result per file: {file, valid, problems: [{field, message}]}.
-    FILE may be - for stdin. Other kinds beside a GSPOJob (a PVC, a Secret) are skipped."""
+    FILE may be - for stdin. Other kinds beside a GSPOJob (a PVC, a Secret) are skipped.
+
+    Each job's memory plan (per-GPU memory of the learner and of a rollout server, from the
+    model's config.json) prints on stderr; a spec that cannot fit its GPUs is a problem
+    naming the numbers and the fixes, unless --allow-overcommit."""
     from gspo_operator.manifest import ClusterPolicy, validate_source
 
     policy = ClusterPolicy(
@@ -192,11 +213,18 @@ def validate(
         allowed_images=allowed_images,
         allowed_priority_classes=allowed_priority_classes,
     )
-    results = [validate_source(source, policy) for source in files]
+    results = [
+        validate_source(
+            source, policy, allow_overcommit=allow_overcommit, gpu_memory_gib=gpu_memory_gib
+        )
+        for source in files
+    ]
     if output:
         click.echo(_dump([r.as_dict() for r in results], output), nl=False)
     else:
         for result in results:
+            for note in result.notes:
+                click.echo(note, err=True)
             for line in result.lines():
                 click.echo(line)
         if all(r.valid for r in results):

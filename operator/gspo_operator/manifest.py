@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from gspo_operator import names
 from gspo_operator.gpu_requests import check_gpu_requests
+from gspo_operator.memory_check import check_memory, overcommit_allowed
 from gspo_trainer.config import API_GROUP, API_VERSION, KIND, GSPOJobSpec
 from gspo_trainer.validation import Problem, SpecError, check_spec, parse_spec
 
@@ -394,9 +395,15 @@ def _priority_class_problems(spec: GSPOJobSpec, allowed: Sequence[str]) -> list[
 
 
 def check_job(
-    doc: Any, policy: ClusterPolicy = ClusterPolicy()
+    doc: Any,
+    policy: ClusterPolicy = ClusterPolicy(),
+    *,
+    allow_overcommit: bool = False,
+    gpu_memory_gib: float | None = None,
 ) -> tuple[GSPOJobSpec | None, list[Problem]]:
-    """Validate one GSPOJob document; the spec when valid, else every problem found."""
+    """Validate one GSPOJob document; the spec when valid, else every problem found. A spec
+    valid in every other way is then refused if it cannot fit its GPUs (memory_check), unless
+    `allow_overcommit` or the job's gspo.dev/allow-overcommit annotation allows it."""
     if not isinstance(doc, Mapping):
         return None, [Problem("(document)", f"must be a mapping, got {type(doc).__name__}")]
     problems: list[Problem] = []
@@ -424,6 +431,10 @@ def check_job(
     if spec is not None:
         problems.extend(check_policy(spec, policy))
         problems.extend(check_gpu_requests(spec))
+    if spec is not None and not problems:
+        allowed = allow_overcommit or overcommit_allowed(metadata.get("annotations"))
+        memory = check_memory(spec, allow_overcommit=allowed, gpu_memory_gib=gpu_memory_gib)
+        problems.extend(memory.problems)
     return (spec if not problems else None), problems
 
 
@@ -536,6 +547,9 @@ class FileResult:
     file: str
     documents: int
     problems: list[FileProblem]
+    # Each job's memory plan and its warnings (a skipped plan, an allowed overcommit), for
+    # people: `gspo validate` prints them on stderr; -o yaml/json leaves them out.
+    notes: list[str] = field(default_factory=list)
 
     @property
     def valid(self) -> bool:
@@ -562,7 +576,13 @@ class FileResult:
         return {"file": self.file, "valid": self.valid, "problems": problems}
 
 
-def validate_source(source: str | Path, policy: ClusterPolicy = ClusterPolicy()) -> FileResult:
+def validate_source(
+    source: str | Path,
+    policy: ClusterPolicy = ClusterPolicy(),
+    *,
+    allow_overcommit: bool = False,
+    gpu_memory_gib: float | None = None,
+) -> FileResult:
     """Check every GSPOJob in `source` (a path, or "-" for stdin) as the operator would."""
     name = source_name(source)
     try:
@@ -575,9 +595,29 @@ def validate_source(source: str | Path, policy: ClusterPolicy = ClusterPolicy())
     if not ours:
         message = f"no {KIND} ({API}) among its {len(docs)} documents"
         return FileResult(name, len(docs), [FileProblem(None, None, message)])
-    problems = [
-        FileProblem(index, p.path, p.message)
-        for index, doc in ours
-        for p in check_job(doc, policy)[1]
-    ]
-    return FileResult(name, len(docs), problems)
+    problems, notes = [], []
+    for index, doc in ours:
+        found = check_job(
+            doc, policy, allow_overcommit=allow_overcommit, gpu_memory_gib=gpu_memory_gib
+        )[1]
+        problems += [FileProblem(index, p.path, p.message) for p in found]
+        where = name if len(docs) == 1 else f"{name}[{index}]"
+        notes += [f"{where}: {n}" for n in _memory_notes(doc, allow_overcommit, gpu_memory_gib)]
+    return FileResult(name, len(docs), problems, notes)
+
+
+def _memory_notes(doc: Any, allow_overcommit: bool, gpu_memory_gib: float | None) -> list[str]:
+    """The job's memory plan (whether it fits or not) and its warnings; nothing for a spec
+    the models refuse."""
+    if not isinstance(doc, Mapping):
+        return []
+    try:
+        spec = parse_spec(doc.get("spec"))
+    except SpecError:
+        return []
+    metadata = doc.get("metadata")
+    annotations = metadata.get("annotations") if isinstance(metadata, Mapping) else None
+    allowed = allow_overcommit or overcommit_allowed(annotations)
+    memory = check_memory(spec, allow_overcommit=allowed, gpu_memory_gib=gpu_memory_gib)
+    table = [memory.plan.table()] if memory.plan is not None and memory.plan.roles else []
+    return table + [f"warning: {w}" for w in memory.warnings]

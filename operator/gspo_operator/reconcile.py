@@ -38,6 +38,7 @@ from gspo_operator.children import (
 )
 from gspo_operator.kube import JOB_API, ApiError, Kube
 from gspo_operator.manifest import ClusterPolicy, check_job
+from gspo_operator.memory_check import check_memory, overcommit_allowed
 from gspo_operator.metrics import OperatorMetrics
 from gspo_operator.progress import fetch_progress
 from gspo_trainer import ports
@@ -95,7 +96,7 @@ class Context:
     failures: dict[Key, int] = field(default_factory=dict)  # API errors in a row
     # The checked spec and the rendered children, per job uid and generation (and spec in
     # effect): a pod's event re-validates and re-renders nothing.
-    checks: dict[Key, tuple[tuple[str, int], Any]] = field(default_factory=dict)
+    checks: dict[Key, tuple[tuple[str, int, bool], Any]] = field(default_factory=dict)
     renders: dict[Key, tuple[tuple[str, int, str], list[Obj]]] = field(default_factory=dict)
     not_before: dict[Key, float] = field(default_factory=dict)  # monotonic: backing off
     deleted: set[str] = field(default_factory=set)  # uids of jobs this operator deleted (TTL)
@@ -325,11 +326,21 @@ async def _ensure_children(
 
 
 def _checked(ctx: Context, key: Key, body: Obj) -> tuple[GSPOJobSpec | None, list[Any]]:
+    """check_job once per spec generation (and allow-overcommit annotation: annotations do not
+    bump the generation); a skipped memory plan or an allowed overcommit posts an event."""
     meta = body["metadata"]
-    version = (meta.get("uid", ""), int(meta.get("generation") or 0))
+    allowed = overcommit_allowed(meta.get("annotations"))
+    version = (meta.get("uid", ""), int(meta.get("generation") or 0), allowed)
     cached = ctx.checks.get(key)
     if cached is None or cached[0] != version:
         cached = ctx.checks[key] = (version, check_job(body, ctx.policy))
+        spec = cached[1][0]
+        memory = check_memory(spec, allow_overcommit=allowed) if spec is not None else None
+        for warning in memory.warnings if memory is not None else []:
+            event = (
+                ("Warning", "MemoryOvercommit") if memory.plan else ("Normal", "MemoryPlanSkipped")
+            )
+            ctx.post(body, status.Event(*event, warning))
     return cached[1]  # type: ignore[no-any-return]
 
 

@@ -342,3 +342,25 @@ async def test_a_cluster_without_jobset_says_how_to_fix_it(run_operator, progres
         assert created["reason"] == "JobSetMissing" and "install JobSet" in created["message"]
         assert job_status(api)["phase"] == "Pending"
         assert api.get("ConfigMap", NS, f"{JOB}-config") is not None
+
+
+async def test_a_job_that_cannot_fit_its_gpus_fails_before_any_pod(api, run_operator) -> None:
+    """The memory plan before any child exists: one learner GPU of 1 GiB (the node selector's
+    GPU feature discovery label) cannot hold even the runtime's allowance. Annotated to allow
+    the overcommit, the job starts with a warning event."""
+    api.add(predating_rules(render_crd()))
+    doc = tiny_job(learner={"gpusPerReplica": 1, "replicas": 1})
+    doc["spec"]["runPolicy"]["scheduling"] = {"nodeSelector": {"nvidia.com/gpu.memory": "1024"}}
+    async with run_operator(api):
+        await create(api, doc)
+        await eventually(lambda: job_status(api).get("phase") == "Failed", what="Failed")
+        message = cond(api, "InvalidSpec")["message"]
+        assert message.startswith("spec.learner: the learner needs ")
+        assert "the GPU has 1.0 GiB" in message and "gspo.dev/allow-overcommit" in message
+        assert all(not v for v in children(api).values())
+        url = f"/apis/gspo.dev/v1alpha1/namespaces/{NS}/gspojobs/{JOB}"
+        annotate = {"metadata": {"annotations": {"gspo.dev/allow-overcommit": "true"}}}
+        headers = {"Content-Type": "application/merge-patch+json"}
+        await call(api, "PATCH", url, json=annotate, headers=headers)
+        await has_event(api, "Warning", "MemoryOvercommit")
+        await eventually(lambda: job_status(api).get("phase") == "Pending", what="started")

@@ -84,3 +84,58 @@ def test_other_kinds_beside_the_job_are_left_to_kubectl(gspo, tmp_path: Path) ->
     alone.write_text(yaml.safe_dump(claim))
     out = gspo("validate", str(alone))
     assert out.returncode == 1 and "no GSPOJob" in out.stdout
+
+
+# --- the memory plan ------------------------------------------------------------------------
+def _example_with(tmp_path: Path, name: str = "one-gpu.yaml", **learner: object) -> Path:
+    doc = yaml.safe_load(EXAMPLE)
+    doc["spec"]["learner"].update(learner)
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_the_example_prints_its_memory_plan(gspo) -> None:
+    out = gspo("validate", "examples/gspojob.yaml")
+    assert out.returncode == 0 and out.stdout == ""
+    assert "examples/gspojob.yaml: memory plan, per GPU: NVIDIA H100 80GB: 80 GiB" in out.stderr
+    assert "learner: 16 GPUs (2 x 8), ZeRO-3, bfloat16" in out.stderr
+    assert "rollout: 4 servers x tensor parallel 2" in out.stderr
+    assert "DOES NOT FIT" not in out.stderr
+
+
+def test_the_example_on_one_learner_gpu_is_refused(gspo, tmp_path: Path) -> None:
+    path = _example_with(tmp_path, replicas=1, gpusPerReplica=1)
+    out = gspo("validate", str(path))
+    assert out.returncode == 1
+    [line] = out.stdout.splitlines()
+    assert line.startswith(f"{path}: spec.learner: the learner needs ")
+    assert "per GPU and the GPU has 80.0 GiB" in line
+    assert "learner.replicas: 8 (8 GPUs)" in line and "learner.offloadOptimizer: true" in line
+    assert "DOES NOT FIT" in out.stderr  # the table shows where the memory goes
+    allowed = gspo("validate", "--allow-overcommit", str(path))
+    assert allowed.returncode == 0 and allowed.stdout == ""
+    assert f"{path}: warning: spec.learner: the learner needs " in allowed.stderr
+    roomy = gspo("validate", "--gpu-memory", "600", str(path))
+    assert roomy.returncode == 0, roomy.stdout
+
+
+def test_the_annotation_allows_an_overcommit(gspo, tmp_path: Path) -> None:
+    doc = yaml.safe_load(_example_with(tmp_path, replicas=1, gpusPerReplica=1).read_text())
+    doc["metadata"]["annotations"] = {"gspo.dev/allow-overcommit": "true"}
+    path = tmp_path / "annotated.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    out = gspo("validate", str(path))
+    assert out.returncode == 0 and "warning: spec.learner" in out.stderr
+
+
+def test_a_model_with_no_config_here_skips_the_plan(gspo, tmp_path: Path) -> None:
+    doc = yaml.safe_load(EXAMPLE)
+    doc["spec"]["model"]["name"] = "org/not-cached-anywhere"
+    path = tmp_path / "unknown.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    out = gspo("validate", str(path))
+    assert out.returncode == 0 and out.stdout == ""
+    assert (
+        "warning: memory plan skipped: no config.json for 'org/not-cached-anywhere'" in out.stderr
+    )

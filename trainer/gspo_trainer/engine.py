@@ -219,17 +219,19 @@ def _hf_kwargs(spec: GSPOJobSpec) -> dict[str, Any]:
 def _from_pretrained(spec: GSPOJobSpec, path: str, *, shard: bool) -> Any:
     """AutoModelForCausalLM.from_pretrained(path) in spec.model.dtype. With `shard` (ZeRO-3),
     inside `zero3_loading`: transformers builds the model under deepspeed.zero.Init, so every
-    parameter is partitioned over the ranks as it is created (never whole on a rank), then
-    loads the checkpoint layer by layer (each layer gathered, filled on rank 0 from the
-    memory-mapped file, partitioned again)."""
+    parameter is partitioned over the ranks as it is created (never whole on a rank), then,
+    `zero3_load.streamed`, fills it a decoder layer at a time (the layer gathered, filled on
+    rank 0 from the safetensors file, partitioned again): no rank reads the whole checkpoint."""
     import torch
     from transformers import AutoModelForCausalLM
+
+    from gspo_trainer.zero3_load import streamed
 
     dtype = getattr(torch, spec.model.dtype)
     if not shard:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **_hf_kwargs(spec))
     init_distributed()  # zero.Init partitions over the process group
-    with zero3_loading(ds_config(spec)):
+    with zero3_loading(ds_config(spec)), streamed():
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **_hf_kwargs(spec))
 
 
