@@ -129,7 +129,8 @@ class Policy:
         kw = {"output_router_logits": True} if (router and self.moe) else {}
         n = rows.stop - rows.start
         if not self.packs(module):
-            out = base(input_ids=packed.ids[rows, :L], attention_mask=attn[:, :L], **kw)
+            out = as_forward_of(module, base, input_ids=packed.ids[rows, :L],
+                                attention_mask=attn[:, :L], **kw)  # fmt: skip
             return Forward(out.last_hidden_state[:, : L - 1], L,
                            getattr(out, "router_logits", None), n * L,
                            int(attn.sum()))  # fmt: skip
@@ -137,7 +138,8 @@ class Policy:
         one_row = base.config._attn_implementation in ONE_ROW_ATTENTION
         ids, positions, src, dst = pack_rows(packed.ids[rows, :L], lengths,
                                              sum(lengths) if one_row else L)  # fmt: skip
-        out = base(input_ids=ids, position_ids=positions, use_cache=False, **kw)
+        out = as_forward_of(module, base, input_ids=ids, position_ids=positions, use_cache=False,
+                            **kw)  # fmt: skip
 
         def unpack(x: torch.Tensor) -> torch.Tensor:  # (k*W, D) -> (n*L, D), zeros at padding
             x = x.reshape(-1, x.shape[-1])[src]
@@ -162,6 +164,28 @@ class Policy:
 
         assert self.moe is not None
         return top_k_experts(fwd.router, self.token_mask(packed, rows, fwd.L), self.moe.top_k)
+
+
+def as_forward_of(top: Any, fn: Any, **kw: Any) -> Any:
+    """fn(**kw) run as `top`'s forward: whatever is hooked onto the top module runs around it.
+    Under ZeRO-3 that is DeepSpeed's start-of-forward pre-hook (runtime/zero/parameter_offload.py,
+    `_start_of_forward_hook`), which calls the parameter coordinator's `reset_step`: the first
+    call starts recording the order the layers are gathered in, the second freezes it
+    (partitioned_param_coordinator.py, ZeRoTraceMode.COMPLETE) and from then on each layer's
+    gather is prefetched while the one before computes. The learner wants the base model's
+    hidden states, not the top module's logits; calling the base model directly skips that
+    hook, the trace stays INVALID for good and every gather waits for itself."""
+    own = top.__dict__.get("forward")  # an instance-level forward (accelerate's hooks) stays
+    # Set on the instance as a plain attribute: a module assigned as an attribute would
+    # become a submodule named "forward".
+    object.__setattr__(top, "forward", lambda **kwargs: fn(**kwargs))
+    try:
+        return top(**kw)
+    finally:
+        if own is None:
+            object.__delattr__(top, "forward")
+        else:
+            object.__setattr__(top, "forward", own)
 
 
 def pack_rows(ids: torch.Tensor, lengths: list[int], width: int) -> tuple[torch.Tensor, ...]:
