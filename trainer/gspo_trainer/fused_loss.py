@@ -24,7 +24,7 @@ from gspo_trainer.logprobs import (
     _chunk_forward,
     _chunk_grad,
     _compute_dtype,
-    _rows,
+    _layout,
     _span,
     _upcast,
 )
@@ -64,9 +64,10 @@ def _fused_fn() -> Any:
                 raise RuntimeError("policy_loss_from_hidden supports one backward per forward")
             grad_h, grad_w = ctx.grads
             ctx.grads = None
-            if bool(g != 1):
-                grad_h.mul_(g)
-                grad_w.mul_(g)
+            # Always scaled: testing g != 1 would read it on the host (a wait for the device),
+            # and the learner's upstream gradient is a micro-batch's share anyway.
+            grad_h.mul_(g)
+            grad_w.mul_(g)
             return (
                 grad_h if ctx.needs_input_grad[0] else None,
                 (grad_w if ctx.needs_input_grad[1] else None),
@@ -119,8 +120,7 @@ def policy_loss_from_hidden(
             f"need chunk_size >= 1 and temperature > 0; got {chunk_size}, {temperature}"
         )
     mask = mask.bool()
-    rows = _rows(tokens, mask, V)  # sorted flat indices of scored tokens
-    counts = mask.sum(-1).tolist()
+    rows, counts = _layout(tokens, mask, V)  # sorted flat indices of scored tokens, per row
     flat_tokens = tokens.reshape(-1)
     dtype = _compute_dtype(lm_head_weight.dtype)
     logp = torch.zeros(B * T, dtype=dtype, device=hidden.device)
@@ -159,7 +159,7 @@ def policy_loss_from_hidden(
                 part, _ = policy_loss(leaf, old_logprobs[a:b], advantages[a:b], mask[a:b],
                                       ref_logprobs=ref, behaviour_logprobs=mu, **kw)  # fmt: skip
                 (g_logp,) = torch.autograd.grad(part * ((b - a) / B), leaf)
-            g_flat = g_logp.reshape(-1)[mask[a:b].reshape(-1)]  # aligned with g_rows
+            g_flat = g_logp.reshape(-1)[g_rows - a * T]  # aligned with g_rows
             for (s, e), z, lse, ent in zip(spans, kept, lses, ents, strict=True):
                 h = h_flat[g_rows[s:e]]
                 if z is None:

@@ -250,22 +250,33 @@ def _check(tokens: Any, mask: Any, lead: tuple[int, ...], chunk_size: int, tempe
         raise ValueError(f"temperature must be > 0 (the sampling temperature), got {temperature}")
 
 
-def _rows(tokens: torch.Tensor, mask: torch.Tensor | None, vocab: int) -> torch.Tensor:
-    """Flat indices of the scored positions, after checking their token ids."""
+def _layout(
+    tokens: torch.Tensor, mask: torch.Tensor | None, vocab: int
+) -> tuple[torch.Tensor, list[int]]:
+    """(rows, counts): the flat indices of the scored positions (sorted, on the tokens'
+    device) and how many each row (B, T) holds, after checking their token ids. One read from
+    the device, the mask and the ids together: on a GPU each read waits for the work queued
+    before it, and finding the positions (nonzero), checking the ids (min, max) and counting
+    per row would each be one."""
+    import numpy as np
     import torch
 
+    lead = tuple(tokens.shape)
     flat = tokens.reshape(-1)
-    if mask is None:
-        rows = torch.arange(flat.numel(), device=flat.device)
-    else:
-        rows = mask.reshape(-1).nonzero().squeeze(1)
-    picked = flat.index_select(0, rows)
-    if picked.numel() and (int(picked.min()) < 0 or int(picked.max()) >= vocab):
+    keep = torch.ones_like(flat) if mask is None else mask.reshape(-1).to(flat.dtype)
+    host = torch.cat([keep, flat]).cpu().numpy()  # the one read; the rest is host work
+    keep_h, flat_h = host[: flat.numel()].astype(bool), host[flat.numel() :]
+    picked = flat_h[keep_h]
+    if picked.size and (picked.min() < 0 or picked.max() >= vocab):
         raise ValueError(
             f"token ids at unmasked positions must lie in [0, {vocab}); got "
-            f"[{int(picked.min())}, {int(picked.max())}] (mask padded positions out)"
+            f"[{picked.min()}, {picked.max()}] (mask padded positions out)"
         )
-    return rows
+    counts = keep_h.reshape(lead[0] if lead else 1, -1).sum(-1).tolist()
+    rows = torch.from_numpy(np.flatnonzero(keep_h))
+    if flat.device.type != "cpu":
+        rows = rows.pin_memory().to(flat.device, non_blocking=True)
+    return rows, counts
 
 
 def _scatter(values: torch.Tensor, rows: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -293,7 +304,7 @@ def token_logprobs(
     lead = tuple(logits.shape[:-1])
     _check(tokens, mask, lead, chunk_size, temperature)
     vocab = logits.shape[-1]
-    rows = _rows(tokens, mask, vocab)
+    rows, _ = _layout(tokens, mask, vocab)
     flat_tokens = tokens.reshape(-1).index_select(0, rows)
     out = _function("logits").apply(
         logits.reshape(-1, vocab), rows, flat_tokens, chunk_size, float(temperature), with_entropy
@@ -329,7 +340,7 @@ def token_logprobs_from_hidden(
             f"lm_head_weight has shape {tuple(lm_head_weight.shape)}; expected (vocab, "
             f"{hidden.shape[-1]}) to match hidden's last dimension"
         )
-    rows = _rows(tokens, mask, lm_head_weight.shape[0])
+    rows, _ = _layout(tokens, mask, lm_head_weight.shape[0])
     h = hidden.reshape(-1, hidden.shape[-1])
     if rows.numel() != h.shape[0]:
         h = h.index_select(0, rows)

@@ -123,18 +123,16 @@ class Policy:
         if module is None:
             begin_forward(self.engine)
             module = self.engine.module
-        attn = packed.attn[rows]
-        L = int(attn.sum(-1).max())
+        lengths = list(packed.seq_lengths[rows])  # on the host: no wait for the device
+        L = max(lengths)
         base = getattr(module, module.base_model_prefix)
         kw = {"output_router_logits": True} if (router and self.moe) else {}
         n = rows.stop - rows.start
         if not self.packs(module):
             out = as_forward_of(module, base, input_ids=packed.ids[rows, :L],
-                                attention_mask=attn[:, :L], **kw)  # fmt: skip
+                                attention_mask=packed.attn[rows, :L], **kw)  # fmt: skip
             return Forward(out.last_hidden_state[:, : L - 1], L,
-                           getattr(out, "router_logits", None), n * L,
-                           int(attn.sum()))  # fmt: skip
-        lengths = attn.sum(-1).tolist()
+                           getattr(out, "router_logits", None), n * L, sum(lengths))  # fmt: skip
         one_row = base.config._attn_implementation in ONE_ROW_ATTENTION
         ids, positions, src, dst = pack_rows(packed.ids[rows, :L], lengths,
                                              sum(lengths) if one_row else L)  # fmt: skip
@@ -149,7 +147,7 @@ class Policy:
         router_logits = getattr(out, "router_logits", None)
         if router_logits is not None:
             router_logits = tuple(unpack(r) for r in router_logits)
-        return Forward(hidden, L, router_logits, ids.numel(), int(src.numel()))
+        return Forward(hidden, L, router_logits, ids.numel(), sum(lengths))
 
     def token_mask(self, packed: Packed, rows: slice, L: int) -> torch.Tensor:
         """(n*L,) True at response-token positions, the layout of router logits."""
@@ -158,12 +156,20 @@ class Policy:
         m = packed.mask[rows, : L - 1]
         return torch.cat([torch.zeros_like(m[:, :1]), m], 1).reshape(-1)
 
-    def experts(self, packed: Packed, rows: slice, fwd: Forward) -> list[torch.Tensor]:
-        """Per MoE layer, the top-k experts each response token of `rows` chose."""
+    def experts(self, packed: Packed, rows: slice, fwd: Forward) -> Experts:
+        """Per MoE layer, the top-k experts each position of `rows` chose, and which of the
+        positions are response tokens (`per_layer` keeps those)."""
         from gspo_trainer.moe import top_k_experts
 
         assert self.moe is not None
-        return top_k_experts(fwd.router, self.token_mask(packed, rows, fwd.L), self.moe.top_k)
+        return Experts(top_k_experts(fwd.router, self.moe.top_k),
+                       self.token_mask(packed, rows, fwd.L))  # fmt: skip
+
+
+@dataclass
+class Experts:
+    chosen: list[torch.Tensor]  # per MoE layer, (n*L, k): every position's top-k experts
+    mask: torch.Tensor  # (n*L,) True at response tokens
 
 
 def as_forward_of(top: Any, fn: Any, **kw: Any) -> Any:
@@ -227,8 +233,12 @@ def pack_rows(ids: torch.Tensor, lengths: list[int], width: int) -> tuple[torch.
     return (out, pos.to(device), torch.cat(src).to(device), torch.cat(dst).to(device))
 
 
-def per_layer(parts: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-    """Per-layer expert choices of several micro-batches, joined per layer."""
+def per_layer(parts: list[Experts]) -> list[torch.Tensor]:
+    """Per MoE layer, the experts each response token of several micro-batches chose, (n, k),
+    joined. One wait for the device for them all (where the response tokens are), not one per
+    micro-batch and layer."""
     import torch
 
-    return [torch.cat(layer) for layer in zip(*parts, strict=True)]
+    at = torch.cat([p.mask for p in parts]).nonzero().squeeze(1)
+    return [torch.cat(layer).index_select(0, at)
+            for layer in zip(*(p.chosen for p in parts), strict=True)]  # fmt: skip
