@@ -8,7 +8,10 @@ the group's hidden states and the lm_head weight, while the group's logits are s
 The full logits never exist and no chunk is computed twice: three matmuls per token, as a
 naive full log-softmax needs, against four for the recompute-in-backward path of
 `token_logprobs_from_hidden`. A response longer than `chunk_size` is split and falls back to
-recomputing its pieces. Backward only scales the stored gradients by the upstream gradient.
+recomputing its pieces; the learner sizes chunks by its device (`logprobs.chunk_tokens`:
+256 tokens on a CPU, thousands on a GPU), so there that takes responses of thousands of
+tokens. The lm_head's gradient accumulates in float32 (`_add_head_grad`). Backward only
+scales the stored gradients by the upstream gradient.
 
 Values and gradients equal `policy_loss(token_logprobs_from_hidden(...).logp, ...)`; the
 tests hold them to it.
@@ -21,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from gspo_trainer.logprobs import (
     DEFAULT_CHUNK_TOKENS,
     TokenScores,
+    _add_head_grad,
     _chunk_forward,
     _chunk_grad,
     _compute_dtype,
@@ -170,10 +174,7 @@ def policy_loss_from_hidden(
                     z, flat_tokens[g_rows[s:e]], lse, ent, g_flat[s:e], None, 1.0 / temperature
                 ).to(weight.dtype)
                 grad_h[g_rows[s:e]] = (g @ weight).to(grad_h.dtype)
-                if g.dtype == grad_w.dtype:
-                    grad_w.addmm_(g.T, h)
-                else:
-                    grad_w.add_(g.T @ h)
+                _add_head_grad(grad_w, g, h)
         return grad_h.view_as(h_all), grad_w.to(weight.dtype)
 
     h_in = hidden if hidden.dtype == lm_head_weight.dtype else hidden.to(lm_head_weight.dtype)

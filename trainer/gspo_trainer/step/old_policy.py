@@ -59,7 +59,7 @@ def old_policy(policy: Policy, packed: Packed, plan: list[MiniBatch], alg: Algor
                     # router logits only where the experts are read: the first mini-batch
                     fwd = policy.forward(packed, sub, router=k == 0)
                     logp = score_with_head(policy.module, _logp, fwd.hidden, targets, mask,
-                                           alg.temperature)  # fmt: skip
+                                           alg.temperature, policy.chunk_tokens)  # fmt: skip
                     gap = torch.where(mask, (logp - engine_logp).abs(), 0).sum()
                     mismatch_sum = gap if mismatch_sum is None else mismatch_sum + gap
                     mismatch_n = mask.sum() if mismatch_n is None else mismatch_n + mask.sum()
@@ -71,7 +71,8 @@ def old_policy(policy: Policy, packed: Packed, plan: list[MiniBatch], alg: Algor
                     h_ref = policy.forward(packed, sub, router=False, model=policy.reference).hidden
                     # through the reference's own head scorer: under ZeRO-3 it gathers lm_head
                     ref[here, : L - 1] = score_with_head(policy.reference, _logp, h_ref, targets,
-                                                         mask, alg.temperature)  # fmt: skip
+                                                         mask, alg.temperature,
+                                                         policy.chunk_tokens)  # fmt: skip
             logps.append(old)
             if ref is not None:
                 refs.append(ref)
@@ -84,6 +85,6 @@ def old_policy(policy: Policy, packed: Packed, plan: list[MiniBatch], alg: Algor
     return OldPolicy(logps, refs if policy.reference is not None else None, experts, mismatch)
 
 
-def _logp(hidden, weight, targets, mask, temperature):  # type: ignore[no-untyped-def]
-    return token_logprobs_from_hidden(hidden, weight.detach(), targets, temperature=temperature,
-                                      mask=mask).logp  # fmt: skip
+def _logp(hidden, weight, targets, mask, temperature, chunk):  # type: ignore[no-untyped-def]
+    return token_logprobs_from_hidden(hidden, weight.detach(), targets, chunk,
+                                      temperature=temperature, mask=mask).logp  # fmt: skip

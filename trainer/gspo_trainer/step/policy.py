@@ -103,6 +103,14 @@ class Policy:
         the loss and the collectives read goes there."""
         return self.engine.device
 
+    @functools.cached_property
+    def chunk_tokens(self) -> int:
+        """Tokens per chunk of the log-prob and loss computations (logprobs.chunk_tokens):
+        a few hundred on a CPU, thousands on a GPU."""
+        from gspo_trainer.logprobs import device_chunk_tokens
+
+        return device_chunk_tokens(self.device, int(self.module.config.vocab_size))
+
     def packs(self, model: Any = None) -> bool:
         """Whether forwards of the policy (or `model`) run packed: packSequences on and a
         model that keeps packed sequences apart (`can_pack`)."""

@@ -63,7 +63,7 @@ def update(policy: Policy, packed: Packed, plan: list[MiniBatch], old: OldPolicy
     sums: dict[str, torch.Tensor] = {}  # on the device, read once at the end (`_read`)
     maxima: dict[str, torch.Tensor] = {}
     kw: dict[str, Any] = dict(level=LEVEL_OF[alg.loss_level], clip_low=alg.clip_low,
-                              clip_high=alg.clip_high)  # fmt: skip
+                              clip_high=alg.clip_high, chunk_size=policy.chunk_tokens)  # fmt: skip
     if behaviour:
         kw["is_cap"] = alg.importance_weight_cap
     engine = policy.engine
