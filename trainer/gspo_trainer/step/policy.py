@@ -92,6 +92,13 @@ class Policy:
     moe: MoEShape | None  # None: dense, or model.moe unset
     reference: Any = None  # the frozen starting policy (algorithm.klCoef > 0), else None
     pack: bool = True  # learner.packSequences: run each micro-batch packed when the model can
+    attention: str | None = None  # model.attnImplementation; None: as the model was loaded
+
+    def __post_init__(self) -> None:
+        if self.attention is not None:
+            for model in (self.module, self.reference):
+                if model is not None:
+                    set_attention(model, self.attention)
 
     @property
     def module(self) -> Any:
@@ -178,6 +185,20 @@ class Policy:
 class Experts:
     chosen: list[torch.Tensor]  # per MoE layer, (n*L, k): every position's top-k experts
     mask: torch.Tensor  # (n*L,) True at response tokens
+
+
+def set_attention(model: Any, impl: str) -> None:
+    """Run `model` (a transformers model) with attention kernel `impl` (model.attnImplementation;
+    preflight has checked that a flash kernel is installed). transformers checks it can
+    dispatch to it; if not, the error names the field."""
+    if getattr(model.config, "_attn_implementation", None) == impl:
+        return
+    try:
+        model.set_attn_implementation(impl)
+    except (ImportError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"spec.model.attnImplementation: {impl} cannot run here ({first}); "
+                         "use sdpa") from exc  # fmt: skip
 
 
 def as_forward_of(top: Any, fn: Any, **kw: Any) -> Any:
