@@ -504,15 +504,17 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path, even on a GPU machine
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if not args.dry_run else "cpu")
     sizes = Sizes(args.dry_run)
-    report: dict[str, Any] = {"dry_run": args.dry_run, **environment()}
+    with contextlib.redirect_stdout(sys.stderr):
+        report: dict[str, Any] = {"dry_run": args.dry_run, **environment()}
     keep: dict[str, Any] = {}
     failed = 0
     for name, section in SECTIONS:
         if args.only and name not in args.only:
             continue
         t0 = time.perf_counter()
-        try:
-            report[name] = section(sizes, keep)
+        try:  # stdout is the report's: what the libraries print goes to stderr
+            with contextlib.redirect_stdout(sys.stderr):
+                report[name] = section(sizes, keep)
         except Exception as exc:  # each section on its own: record it and go on
             failed += 1
             tail = traceback.format_exc().strip().splitlines()[-6:]
