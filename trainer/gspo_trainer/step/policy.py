@@ -259,7 +259,15 @@ def pack_rows(ids: torch.Tensor, lengths: list[int], width: int) -> tuple[torch.
             dst.append(torch.arange(i * L, i * L + m))
             at += m
         pos[b, at:] = torch.arange(width - at)
-    return (out, pos.to(device), torch.cat(src).to(device), torch.cat(dst).to(device))
+    return (out, *(_to_device(t, device) for t in (pos, torch.cat(src), torch.cat(dst))))
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to a GPU from pinned memory without blocking, as a copy from
+    pageable memory waits for the work queued before it."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def per_layer(parts: list[Experts]) -> list[torch.Tensor]:
