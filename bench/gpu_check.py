@@ -301,6 +301,9 @@ def zero3_update(kind: str, sizes: Sizes, keep: dict) -> dict:
         attention = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
     spec = check_spec(sizes, attention)
     config = config_of(kind, sizes)
+    # One process: its store binds a port the OS picks (a port found free beforehand can be
+    # taken by another process before the store binds it).
+    os.environ.setdefault("MASTER_PORT", "0")
     eng.init_distributed()
     torch.manual_seed(0)
     with torch.device(dev):
@@ -435,8 +438,6 @@ def checkpoint(sizes: Sizes, keep: dict) -> dict:
 
 
 def sync_moe(sizes: Sizes, keep: dict) -> dict:
-    import socket
-
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -448,10 +449,7 @@ def sync_moe(sizes: Sizes, keep: dict) -> dict:
     with torch.device(dev):
         model = AutoModelForCausalLM.from_config(config_of("moe", sizes), dtype=torch.bfloat16)
     named = [(n, p.detach()) for n, p in model.named_parameters()]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    store = connect_store("127.0.0.1", port, is_master=True, timeout_s=60)
+    store = connect_store("127.0.0.1", 0, is_master=True, timeout_s=60)  # one rank: any port
     backend = "nccl" if dev.type == "cuda" else "gloo"
     group = open_group(store, "gpu-check", 0, 1, backend=backend, timeout_s=60)
     sender = WeightSender(group, bucket_mb=256 if dev.type == "cuda" else 1)
