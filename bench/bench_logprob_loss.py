@@ -14,7 +14,14 @@ in). glibc is told to return every block over 64 KiB to the OS on free
 (MALLOC_MMAP_THRESHOLD_), the same for every variant, so RSS follows live tensors. Time is
 the median of --repeats runs. Ratios are printed against naive and TRL from the same run.
 
+On a GPU (--device cuda) every variant runs in this process, in --dtype, and the peak is
+torch's allocator high-water mark above what the inputs hold; the chunk defaults to the
+device's (`logprobs.chunk_tokens`). Each line gives tokens/s, and the ratios compare them
+against naive, the unfused reference, from the same run.
+
     python bench/bench_logprob_loss.py            # vocab 32k, 2k tokens (8 x 256), hidden 1024
+    python bench/bench_logprob_loss.py --device cuda --dtype bfloat16 --vocab 151936 \
+        --tokens 16384 --hidden 1024
 """
 
 from __future__ import annotations
@@ -46,15 +53,38 @@ def make_inputs(args: argparse.Namespace, B: int, T: int):
     import torch
 
     g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(B, T, args.hidden, generator=g).requires_grad_(True)
-    weight = (torch.randn(args.vocab, args.hidden, generator=g) / args.hidden**0.5).requires_grad_(
-        True
-    )
-    tokens = torch.randint(0, args.vocab, (B, T), generator=g)
-    mask = torch.ones(B, T, dtype=torch.bool)
-    old = -10.4 + 0.01 * torch.randn(B, T, generator=g)
-    adv = torch.randn(B, generator=g)
+    dtype, device = getattr(torch, args.dtype), args.device
+    hidden = torch.randn(B, T, args.hidden, generator=g).to(device, dtype).requires_grad_(True)
+    weight = torch.randn(args.vocab, args.hidden, generator=g) / args.hidden**0.5
+    weight = weight.to(device, dtype).requires_grad_(True)
+    tokens = torch.randint(0, args.vocab, (B, T), generator=g).to(device)
+    mask = torch.ones(B, T, dtype=torch.bool, device=device)
+    old = (-10.4 + 0.01 * torch.randn(B, T, generator=g)).to(device)
+    adv = torch.randn(B, generator=g).to(device)
     return hidden, weight, tokens, mask, old, adv
+
+
+def measure_cuda(args: argparse.Namespace, variant: str) -> dict:
+    """One variant on the GPU, in this process: median time, tokens/s and the allocator's
+    peak above the inputs."""
+    import torch
+
+    step(variant, make_inputs(args, 2, 8), args.chunk)
+    inputs = make_inputs(args, args.batch, args.tokens // args.batch)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.repeats):
+        inputs[0].grad = inputs[1].grad = None
+        t0 = time.perf_counter()
+        step(variant, inputs, args.chunk)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    t = statistics.median(times)
+    return {"variant": variant, "peak_mib": (torch.cuda.max_memory_allocated() - base) / 2**20,
+            "peak_hidden_by_setup": False, "time_s": t, "tokens_per_s": args.tokens / t,
+            "threads": torch.get_num_threads()}  # fmt: skip
 
 
 def step(variant: str, inputs, chunk: int) -> None:
@@ -109,6 +139,7 @@ def child(args: argparse.Namespace) -> None:
         "peak_mib": (peak - base) / 2**20,
         "peak_hidden_by_setup": peak == peak_before,
         "time_s": statistics.median(times),
+        "tokens_per_s": args.tokens / statistics.median(times),
         "threads": torch.get_num_threads(),
     }
     print(json.dumps(result))
@@ -118,7 +149,7 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "trainer"), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, __file__, "--child", "--variant", variant]
-    for key in ("vocab", "tokens", "batch", "hidden", "chunk", "repeats"):
+    for key in ("vocab", "tokens", "batch", "hidden", "chunk", "repeats", "dtype", "device"):
         cmd += [f"--{key}", str(getattr(args, key))]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -133,31 +164,39 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=None, help="ours: tokens per chunk")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--variant", choices=VARIANTS)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: in this process")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.chunk is None:
-        from gspo_trainer.logprobs import DEFAULT_CHUNK_TOKENS
+        import torch
 
-        args.chunk = DEFAULT_CHUNK_TOKENS
+        from gspo_trainer.logprobs import device_chunk_tokens
+
+        args.chunk = device_chunk_tokens(torch.device(args.device), args.vocab)
     if args.child:
         child(args)
         return
     print(
         f"vocab {args.vocab}, {args.tokens} tokens ({args.batch} x {args.tokens // args.batch}), "
-        f"hidden {args.hidden}, float32, chunk {args.chunk}, median of {args.repeats}"
+        f"hidden {args.hidden}, {args.dtype} on {args.device}, chunk {args.chunk}, "
+        f"median of {args.repeats}"
     )
     chosen = (args.variant,) if args.variant else VARIANTS
-    rows = {v: run_variant(args, v) for v in chosen}
+    measure = run_variant if args.device == "cpu" else measure_cuda
+    rows = {v: measure(args, v) for v in chosen}
     for r in rows.values():
         note = "  (peak may be hidden by set-up)" if r["peak_hidden_by_setup"] else ""
-        print(f"{r['variant']:>6}: peak +{r['peak_mib']:8.1f} MiB  time {r['time_s']:6.3f} s{note}")
+        print(f"{r['variant']:>6}: peak +{r['peak_mib']:8.1f} MiB  time {r['time_s']:6.3f} s  "
+              f"{r['tokens_per_s']:9.0f} tokens/s{note}")  # fmt: skip
     if len(rows) == len(VARIANTS):
         naive, trl = rows["naive"], rows["trl"]
         for name in ("ours", "fused"):
             r = rows[name]
             print(
                 f"{name}/naive: memory {r['peak_mib'] / naive['peak_mib']:.3f}x "
-                f"time {r['time_s'] / naive['time_s']:.3f}x   "
+                f"time {r['time_s'] / naive['time_s']:.3f}x "
+                f"tokens/s {r['tokens_per_s'] / naive['tokens_per_s']:.2f}x   "
                 f"{name}/trl: memory {r['peak_mib'] / trl['peak_mib']:.3f}x "
                 f"time {r['time_s'] / trl['time_s']:.3f}x"
             )

@@ -90,3 +90,60 @@ def test_groups_hold_whole_responses() -> None:
     assert _groups([10, 1, 1], 4) == [(0, 1), (1, 3)]  # a long response stands alone
     assert _groups([0, 0, 2], 1) == [(0, 2), (2, 3)]
     assert _groups([], 4) == []
+
+
+def test_the_chunk_follows_the_device() -> None:
+    """256 tokens on a CPU; thousands on a GPU, sized by its memory and the vocabulary."""
+    from gspo_trainer.logprobs import DEFAULT_CHUNK_TOKENS, chunk_tokens
+
+    assert chunk_tokens("cpu", 151_936) == DEFAULT_CHUNK_TOKENS == 256
+    h100 = 80 * 10**9
+    assert chunk_tokens("cuda", 151_936, h100) == 3072  # Qwen3's vocabulary
+    assert chunk_tokens("cuda", 32_000, h100) == 15616
+    assert chunk_tokens("cuda", 151_936, 8 * 10**9) == 1024  # the floor
+    assert chunk_tokens("cuda", 1_000, h100) == 16384  # the ceiling
+
+
+def test_the_head_gradient_accumulates_in_float32_without_a_bf16_product() -> None:
+    """A chunk's bf16 product g.T @ h lands in the float32 accumulator unrounded: the sum
+    equals float32 arithmetic on the bf16 factors, not a bf16 (V, H) block added to it."""
+    from gspo_trainer.logprobs import _add_head_grad
+
+    g_ = torch.Generator().manual_seed(0)
+    acc, bf16_blocks = torch.zeros(64, 16), torch.zeros(64, 16)
+    want = torch.zeros(64, 16, dtype=torch.float64)
+    for _ in range(3):
+        g = torch.randn(40, 64, generator=g_).bfloat16()
+        h = torch.randn(40, 16, generator=g_).bfloat16()
+        _add_head_grad(acc, g, h)
+        bf16_blocks.add_(g.T @ h)  # what a bf16 temporary per chunk gives
+        want += g.double().T @ h.double()
+    torch.testing.assert_close(acc.double(), want, rtol=1e-6, atol=1e-5)
+    assert not torch.allclose(bf16_blocks.double(), want, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("level", ["sequence", "token"])
+def test_responses_longer_than_a_chunk_match_the_float32_reference(level: str) -> None:
+    """bf16 hidden states and head, responses of 600 and 300 tokens in chunks of 256: loss
+    and both gradients as float32 autograd over the full logits gives them."""
+    g = torch.Generator().manual_seed(3)
+    B, T, H, V = 3, 600, 16, 96
+    hidden = torch.randn(B, T, H, generator=g).bfloat16().requires_grad_(True)
+    weight = (torch.randn(V, H, generator=g) / 4).bfloat16().requires_grad_(True)
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.arange(T)[None, :] < torch.tensor([600, 300, 40])[:, None]
+    old = -torch.rand(B, T, generator=g) * 3 - 2
+    adv = torch.tensor([1.0, -0.5, 0.7])
+    kw = dict(level=level, clip_low=0.2, clip_high=0.27)
+    h32 = hidden.detach().float().requires_grad_(True)
+    w32 = weight.detach().float().requires_grad_(True)
+    logp = (h32 @ w32.T).log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
+    want, _ = policy_loss(logp, old, adv, mask, **kw)
+    want.backward()
+    loss, _, _ = policy_loss_from_hidden(hidden, weight, tokens, mask, old, adv, chunk_size=256,
+                                         **kw)  # fmt: skip
+    loss.backward()
+    torch.testing.assert_close(loss.float(), want, rtol=1e-3, atol=1e-4)
+    for got, ref in ((hidden.grad, h32.grad), (weight.grad, w32.grad)):
+        scale = ref.abs().max()
+        torch.testing.assert_close(got.float() / scale, ref / scale, rtol=0, atol=2e-2)

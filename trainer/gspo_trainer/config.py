@@ -28,6 +28,8 @@ KIND = "GSPOJob"
 LossLevel = Literal["gspo", "gspo-token", "grpo"]
 OldLogprobSource = Literal["learner", "engine"]
 Dtype = Literal["bfloat16", "float16", "float32"]
+# model.attnImplementation: transformers' attn_implementation names the learner can run.
+AttnImplementation = Literal["sdpa", "flash_attention_2", "flash_attention_3", "eager"]
 TrackerName = Literal["tensorboard", "wandb", "mlflow"]  # metrics.reportTo (trackers.py)
 # Kubernetes' resource.Quantity, non-negative: 8, "500m", "64Gi", "1e3".
 _QUANTITY = re.compile(
@@ -138,6 +140,18 @@ class ModelConfig(Section):
         10240, ge=16, description="Longest prompt plus response, in tokens, served and trained."
     )
     gradient_checkpointing: bool = Field(True, description="Recompute activations in backward.")
+    attn_implementation: AttnImplementation = Field(
+        "sdpa",
+        description=(
+            "Attention kernel of the learner's forward passes (transformers' "
+            "attn_implementation). sdpa: PyTorch's scaled-dot-product attention, packed "
+            "micro-batches run in rows with a block-diagonal mask. flash_attention_2, "
+            "flash_attention_3: the flash-attn package (2.x, or its Hopper build) on the "
+            "learner's image and CUDA GPUs; packed micro-batches run as one row through its "
+            "varlen kernel with no mask. eager: plain PyTorch, for debugging. The rollout "
+            "servers choose their own."
+        ),
+    )
     moe: MoEConfig | None = Field(
         default_factory=MoEConfig,
         description="Mixture-of-experts settings; ignored for dense models.",

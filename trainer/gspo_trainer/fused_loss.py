@@ -8,7 +8,10 @@ the group's hidden states and the lm_head weight, while the group's logits are s
 The full logits never exist and no chunk is computed twice: three matmuls per token, as a
 naive full log-softmax needs, against four for the recompute-in-backward path of
 `token_logprobs_from_hidden`. A response longer than `chunk_size` is split and falls back to
-recomputing its pieces. Backward only scales the stored gradients by the upstream gradient.
+recomputing its pieces; the learner sizes chunks by its device (`logprobs.chunk_tokens`:
+256 tokens on a CPU, thousands on a GPU), so there that takes responses of thousands of
+tokens. The lm_head's gradient accumulates in float32 (`_add_head_grad`). Backward only
+scales the stored gradients by the upstream gradient.
 
 Values and gradients equal `policy_loss(token_logprobs_from_hidden(...).logp, ...)`; the
 tests hold them to it.
@@ -21,10 +24,11 @@ from typing import TYPE_CHECKING, Any
 from gspo_trainer.logprobs import (
     DEFAULT_CHUNK_TOKENS,
     TokenScores,
+    _add_head_grad,
     _chunk_forward,
     _chunk_grad,
     _compute_dtype,
-    _rows,
+    _layout,
     _span,
     _upcast,
 )
@@ -64,9 +68,10 @@ def _fused_fn() -> Any:
                 raise RuntimeError("policy_loss_from_hidden supports one backward per forward")
             grad_h, grad_w = ctx.grads
             ctx.grads = None
-            if bool(g != 1):
-                grad_h.mul_(g)
-                grad_w.mul_(g)
+            # Always scaled: testing g != 1 would read it on the host (a wait for the device),
+            # and the learner's upstream gradient is a micro-batch's share anyway.
+            grad_h.mul_(g)
+            grad_w.mul_(g)
             return (
                 grad_h if ctx.needs_input_grad[0] else None,
                 (grad_w if ctx.needs_input_grad[1] else None),
@@ -119,8 +124,7 @@ def policy_loss_from_hidden(
             f"need chunk_size >= 1 and temperature > 0; got {chunk_size}, {temperature}"
         )
     mask = mask.bool()
-    rows = _rows(tokens, mask, V)  # sorted flat indices of scored tokens
-    counts = mask.sum(-1).tolist()
+    rows, counts = _layout(tokens, mask, V)  # sorted flat indices of scored tokens, per row
     flat_tokens = tokens.reshape(-1)
     dtype = _compute_dtype(lm_head_weight.dtype)
     logp = torch.zeros(B * T, dtype=dtype, device=hidden.device)
@@ -159,7 +163,7 @@ def policy_loss_from_hidden(
                 part, _ = policy_loss(leaf, old_logprobs[a:b], advantages[a:b], mask[a:b],
                                       ref_logprobs=ref, behaviour_logprobs=mu, **kw)  # fmt: skip
                 (g_logp,) = torch.autograd.grad(part * ((b - a) / B), leaf)
-            g_flat = g_logp.reshape(-1)[mask[a:b].reshape(-1)]  # aligned with g_rows
+            g_flat = g_logp.reshape(-1)[g_rows - a * T]  # aligned with g_rows
             for (s, e), z, lse, ent in zip(spans, kept, lses, ents, strict=True):
                 h = h_flat[g_rows[s:e]]
                 if z is None:
@@ -170,10 +174,7 @@ def policy_loss_from_hidden(
                     z, flat_tokens[g_rows[s:e]], lse, ent, g_flat[s:e], None, 1.0 / temperature
                 ).to(weight.dtype)
                 grad_h[g_rows[s:e]] = (g @ weight).to(grad_h.dtype)
-                if g.dtype == grad_w.dtype:
-                    grad_w.addmm_(g.T, h)
-                else:
-                    grad_w.add_(g.T @ h)
+                _add_head_grad(grad_w, g, h)
         return grad_h.view_as(h_all), grad_w.to(weight.dtype)
 
     h_in = hidden if hidden.dtype == lm_head_weight.dtype else hidden.to(lm_head_weight.dtype)

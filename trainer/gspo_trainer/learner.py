@@ -100,7 +100,8 @@ class Learner:
         if spec.algorithm.kl_coef > 0:
             reference, self.reference_engine = eng.build_reference(spec, path, self.engine.device)
         moe = moe_shape(model.config) if spec.model.moe is not None else None
-        self.policy = Policy(self.engine, moe, reference, spec.learner.pack_sequences)
+        self.policy = Policy(self.engine, moe, reference, spec.learner.pack_sequences,
+                             spec.model.attn_implementation)  # fmt: skip
         if moe is not None and spec.algorithm.loss_level == "grpo" and self.rank == 0:
             log.warning("algorithm.lossLevel grpo on a mixture-of-experts model: token ratios "
                         "swing when one update changes a token's experts, and the GSPO paper "

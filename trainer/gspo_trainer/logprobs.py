@@ -27,8 +27,61 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 if TYPE_CHECKING:
     import torch
 
-# Tokens per chunk. At vocab 32k a float32 chunk is 31 MiB; see BENCHMARKS.md for the trade.
+# Tokens per chunk on a CPU. At vocab 32k a float32 chunk is 31 MiB; see BENCHMARKS.md for
+# the trade. A GPU takes thousands (`chunk_tokens`).
 DEFAULT_CHUNK_TOKENS = 256
+# On a GPU a chunk holds about 10 bytes per (token, vocabulary entry) at once (its float32
+# logits, kept for the gradient, the float32 probabilities made from them, their bf16 copy
+# for the matmuls); the chunk takes up to this share of the device's memory.
+GPU_CHUNK_MEMORY_SHARE = 1 / 16
+GPU_CHUNK_BYTES_PER_LOGIT = 10
+GPU_CHUNK_TOKENS = (1024, 16384)  # the range a GPU's chunk stays in, multiples of 256
+
+
+def chunk_tokens(device_type: str, vocab: int, device_memory_bytes: int = 0) -> int:
+    """Tokens per chunk for a device: DEFAULT_CHUNK_TOKENS on a CPU (its matmuls are as fast
+    in small blocks, and memory is what it lacks); on a GPU as many as keep a chunk's
+    temporaries within GPU_CHUNK_MEMORY_SHARE of the device's memory, a multiple of 256
+    within GPU_CHUNK_TOKENS: a big matmul keeps the GPU busy where 256 tokens leave it
+    waiting on launches, and a response within one chunk is never recomputed (fused_loss).
+    An 80 GB H100 with Qwen3's 151,936-token vocabulary: 3,072 tokens."""
+    if device_type == "cpu" or device_memory_bytes <= 0:
+        return DEFAULT_CHUNK_TOKENS
+    fit = int(device_memory_bytes * GPU_CHUNK_MEMORY_SHARE) // (GPU_CHUNK_BYTES_PER_LOGIT * vocab)
+    low, high = GPU_CHUNK_TOKENS
+    return max(low, min(high, fit // 256 * 256))
+
+
+def device_chunk_tokens(device: torch.device, vocab: int) -> int:
+    """`chunk_tokens` for a torch device (a CUDA device's total memory read from it)."""
+    import torch
+
+    if device.type != "cuda":
+        return chunk_tokens(device.type, vocab)
+    return chunk_tokens("cuda", vocab, torch.cuda.get_device_properties(device).total_memory)
+
+
+def _add_head_grad(grad_w: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
+    """grad_w (V, H) += g.T @ h, g (n, V) and h (n, H) in the weight's dtype, accumulated in
+    grad_w's float32 without a (V, H) temporary: for a bf16 weight a plain `g.T @ h` would
+    make one in bf16 per chunk (rounded to 8 bits before it is added). CUDA's matmul writes
+    bf16 products straight into a float32 output (`out_dtype`); elsewhere the chunk's two
+    small factors are upcast instead ((n, V) and (n, H) temporaries)."""
+    import torch
+
+    if g.dtype == grad_w.dtype:
+        grad_w.addmm_(g.T, h)
+    elif grad_w.is_cuda and _MIXED_MATMUL[0]:
+        try:
+            torch.addmm(grad_w, g.T, h, out_dtype=grad_w.dtype, out=grad_w)
+        except (TypeError, RuntimeError):  # a torch without out_dtype for this pair
+            _MIXED_MATMUL[0] = False
+            _add_head_grad(grad_w, g, h)
+    else:
+        grad_w.addmm_(g.T.to(grad_w.dtype), h.to(grad_w.dtype))
+
+
+_MIXED_MATMUL = [True]  # whether this torch's CUDA matmul takes out_dtype (found on first use)
 
 
 class TokenScores(NamedTuple):
@@ -173,10 +226,7 @@ def _hidden_fn() -> Any:
                 if grad_h is not None:
                     torch.mm(g, weight, out=grad_h[s:e])  # (c, H)
                 if grad_w is not None:
-                    if g.dtype == grad_w.dtype:
-                        grad_w.addmm_(g.T, h)
-                    else:
-                        grad_w.add_(g.T @ h)
+                    _add_head_grad(grad_w, g, h)
             if grad_w is not None:
                 grad_w = grad_w.to(weight.dtype)
             return grad_h, grad_w, None, None, None, None
@@ -250,22 +300,33 @@ def _check(tokens: Any, mask: Any, lead: tuple[int, ...], chunk_size: int, tempe
         raise ValueError(f"temperature must be > 0 (the sampling temperature), got {temperature}")
 
 
-def _rows(tokens: torch.Tensor, mask: torch.Tensor | None, vocab: int) -> torch.Tensor:
-    """Flat indices of the scored positions, after checking their token ids."""
+def _layout(
+    tokens: torch.Tensor, mask: torch.Tensor | None, vocab: int
+) -> tuple[torch.Tensor, list[int]]:
+    """(rows, counts): the flat indices of the scored positions (sorted, on the tokens'
+    device) and how many each row (B, T) holds, after checking their token ids. One read from
+    the device, the mask and the ids together: on a GPU each read waits for the work queued
+    before it, and finding the positions (nonzero), checking the ids (min, max) and counting
+    per row would each be one."""
+    import numpy as np
     import torch
 
+    lead = tuple(tokens.shape)
     flat = tokens.reshape(-1)
-    if mask is None:
-        rows = torch.arange(flat.numel(), device=flat.device)
-    else:
-        rows = mask.reshape(-1).nonzero().squeeze(1)
-    picked = flat.index_select(0, rows)
-    if picked.numel() and (int(picked.min()) < 0 or int(picked.max()) >= vocab):
+    keep = torch.ones_like(flat) if mask is None else mask.reshape(-1).to(flat.dtype)
+    host = torch.cat([keep, flat]).cpu().numpy()  # the one read; the rest is host work
+    keep_h, flat_h = host[: flat.numel()].astype(bool), host[flat.numel() :]
+    picked = flat_h[keep_h]
+    if picked.size and (picked.min() < 0 or picked.max() >= vocab):
         raise ValueError(
             f"token ids at unmasked positions must lie in [0, {vocab}); got "
-            f"[{int(picked.min())}, {int(picked.max())}] (mask padded positions out)"
+            f"[{picked.min()}, {picked.max()}] (mask padded positions out)"
         )
-    return rows
+    counts = keep_h.reshape(lead[0] if lead else 1, -1).sum(-1).tolist()
+    rows = torch.from_numpy(np.flatnonzero(keep_h))
+    if flat.device.type != "cpu":
+        rows = rows.pin_memory().to(flat.device, non_blocking=True)
+    return rows, counts
 
 
 def _scatter(values: torch.Tensor, rows: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -293,7 +354,7 @@ def token_logprobs(
     lead = tuple(logits.shape[:-1])
     _check(tokens, mask, lead, chunk_size, temperature)
     vocab = logits.shape[-1]
-    rows = _rows(tokens, mask, vocab)
+    rows, _ = _layout(tokens, mask, vocab)
     flat_tokens = tokens.reshape(-1).index_select(0, rows)
     out = _function("logits").apply(
         logits.reshape(-1, vocab), rows, flat_tokens, chunk_size, float(temperature), with_entropy
@@ -329,7 +390,7 @@ def token_logprobs_from_hidden(
             f"lm_head_weight has shape {tuple(lm_head_weight.shape)}; expected (vocab, "
             f"{hidden.shape[-1]}) to match hidden's last dimension"
         )
-    rows = _rows(tokens, mask, lm_head_weight.shape[0])
+    rows, _ = _layout(tokens, mask, lm_head_weight.shape[0])
     h = hidden.reshape(-1, hidden.shape[-1])
     if rows.numel() != h.shape[0]:
         h = h.index_select(0, rows)

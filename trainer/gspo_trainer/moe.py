@@ -36,25 +36,25 @@ def router_aux_loss(router_logits, mask: torch.Tensor, num_experts: int, top_k: 
     """
     import torch
 
-    m = mask.reshape(-1).bool()
-    count = torch.zeros(num_experts, device=m.device)
-    prob = torch.zeros(num_experts, device=m.device)
-    rows = 0
+    # Masked by weights, not by indexing: a boolean index sizes its result from the mask,
+    # which on a GPU waits for the device once per layer.
+    w = mask.reshape(-1).float()  # (N,)
+    count = torch.zeros(num_experts, device=w.device)
+    prob = torch.zeros(num_experts, device=w.device)
     for logits in router_logits:
-        probs = logits[m].float().softmax(-1)  # (n, E)
-        chosen = probs.topk(top_k, dim=-1).indices  # (n, k)
-        count = count + torch.bincount(chosen.reshape(-1), minlength=num_experts).float()
-        prob = prob + probs.sum(0)
-        rows += probs.shape[0]
-    if rows == 0:
-        return prob.sum() * 0.0
+        probs = logits.float().softmax(-1)  # (N, E)
+        chosen = probs.topk(top_k, dim=-1).indices  # (N, k)
+        count = count.scatter_add(0, chosen.reshape(-1), w.repeat_interleave(top_k))
+        prob = prob + (probs * w[:, None]).sum(0)
+    rows = (w.sum() * len(router_logits)).clamp(min=1)  # no masked token: count = prob = 0
     return num_experts * ((count / rows) * (prob / rows)).sum()
 
 
-def top_k_experts(router_logits, mask: torch.Tensor, top_k: int) -> list[torch.Tensor]:
-    """Per layer, the sorted top-k expert ids of each masked token: (n, k) int64."""
-    m = mask.reshape(-1).bool()
-    return [lg.detach()[m].topk(top_k, dim=-1).indices.sort(-1).values for lg in router_logits]
+def top_k_experts(router_logits, top_k: int) -> list[torch.Tensor]:
+    """Per layer, the sorted top-k expert ids of every position: (N, k) int64. Every position,
+    masked or not: selecting the scored ones waits for the device, so the caller does it once
+    for many forwards."""
+    return [lg.detach().topk(top_k, dim=-1).indices.sort(-1).values for lg in router_logits]
 
 
 def expert_load(chosen: list[torch.Tensor], num_experts: int) -> dict[int, list[float]]:

@@ -107,10 +107,41 @@ def check_hardware(spec: GSPOJobSpec, gpus: int | None = None) -> list[Problem]:
     return []
 
 
+# model.attnImplementation values that need a package beyond transformers: (module, install)
+FLASH_ATTENTION = {
+    "flash_attention_2": ("flash_attn", "pip install flash-attn --no-build-isolation"),
+    "flash_attention_3": ("flash_attn_interface", "build flash-attn's hopper/ directory"),
+}
+
+
+def check_attention(spec: GSPOJobSpec, cuda: bool | None = None) -> list[Problem]:
+    """A flash attention kernel named in model.attnImplementation is installed, and there is
+    a GPU to run it (`cuda`: whether one is; None: ask torch)."""
+    import importlib.util
+
+    impl = spec.model.attn_implementation
+    if impl not in FLASH_ATTENTION:
+        return []
+    module, install = FLASH_ATTENTION[impl]
+    field = "spec.model.attnImplementation"
+    if importlib.util.find_spec(module) is None:
+        return [Problem(field, f"{impl} needs the {module} package, which this learner's "
+                        f"image lacks; install it ({install}) or use sdpa")]  # fmt: skip
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    if not cuda:
+        return [Problem(field, f"{impl} runs only on CUDA GPUs and this learner has none "
+                        "(learner.gpusPerReplica 0?); use sdpa")]  # fmt: skip
+    return []
+
+
 def preflight(spec: GSPOJobSpec, gpus: int | None = None) -> list[Problem]:
     """Every problem at once, cheapest first (`gpus`: this node's count; None: ask torch)."""
     return [
         *check_hardware(spec, gpus),
+        *check_attention(spec),
         *check_reward(spec),
         *check_model(spec),
         *check_data(spec),

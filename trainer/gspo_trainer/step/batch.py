@@ -21,6 +21,9 @@ class Packed:
     engine_logp: torch.Tensor  # (N, L-1) engine log-probs at the mask
     rewards: torch.Tensor  # (N,)
     lengths: torch.Tensor  # (N,) response tokens
+    # (N,) prompt + response tokens of each row, on the host: the row bounds the forward and
+    # the micro-batch plan need, read without waiting for the device
+    seq_lengths: tuple[int, ...]
 
     def to(self, device: torch.device) -> Packed:
         """The same batch on `device` (the engine's: the model, the loss and the collectives
@@ -30,11 +33,11 @@ class Packed:
         ids = self.ids.to(device)
         return Packed(ids, self.attn.to(device), ids[:, 1:], self.mask.to(device),
                       self.engine_logp.to(device), self.rewards.to(device),
-                      self.lengths.to(device))  # fmt: skip
+                      self.lengths.to(device), self.seq_lengths)  # fmt: skip
 
     def width(self, rows: slice) -> int:
         """The longest sequence among `rows` (prompt + response), the length they run at."""
-        return int(self.attn[rows].sum(-1).max())
+        return max(self.seq_lengths[rows])
 
 
 def pack(prompts: list[list[int]], responses: list[list[int]], engine_logps: list[list[float]],
@@ -56,7 +59,8 @@ def pack(prompts: list[list[int]], responses: list[list[int]], engine_logps: lis
         engine_logp[i, p - 1 : p - 1 + n] = torch.tensor(engine_logps[i], dtype=torch.float32)
     lengths = torch.tensor([len(r) for r in responses], dtype=torch.float32)
     return Packed(ids, attn, ids[:, 1:], mask, engine_logp,
-                  torch.tensor(rewards, dtype=torch.float32), lengths)  # fmt: skip
+                  torch.tensor(rewards, dtype=torch.float32), lengths,
+                  tuple(len(r) for r in rows))  # fmt: skip
 
 
 def micro_slices(rows: slice, count: int) -> list[slice]:

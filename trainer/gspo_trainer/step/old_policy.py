@@ -42,7 +42,7 @@ def old_policy(policy: Policy, packed: Packed, plan: list[MiniBatch], alg: Algor
 
     engine_source = alg.old_logprob_source == "engine"
     logps, refs, experts = [], [], []
-    mismatch_sum = mismatch_n = 0.0
+    mismatch_sum = mismatch_n = None  # on the device, read once at the end
     with torch.no_grad():
         for k, mb in enumerate(plan):
             old = torch.zeros(mb.rows.stop - mb.rows.start, packed.width(mb.rows) - 1,
@@ -56,11 +56,13 @@ def old_policy(policy: Policy, packed: Packed, plan: list[MiniBatch], alg: Algor
                 engine_logp = packed.engine_logp[sub, : L - 1]
                 old[here, : L - 1] = engine_logp
                 if forward:
-                    fwd = policy.forward(packed, sub, router=True)
+                    # router logits only where the experts are read: the first mini-batch
+                    fwd = policy.forward(packed, sub, router=k == 0)
                     logp = score_with_head(policy.module, _logp, fwd.hidden, targets, mask,
-                                           alg.temperature)  # fmt: skip
-                    mismatch_sum += float((logp - engine_logp).abs()[mask].sum())
-                    mismatch_n += float(mask.sum())
+                                           alg.temperature, policy.chunk_tokens)  # fmt: skip
+                    gap = torch.where(mask, (logp - engine_logp).abs(), 0).sum()
+                    mismatch_sum = gap if mismatch_sum is None else mismatch_sum + gap
+                    mismatch_n = mask.sum() if mismatch_n is None else mismatch_n + mask.sum()
                     if not engine_source:
                         old[here, : L - 1] = logp
                     if k == 0 and fwd.router is not None and policy.moe:
@@ -69,16 +71,20 @@ def old_policy(policy: Policy, packed: Packed, plan: list[MiniBatch], alg: Algor
                     h_ref = policy.forward(packed, sub, router=False, model=policy.reference).hidden
                     # through the reference's own head scorer: under ZeRO-3 it gathers lm_head
                     ref[here, : L - 1] = score_with_head(policy.reference, _logp, h_ref, targets,
-                                                         mask, alg.temperature)  # fmt: skip
+                                                         mask, alg.temperature,
+                                                         policy.chunk_tokens)  # fmt: skip
             logps.append(old)
             if ref is not None:
                 refs.append(ref)
             if chosen:
                 experts = per_layer(chosen)
-    mismatch = mismatch_sum / max(mismatch_n, 1.0) if mismatch_n else None
+    mismatch = None
+    if mismatch_sum is not None and mismatch_n is not None:
+        total, n = torch.stack([mismatch_sum.float(), mismatch_n.float()]).tolist()
+        mismatch = total / n if n else None
     return OldPolicy(logps, refs if policy.reference is not None else None, experts, mismatch)
 
 
-def _logp(hidden, weight, targets, mask, temperature):  # type: ignore[no-untyped-def]
-    return token_logprobs_from_hidden(hidden, weight.detach(), targets, temperature=temperature,
-                                      mask=mask).logp  # fmt: skip
+def _logp(hidden, weight, targets, mask, temperature, chunk):  # type: ignore[no-untyped-def]
+    return token_logprobs_from_hidden(hidden, weight.detach(), targets, chunk,
+                                      temperature=temperature, mask=mask).logp  # fmt: skip

@@ -51,7 +51,7 @@ def plan_step(
         need = max(micro_count(r.stop - r.start, packed.width(r), token_budget) for r in mine)
         need = ranks.max_int(need)
         return [MiniBatch(r, micro_slices(r, need)) for r in mine]
-    lengths = [packed.attn[r].sum(-1).tolist() for r in mine]
+    lengths = [list(packed.seq_lengths[r]) for r in mine]
     need = ranks.max_int(max(token_micro_count(x, token_budget) for x in lengths))
     return [
         MiniBatch(r, token_micro_slices(r, x, need)) for r, x in zip(mine, lengths, strict=True)

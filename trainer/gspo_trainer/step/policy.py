@@ -92,6 +92,13 @@ class Policy:
     moe: MoEShape | None  # None: dense, or model.moe unset
     reference: Any = None  # the frozen starting policy (algorithm.klCoef > 0), else None
     pack: bool = True  # learner.packSequences: run each micro-batch packed when the model can
+    attention: str | None = None  # model.attnImplementation; None: as the model was loaded
+
+    def __post_init__(self) -> None:
+        if self.attention is not None:
+            for model in (self.module, self.reference):
+                if model is not None:
+                    set_attention(model, self.attention)
 
     @property
     def module(self) -> Any:
@@ -102,6 +109,14 @@ class Policy:
         """Where DeepSpeed put the model (cuda:local_rank on GPUs): every tensor the forward,
         the loss and the collectives read goes there."""
         return self.engine.device
+
+    @functools.cached_property
+    def chunk_tokens(self) -> int:
+        """Tokens per chunk of the log-prob and loss computations (logprobs.chunk_tokens):
+        a few hundred on a CPU, thousands on a GPU."""
+        from gspo_trainer.logprobs import device_chunk_tokens
+
+        return device_chunk_tokens(self.device, int(self.module.config.vocab_size))
 
     def packs(self, model: Any = None) -> bool:
         """Whether forwards of the policy (or `model`) run packed: packSequences on and a
@@ -123,21 +138,21 @@ class Policy:
         if module is None:
             begin_forward(self.engine)
             module = self.engine.module
-        attn = packed.attn[rows]
-        L = int(attn.sum(-1).max())
+        lengths = list(packed.seq_lengths[rows])  # on the host: no wait for the device
+        L = max(lengths)
         base = getattr(module, module.base_model_prefix)
         kw = {"output_router_logits": True} if (router and self.moe) else {}
         n = rows.stop - rows.start
         if not self.packs(module):
-            out = base(input_ids=packed.ids[rows, :L], attention_mask=attn[:, :L], **kw)
+            out = as_forward_of(module, base, input_ids=packed.ids[rows, :L],
+                                attention_mask=packed.attn[rows, :L], **kw)  # fmt: skip
             return Forward(out.last_hidden_state[:, : L - 1], L,
-                           getattr(out, "router_logits", None), n * L,
-                           int(attn.sum()))  # fmt: skip
-        lengths = attn.sum(-1).tolist()
+                           getattr(out, "router_logits", None), n * L, sum(lengths))  # fmt: skip
         one_row = base.config._attn_implementation in ONE_ROW_ATTENTION
         ids, positions, src, dst = pack_rows(packed.ids[rows, :L], lengths,
                                              sum(lengths) if one_row else L)  # fmt: skip
-        out = base(input_ids=ids, position_ids=positions, use_cache=False, **kw)
+        out = as_forward_of(module, base, input_ids=ids, position_ids=positions, use_cache=False,
+                            **kw)  # fmt: skip
 
         def unpack(x: torch.Tensor) -> torch.Tensor:  # (k*W, D) -> (n*L, D), zeros at padding
             x = x.reshape(-1, x.shape[-1])[src]
@@ -147,7 +162,7 @@ class Policy:
         router_logits = getattr(out, "router_logits", None)
         if router_logits is not None:
             router_logits = tuple(unpack(r) for r in router_logits)
-        return Forward(hidden, L, router_logits, ids.numel(), int(src.numel()))
+        return Forward(hidden, L, router_logits, ids.numel(), sum(lengths))
 
     def token_mask(self, packed: Packed, rows: slice, L: int) -> torch.Tensor:
         """(n*L,) True at response-token positions, the layout of router logits."""
@@ -156,12 +171,56 @@ class Policy:
         m = packed.mask[rows, : L - 1]
         return torch.cat([torch.zeros_like(m[:, :1]), m], 1).reshape(-1)
 
-    def experts(self, packed: Packed, rows: slice, fwd: Forward) -> list[torch.Tensor]:
-        """Per MoE layer, the top-k experts each response token of `rows` chose."""
+    def experts(self, packed: Packed, rows: slice, fwd: Forward) -> Experts:
+        """Per MoE layer, the top-k experts each position of `rows` chose, and which of the
+        positions are response tokens (`per_layer` keeps those)."""
         from gspo_trainer.moe import top_k_experts
 
         assert self.moe is not None
-        return top_k_experts(fwd.router, self.token_mask(packed, rows, fwd.L), self.moe.top_k)
+        return Experts(top_k_experts(fwd.router, self.moe.top_k),
+                       self.token_mask(packed, rows, fwd.L))  # fmt: skip
+
+
+@dataclass
+class Experts:
+    chosen: list[torch.Tensor]  # per MoE layer, (n*L, k): every position's top-k experts
+    mask: torch.Tensor  # (n*L,) True at response tokens
+
+
+def set_attention(model: Any, impl: str) -> None:
+    """Run `model` (a transformers model) with attention kernel `impl` (model.attnImplementation;
+    preflight has checked that a flash kernel is installed). transformers checks it can
+    dispatch to it; if not, the error names the field."""
+    if getattr(model.config, "_attn_implementation", None) == impl:
+        return
+    try:
+        model.set_attn_implementation(impl)
+    except (ImportError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"spec.model.attnImplementation: {impl} cannot run here ({first}); "
+                         "use sdpa") from exc  # fmt: skip
+
+
+def as_forward_of(top: Any, fn: Any, **kw: Any) -> Any:
+    """fn(**kw) run as `top`'s forward: whatever is hooked onto the top module runs around it.
+    Under ZeRO-3 that is DeepSpeed's start-of-forward pre-hook (runtime/zero/parameter_offload.py,
+    `_start_of_forward_hook`), which calls the parameter coordinator's `reset_step`: the first
+    call starts recording the order the layers are gathered in, the second freezes it
+    (partitioned_param_coordinator.py, ZeRoTraceMode.COMPLETE) and from then on each layer's
+    gather is prefetched while the one before computes. The learner wants the base model's
+    hidden states, not the top module's logits; calling the base model directly skips that
+    hook, the trace stays INVALID for good and every gather waits for itself."""
+    own = top.__dict__.get("forward")  # an instance-level forward (accelerate's hooks) stays
+    # Set on the instance as a plain attribute: a module assigned as an attribute would
+    # become a submodule named "forward".
+    object.__setattr__(top, "forward", lambda **kwargs: fn(**kwargs))
+    try:
+        return top(**kw)
+    finally:
+        if own is None:
+            object.__delattr__(top, "forward")
+        else:
+            object.__setattr__(top, "forward", own)
 
 
 def pack_rows(ids: torch.Tensor, lengths: list[int], width: int) -> tuple[torch.Tensor, ...]:
@@ -200,11 +259,23 @@ def pack_rows(ids: torch.Tensor, lengths: list[int], width: int) -> tuple[torch.
             dst.append(torch.arange(i * L, i * L + m))
             at += m
         pos[b, at:] = torch.arange(width - at)
-    return (out, pos.to(device), torch.cat(src).to(device), torch.cat(dst).to(device))
+    return (out, *(_to_device(t, device) for t in (pos, torch.cat(src), torch.cat(dst))))
 
 
-def per_layer(parts: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-    """Per-layer expert choices of several micro-batches, joined per layer."""
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to a GPU from pinned memory without blocking, as a copy from
+    pageable memory waits for the work queued before it."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def per_layer(parts: list[Experts]) -> list[torch.Tensor]:
+    """Per MoE layer, the experts each response token of several micro-batches chose, (n, k),
+    joined. One wait for the device for them all (where the response tokens are), not one per
+    micro-batch and layer."""
     import torch
 
-    return [torch.cat(layer) for layer in zip(*parts, strict=True)]
+    at = torch.cat([p.mask for p in parts]).nonzero().squeeze(1)
+    return [torch.cat(layer).index_select(0, at)
+            for layer in zip(*(p.chosen for p in parts), strict=True)]  # fmt: skip

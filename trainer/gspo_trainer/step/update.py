@@ -60,8 +60,10 @@ def update(policy: Policy, packed: Packed, plan: list[MiniBatch], old: OldPolicy
     from gspo_trainer.moe import router_aux_loss
 
     out = UpdateStats()
+    sums: dict[str, torch.Tensor] = {}  # on the device, read once at the end (`_read`)
+    maxima: dict[str, torch.Tensor] = {}
     kw: dict[str, Any] = dict(level=LEVEL_OF[alg.loss_level], clip_low=alg.clip_low,
-                              clip_high=alg.clip_high)  # fmt: skip
+                              clip_high=alg.clip_high, chunk_size=policy.chunk_tokens)  # fmt: skip
     if behaviour:
         kw["is_cap"] = alg.importance_weight_cap
     engine = policy.engine
@@ -84,22 +86,52 @@ def update(policy: Policy, packed: Packed, plan: list[MiniBatch], old: OldPolicy
                 token_mask = policy.token_mask(packed, sub, fwd.L)
                 aux = router_aux_loss(fwd.router, token_mask, *policy.moe)
                 loss = loss + aux_coef * aux
-                out.add("router_aux_loss", share * float(aux.detach()))
+                _add(sums, "router_aux_loss", share * aux.detach())
             # DeepSpeed steps the optimizer only after the mini-batch's last micro-batch.
             engine.set_gradient_accumulation_boundary(j == len(mb.micro) - 1)
             engine.backward(loss * share)
             engine.step()
             for key in LOSS_STATS + (IMPORTANCE_STATS if behaviour else ()):
-                out.add(key, share * float(stats.get(key, torch.zeros(()))))
+                if key in stats:
+                    _add(sums, key, share * stats[key].float())
+                else:
+                    out.add(key, 0.0)
             for key in MAX_STATS if behaviour else ():
-                out.maxima[key] = max(out.maxima.get(key, 0.0), float(stats[key]))
-            if scores.entropy is not None:
-                ent = float(scores.entropy[mask].mean()) if mask.any() else 0.0
-                out.add("entropy", share * ent)
+                v = stats[key].float()
+                maxima[key] = v if key not in maxima else torch.maximum(maxima[key], v)
+            if scores.entropy is not None:  # mean over the response tokens, 0 without any
+                ent = (scores.entropy * mask).sum() / mask.sum().clamp(min=1)
+                _add(sums, "entropy", share * ent)
         if k == 0 and diagnose and old.experts:
             out.drift = routing_drift_after(policy, packed, mb, old.experts)
-    norm = engine.get_global_grad_norm()
-    out.grad_norm = float(norm) if norm is not None else None
+    read = _read({**{("sum", k): v for k, v in sums.items()},
+                  **{("max", k): v for k, v in maxima.items()},
+                  ("grad_norm", ""): engine.get_global_grad_norm()})  # fmt: skip
+    for (kind, key), value in read.items():
+        if kind == "sum":
+            out.add(key, value)
+        elif kind == "max":
+            out.maxima[key] = value
+        else:
+            out.grad_norm = value
+    return out
+
+
+def _add(sums: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
+    sums[key] = value if key not in sums else sums[key] + value
+
+
+def _read(values: dict[Any, Any]) -> dict[Any, float | None]:
+    """`values` (0-dim tensors, numbers or None) as floats, the tensors read from the device
+    in one transfer: each read on its own would wait for the device again."""
+    import torch
+
+    keys = [k for k, v in values.items() if isinstance(v, torch.Tensor)]
+    out = {k: None if v is None else float(v) for k, v in values.items() if k not in keys}
+    if keys:
+        device = values[keys[0]].device
+        stacked = torch.stack([values[k].detach().float().reshape(()).to(device) for k in keys])
+        out.update(zip(keys, stacked.tolist(), strict=True))
     return out
 
 
