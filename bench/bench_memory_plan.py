@@ -165,7 +165,7 @@ def run_case(name: str) -> dict[str, Any]:
         )
     measured = resident()[1] - base
     shape = ModelShape.from_config(config.to_dict() | {"model_type": config.model_type})
-    setup = LearnerSetup(1, stage, "bfloat16", False, checkpointing, tokens, False, 0)
+    setup = LearnerSetup(1, stage, "bfloat16", False, checkpointing, tokens, False, 0, 0)
     rows_ = [r for r in learner_rows(shape, setup) if r.bytes != RUNTIME_RESERVE]
     return {
         "case": name,

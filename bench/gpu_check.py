@@ -266,19 +266,25 @@ def model_flops(config: Any, packed: Any, passes: int) -> float:
     return float(per_pass * passes)
 
 
-def memory_plan_estimate(spec: Any) -> Any:
-    """The memory plan's learner estimate when the project has one (trainer/gspo_trainer/
-    memory_plan.py), else why not."""
-    try:
-        from gspo_trainer import memory_plan  # type: ignore[attr-defined]
-    except ImportError:
-        return "no memory_plan module"
-    for name in ("learner_estimate", "estimate_learner", "learner_memory"):
-        fn = getattr(memory_plan, name, None)
-        if callable(fn):
-            est = fn(spec)
-            return est if isinstance(est, int | float | dict) else repr(est)
-    return f"memory_plan has none of its known entry points: {sorted(dir(memory_plan))[:20]}"
+def memory_plan_estimate(spec: Any, config: Any, peak: dict) -> dict:
+    """The memory plan's learner estimate for this model and spec (memory_plan.plan over the
+    model's config, one GPU), beside the measured peak: estimate / measured is the figure
+    the plan is judged by."""
+    from gspo_trainer import memory_plan
+    from gspo_trainer.model_shape import ModelShape
+
+    shape = ModelShape.from_config(config.to_dict())
+    one_gpu = spec.learner.model_copy(update={"replicas": 1, "gpus_per_replica": 1})
+    spec = spec.model_copy(update={"learner": one_gpu})  # this check's process: one GPU
+    plan = memory_plan.plan(spec, shape, "gpu_check (random weights)")
+    learner = next(r for r in plan.roles if r.role == "learner")
+    measured = peak.get("peak_gib")  # torch's allocator: no CUDA context, no NCCL buffers
+    allocated = (learner.total - memory_plan.RUNTIME_RESERVE) / 2**30
+    return {
+        "learner_gib": learner.total / 2**30,
+        "rows_gib": {r.name: r.bytes / 2**30 for r in learner.rows},
+        "estimate_over_measured": allocated / measured if measured else None,
+    }
 
 
 def zero3_update(kind: str, sizes: Sizes, keep: dict) -> dict:
@@ -352,7 +358,7 @@ def zero3_update(kind: str, sizes: Sizes, keep: dict) -> dict:
         "mfu": model_flops(config, packed, 3) / update_s / (PEAK_TFLOPS * 1e12),
         "mfu_with_recompute": flops / update_s / (PEAK_TFLOPS * 1e12),
         **peak,
-        "memory_plan": memory_plan_estimate(spec),
+        "memory_plan": memory_plan_estimate(spec, config, peak),
         "zero3_trace": mode,
         "attention": model.config._attn_implementation,
         "experts": getattr(model.config, "_experts_implementation", None)

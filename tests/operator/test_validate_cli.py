@@ -111,7 +111,7 @@ def test_the_example_on_one_learner_gpu_is_refused(gspo, tmp_path: Path) -> None
     [line] = out.stdout.splitlines()
     assert line.startswith(f"{path}: spec.learner: the learner needs ")
     assert "per GPU and the GPU has 80.0 GiB" in line
-    assert "learner.replicas: 8 (8 GPUs)" in line and "learner.offloadOptimizer: true" in line
+    assert "learner.replicas: 16 (16 GPUs)" in line and "learner.offloadOptimizer: true" in line
     assert "DOES NOT FIT" in out.stderr  # the table shows where the memory goes
     allowed = gspo("validate", "--allow-overcommit", str(path))
     assert allowed.returncode == 0 and allowed.stdout == ""

@@ -165,7 +165,7 @@ def test_zero_model_states_agree_with_deepspeeds_estimator(model: str, nodes: in
 
     shape = shipped(model)
     P, gpus = shape.params, 8 * nodes
-    setup = LearnerSetup(gpus, 3, "bfloat16", False, True, 1024, False, 0)
+    setup = LearnerSetup(gpus, 3, "bfloat16", False, True, 1024, False, 0, 80 * 2**30)
     for offload in (False, True):
         ours = _states(learner_rows(shape, LearnerSetup(**{**setup.__dict__, "offload": offload})))
         _, theirs, _ = estimate_zero3_model_states_mem_needs(
@@ -185,7 +185,9 @@ def test_zero1_counts_the_whole_fp32_gradients_of_bf16_optimizer() -> None:
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     shape = shipped("Qwen/Qwen3-0.6B")
-    rows = learner_rows(shape, LearnerSetup(16, 1, "bfloat16", False, True, 1024, False, 0))
+    rows = learner_rows(
+        shape, LearnerSetup(16, 1, "bfloat16", False, True, 1024, False, 0, 80 * 2**30)
+    )
     by_name = {r.name: r.bytes for r in rows}
     assert by_name["gradients, fp32 (whole)"] == 4 * shape.params
     assert by_name["bfloat16 gradients of a backward"] == 2 * shape.params
@@ -210,10 +212,10 @@ def test_the_example_on_one_learner_gpu_is_refused_with_fixes_that_fit() -> None
     [(path, message)] = refusals(plan)
     assert path == "spec.learner"
     assert "the learner needs 5" in message and "the GPU has 80.0 GiB" in message
-    assert "learner.replicas: 8 (8 GPUs)" in message
+    assert "learner.replicas: 16 (16 GPUs)" in message
     assert "learner.offloadOptimizer: true" in message
     # Each fix named makes it fit; one replica fewer does not.
-    fits = [{"replicas": 8}, {"offloadOptimizer": True}]
+    fits = [{"replicas": 16}, {"offloadOptimizer": True}]
     for fix in fits:
         learner = {"replicas": 1, "gpusPerReplica": 1, **fix}
         fixed, _ = plan_spec(parse_spec(example(learner=learner)))

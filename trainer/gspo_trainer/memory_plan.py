@@ -38,6 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from gspo_trainer.chunking import GPU_CHUNK_BYTES_PER_LOGIT, chunk_tokens
 from gspo_trainer.config import GSPOJobSpec
 from gspo_trainer.model_shape import (
     ModelConfigError,
@@ -61,8 +62,6 @@ PRODUCTS_GIB = {"H200": 141, "B200": 180, "GH200": 96, "H100-NVL": 94, "L40S": 4
 RUNTIME_RESERVE = 2 * GiB
 # DeepSpeed's defaults that size buffers (deepspeed/runtime/zero/config.py).
 REDUCE_BUCKET_ELEMENTS = 500_000_000
-# The fused loss scores the head in chunks of about this many tokens (fused_loss.py).
-HEAD_CHUNK_TOKENS = 256
 # vLLM's profile run batches this many tokens unless engineArgs sets max_num_batched_tokens.
 VLLM_BATCHED_TOKENS = 8192
 FP8_KV = ("fp8", "fp8_e4m3", "fp8_e5m2")
@@ -170,10 +169,13 @@ def layer_activation_bytes(shape: ModelShape, sparse: bool, b: int) -> int:
     return attention + mlp
 
 
-def activation_bytes(shape: ModelShape, tokens: int, b: int, checkpointing: bool) -> int:
+def activation_bytes(
+    shape: ModelShape, tokens: int, b: int, checkpointing: bool, head_chunk: int
+) -> int:
     """Activations of one micro-batch of `tokens` tokens: every layer's (checkpointing off),
     or every layer's input plus one layer recomputed and its gradients (on); plus the
-    embeddings' output and the head's chunk of fp32 logits and their gradient."""
+    embeddings' output and the fused loss's chunk of `head_chunk` tokens over the vocabulary
+    (logprobs.chunk_tokens sizes it by the GPU)."""
     dense = shape.layers - shape.sparse_layers
     per_layer = [layer_activation_bytes(shape, True, b)] * shape.sparse_layers
     per_layer += [layer_activation_bytes(shape, False, b)] * dense
@@ -181,7 +183,7 @@ def activation_bytes(shape: ModelShape, tokens: int, b: int, checkpointing: bool
         body = shape.layers * b * shape.hidden + 2 * max(per_layer)
     else:
         body = sum(per_layer) + max(per_layer)  # and the gradient of the layer in backward
-    head = 2 * FP32 * min(tokens, HEAD_CHUNK_TOKENS) * shape.vocab
+    head = GPU_CHUNK_BYTES_PER_LOGIT * min(tokens, head_chunk) * shape.vocab
     return tokens * (body + rms_norm_bytes(shape.hidden, b) + b * shape.hidden) + head
 
 
@@ -197,9 +199,10 @@ class LearnerSetup:
     micro_batch_tokens: int
     reference: bool
     sync_buffers: int  # bytes of rank 0's send buffers
+    gpu_bytes: int  # one GPU's memory: the fused loss sizes its chunks by it
 
     @classmethod
-    def of(cls, spec: GSPOJobSpec) -> LearnerSetup:
+    def of(cls, spec: GSPOJobSpec, gpu_bytes: int) -> LearnerSetup:
         learner = spec.learner
         sync = 0
         if spec.weight_sync.method == "broadcast" and spec.rollout.replicas > 0:
@@ -213,6 +216,7 @@ class LearnerSetup:
             micro_batch_tokens=learner.micro_batch_tokens,
             reference=spec.algorithm.kl_coef > 0,
             sync_buffers=sync,
+            gpu_bytes=gpu_bytes,
         )
 
 
@@ -254,7 +258,9 @@ def learner_rows(shape: ModelShape, s: LearnerSetup) -> tuple[Row, ...]:
     rows.append(
         Row(
             f"activations, {tokens} tokens, {how}",
-            activation_bytes(shape, tokens, b, s.checkpointing),
+            activation_bytes(
+                shape, tokens, b, s.checkpointing, chunk_tokens("cuda", shape.vocab, s.gpu_bytes)
+            ),
         )
     )
     rows.append(Row("CUDA context, NCCL, allocator (allowance)", RUNTIME_RESERVE))
@@ -269,7 +275,7 @@ def plan_learner(spec: GSPOJobSpec, shape: ModelShape, capacity: int) -> RolePla
     """The learner's GPU, or None when it runs on CPU (gpusPerReplica 0)."""
     if spec.learner.gpus_per_replica == 0:
         return None
-    s = LearnerSetup.of(spec)
+    s = LearnerSetup.of(spec, capacity)
     rows = learner_rows(shape, s)
     pods = f"{spec.learner.replicas} x {spec.learner.gpus_per_replica}"
     title = f"{s.gpus} GPU{'s' if s.gpus > 1 else ''} ({pods}), ZeRO-{s.zero_stage}, {s.dtype}"
