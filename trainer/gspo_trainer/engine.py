@@ -31,11 +31,18 @@ def has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def init_distributed() -> None:
-    """Join the learner group (one process alone when no launcher set RANK/WORLD_SIZE)."""
+def init_distributed(timeout_s: float | None = None) -> None:
+    """Join the learner group (one process alone when no launcher set RANK/WORLD_SIZE), on
+    this rank's device (selected first: device.select_device). `timeout_s`: the default
+    group's (ranks.data_timeout_s; None: DeepSpeed's 10 minutes)."""
+    from datetime import timedelta
+
     import deepspeed
     import torch.distributed as dist
 
+    from gspo_trainer.device import select_device
+
+    select_device()
     if dist.is_available() and dist.is_initialized():
         return
     if not has_gpu():
@@ -45,7 +52,9 @@ def init_distributed() -> None:
         os.environ.setdefault(key, value)
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(_free_port())
-    deepspeed.init_distributed(dist_backend="nccl" if has_gpu() else "gloo", verbose=False)
+    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    deepspeed.init_distributed(dist_backend="nccl" if has_gpu() else "gloo", verbose=False,
+                               **timeout)  # fmt: skip
 
 
 def exit_rank(code: int) -> NoReturn:
