@@ -369,6 +369,7 @@ class SyncGroup:
         self.pg, self.store, self.rank, self.world_size = pg, store, rank, world_size
         self.device, self.timeout_s = device, timeout_s
         self.closed = False
+        self.clock, self.sleep = time.monotonic, time.sleep  # what bounds the waits
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         self.wait(self.broadcast_async(tensor))
@@ -382,7 +383,7 @@ class SyncGroup:
 
     def wait(self, work: Any) -> None:
         """Until `work` completes, at most the group's timeout (SyncTimeout otherwise)."""
-        wait_bounded(work, self.timeout_s)
+        wait_bounded(work, self.timeout_s, clock=self.clock, sleep=self.sleep)
 
     def close(self, *, abort: bool) -> None:
         """End the group (once): `abort` after a failed or timed-out collective, or when the
