@@ -176,3 +176,31 @@ def test_the_sync_threads_work_on_the_ranks_gpu(
 
 async def _no_refresh(only_down: bool = False) -> None:
     return None
+
+
+def test_a_checkpoint_keeps_the_random_state_of_this_ranks_gpu_only(
+    cuda: CudaSpy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Asking for every GPU's random state would open a CUDA context on each of them from
+    every rank; a rank keeps and restores its own device's."""
+    from gspo_trainer import checkpoint as ckpt
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    device.select_device()
+    asked: list[tuple[str, Any]] = []
+    state = torch.zeros(16, dtype=torch.uint8)
+
+    def every_gpu(*args: Any) -> Any:
+        pytest.fail("touched every GPU")
+
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", every_gpu)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", every_gpu)
+    monkeypatch.setattr(torch.cuda, "get_rng_state",
+                        lambda dev="cuda": asked.append(("get", dev)) or state)  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "set_rng_state",
+                        lambda s, dev="cuda": asked.append(("set", dev)))  # fmt: skip
+    saved = ckpt.rng_state()
+    ckpt.set_rng_state(saved)
+    old_style = {**saved, "cuda": [torch.full((16,), i, dtype=torch.uint8) for i in range(8)]}
+    ckpt.set_rng_state(old_style)  # a checkpoint that kept all eight: this rank's is the 4th
+    assert asked == [("get", torch.device("cuda", 3))] + [("set", torch.device("cuda", 3))] * 2

@@ -288,29 +288,43 @@ def load_state(engine: Any, ckpt: Path, rank: int) -> dict[str, Any]:
 
 
 def rng_state() -> dict[str, Any]:
+    """This rank's random states: Python's, NumPy's, torch's CPU one and, on a GPU, that of
+    its own device only (asking for every GPU's would open a CUDA context on each of them
+    from every rank of the pod)."""
     import random
 
     import numpy as np
     import torch
 
+    from gspo_trainer.device import rank_device
+
     state = {"python": random.getstate(), "numpy": np.random.get_state(),
              "torch": torch.get_rng_state()}  # fmt: skip
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    device = rank_device()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Back to `rng_state()`'s states; a GPU's on this rank's device (a checkpoint that kept
+    every GPU's, as a list, gives this device's)."""
     import random
 
     import numpy as np
     import torch
 
+    from gspo_trainer.device import rank_device
+
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    device = rank_device()
+    cuda = state.get("cuda")
+    if isinstance(cuda, (list, tuple)):
+        cuda = cuda[device.index] if device.index is not None and device.index < len(cuda) else None
+    if cuda is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(cuda, device)
 
 
 SAFE_WEIGHTS = "model.safetensors"
