@@ -13,8 +13,13 @@ from learner_helpers import staged_spec
 
 from gspo_trainer import checkpoint as ckpt
 from gspo_trainer.checkpointer import Checkpointer, CheckpointError
-from gspo_trainer.engine import build_engine, exit_rank, init_distributed, load_model
-from gspo_trainer.engine import resolve_model_path
+from gspo_trainer.engine import (
+    build_engine,
+    exit_rank,
+    init_distributed,
+    load_model,
+    resolve_model_path,
+)
 from gspo_trainer.learner_state import LearnerState
 from gspo_trainer.metrics import LearnerMetrics
 from gspo_trainer.param_stream import ParamStream
