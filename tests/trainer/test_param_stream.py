@@ -127,7 +127,9 @@ def test_an_export_in_shards_is_what_save_pretrained_writes(zero3, tmp_path: Pat
 @pytest.mark.e2e
 def test_the_other_rank_gathers_along_with_every_pass_rank_0_makes(tmp_path: Path) -> None:
     """Two ranks, ZeRO-3: rank 0 leaves a pass after two tensors (a sync that lost a server),
-    then reads a whole one; rank 1 follows both, and rank 0's tensors are the whole model."""
+    then reads a whole one; rank 1 follows both, and rank 0's tensors are the whole model.
+    Then an export fails on rank 0 before its first layer: both ranks end it with the
+    export's error, having run the same gathers (the whole-model gather after it agrees)."""
     out = tmp_path / "result.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(WORKER), str(out), str(tmp_path / "models")]  # fmt: skip
@@ -136,4 +138,5 @@ def test_the_other_rank_gathers_along_with_every_pass_rank_0_makes(tmp_path: Pat
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result == {"passes_followed": 2, "equal": True, "partitioned": True}
+    assert result == {"passes_followed": 2, "equal": True, "partitioned": True,
+                      "export_failed_on_both": True}  # fmt: skip

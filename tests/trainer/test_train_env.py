@@ -96,3 +96,80 @@ def test_a_spawned_process_runs_on_the_cores_it_was_given(tmp_path: Path) -> Non
     unpinned = spawn("probe", ["--version"], dict(os.environ), log)
     assert os.sched_getaffinity(unpinned.popen.pid) == set(mine)
     assert unpinned.popen.wait(timeout=60) == 0
+
+
+# --- a machine with GPUs (their count faked: no GPU here) ------------------------------------
+
+
+def gpu_spec(learner_gpus: int = 2, servers: int = 2, tp: int = 2):  # type: ignore[no-untyped-def]
+    manifest = tiny_manifest()
+    manifest["spec"]["learner"].update(replicas=1, gpusPerReplica=learner_gpus)
+    manifest["spec"]["rollout"].update(replicas=servers, gpusPerReplica=tp,
+                                       tensorParallelSize=tp)  # fmt: skip
+    return manifest
+
+
+def test_the_learner_and_each_server_get_gpus_of_their_own() -> None:
+    from gspo_trainer.train import place_on_gpus
+
+    placed = place_on_gpus(parse_spec(gpu_spec()["spec"]), 8, 2)
+    assert placed.learner == "0,1" and placed.servers == ["2,3", "4,5"]
+    cpu_learner = place_on_gpus(parse_spec(gpu_spec(learner_gpus=0)["spec"]), 4, 2)
+    assert cpu_learner.learner == "" and cpu_learner.servers == ["0,1", "2,3"]
+
+
+def test_gspo_train_places_its_processes_on_the_gpus(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`gspo train` on a faked 8-GPU machine: every process it starts sees only its own
+    GPUs, and each server runs tensor-parallel over them."""
+    import yaml
+
+    from gspo_trainer import train
+
+    started = record_spawns(monkeypatch, gpus=8)
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(gpu_spec()))
+    assert train.main([str(job), "--output-dir", str(tmp_path / "out"), "--no-progress"]) == 0
+    seen = {name: env.get("CUDA_VISIBLE_DEVICES") for name, _, env in started}
+    assert seen == {"rollout-0": "2,3", "rollout-1": "4,5", "learner": "0,1"}
+    server_args = started[0][1]
+    assert server_args[server_args.index("--tensor-parallel-size") + 1] == "2"
+
+
+def test_gspo_train_refuses_a_job_that_needs_more_gpus_naming_the_numbers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import yaml
+
+    from gspo_trainer import train
+
+    started = record_spawns(monkeypatch, gpus=4)
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(gpu_spec(learner_gpus=2, servers=2, tp=2)))  # needs 6
+    assert train.main([str(job), "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "needs 6 GPUs and this machine has 4" in err and "tensorParallelSize" in err
+    assert started == []  # nothing started
+
+
+def record_spawns(monkeypatch: pytest.MonkeyPatch, gpus: int) -> list:  # type: ignore[type-arg]
+    """`gspo train`'s processes recorded, not started, on a machine with `gpus` GPUs."""
+    from types import SimpleNamespace
+
+    from gspo_trainer import train
+
+    started: list = []  # type: ignore[type-arg]
+
+    def fake_spawn(name, args, env, log, cpus=None):  # type: ignore[no-untyped-def]
+        started.append((name, args, env))
+        popen = SimpleNamespace(poll=lambda: 0, returncode=0, pid=0)
+        return SimpleNamespace(name=name, popen=popen, log=log, stop=lambda timeout_s=60: 0,
+                               tail=lambda: "")  # fmt: skip
+
+    monkeypatch.setattr(train, "_has_cuda", lambda: True)
+    monkeypatch.setattr(train, "_gpu_count", lambda: gpus)
+    monkeypatch.setattr(train, "spawn", fake_spawn)
+    monkeypatch.setattr(train, "wait_healthy", lambda servers, timeout_s: None)
+    monkeypatch.setattr("gspo_trainer.tiny.materialize", lambda name, cache, seed=0: cache / "m")
+    return started

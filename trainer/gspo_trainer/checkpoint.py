@@ -5,15 +5,20 @@ Layout under the checkpoint directory:
     step-000120/             a complete checkpoint (never a partial one)
         engine/              DeepSpeed's model, optimizer and scheduler state (every rank)
         trainer-rank0.pt     step, data position, RNG states (one file per rank)
-        manifest.json        every file with its size and sha256, written last
+        manifest.json        every file with its size, sha256 and the rank that wrote it,
+                             written last
     step-000130.tmp/         one being written; ignored, removed by the next save
     latest                   name of the newest complete checkpoint
     export/                  the final policy as HF safetensors (model + tokenizer), written
                              a layer at a time (see export_hf)
 
-Resume takes the newest `step-*` directory whose files all match the sizes and checksums in
-its manifest (`newest_intact`); a damaged one is passed over, with a log line naming it and
-its bad files, for the one before.
+Each rank hashes the files it wrote as soon as it has written them, all ranks at once
+(`save_state` returns them: a 30B model's ZeRO-3 checkpoint is ~360 GB, far too much for one
+rank to hash while the others wait); rank 0's `commit` writes the manifest from those
+entries. Resume takes the newest `step-*` directory whose files all match the sizes and
+checksums in its manifest; each rank checks its own share (`verify(..., rank, world)`), and
+a damaged one is passed over, with a log line naming it and its bad files, for the one
+before (`newest_intact` for one process).
 """
 
 from __future__ import annotations
@@ -55,14 +60,37 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(ckpt: Path, step: int) -> dict[str, Any]:
-    files = {}
-    for path in sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name != MANIFEST):
+Entry = dict[str, Any]  # one file of a manifest: {"bytes", "sha256", "rank"}
+HASH_THREADS = 8  # hashlib lets go of the GIL: files are hashed in parallel threads
+
+
+def hash_files(ckpt: Path, rels: list[str], rank: int) -> dict[str, Entry]:
+    """Each file (relative to `ckpt`) synced to disk and its manifest entry, written by
+    `rank`; in parallel threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def entry(rel: str) -> Entry:
+        path = ckpt / rel
         with open(path, "rb") as f:
             os.fsync(f.fileno())
-        rel = path.relative_to(ckpt).as_posix()
-        files[rel] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
-    manifest = {"step": step, "files": files}
+        return {"bytes": path.stat().st_size, "sha256": sha256_file(path), "rank": rank}
+
+    with ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, len(rels)))) as pool:
+        return dict(zip(rels, pool.map(entry, rels), strict=True))
+
+
+def write_manifest(ckpt: Path, step: int,
+                   hashed: dict[str, Entry] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The manifest of `ckpt`: the entries the ranks `hashed` as they wrote, and any other
+    file there hashed now (as rank 0's)."""
+    hashed = dict(hashed or {})
+    rest = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*")
+                  if p.is_file() and p.name != MANIFEST)  # fmt: skip
+    hashed.update(hash_files(ckpt, [rel for rel in rest if rel not in hashed], 0))
+    missing = sorted(rel for rel in hashed if rel not in rest)
+    if missing:
+        raise FileNotFoundError(f"checkpoint {ckpt}: files a rank wrote are gone: {missing[:5]}")
+    manifest = {"step": step, "files": {rel: hashed[rel] for rel in rest}}
     tmp = ckpt / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
     with open(tmp, "rb") as f:
@@ -82,14 +110,24 @@ def is_complete(ckpt: Path) -> bool:
         return False
 
 
-def verify(ckpt: Path) -> list[str]:
-    """Files whose size or checksum differs from the manifest, or that are gone (empty:
-    intact). Files are hashed in parallel threads (hashlib lets go of the GIL)."""
+def owner(meta: Entry, index: int, world: int) -> int:
+    """The rank that verifies a manifest's `index`-th file on resume: the one that wrote it
+    (the same rank of a group of another size: modulo), or spread by index when the
+    manifest does not say."""
+    return int(meta.get("rank", index)) % world
+
+
+def verify(ckpt: Path, rank: int = 0, world: int = 1) -> list[str]:
+    """Files of `rank`'s share (`owner`; all of them for one process) whose size or checksum
+    differs from the manifest, or that are gone (empty: intact). Files are hashed in
+    parallel threads (hashlib lets go of the GIL)."""
     from concurrent.futures import ThreadPoolExecutor
 
     try:
-        files = json.loads((ckpt / MANIFEST).read_text())["files"]
-    except (OSError, ValueError, KeyError):
+        listed = json.loads((ckpt / MANIFEST).read_text())["files"]
+        files = {rel: meta for i, (rel, meta) in enumerate(listed.items())
+                 if owner(meta, i, world) == rank}  # fmt: skip
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
         return [MANIFEST]
 
     def damaged(item: tuple[str, dict[str, Any]]) -> bool:
@@ -156,11 +194,12 @@ def clear_stale(root: Path) -> None:
             shutil.rmtree(child, ignore_errors=True)
 
 
-def commit(root: Path, step: int, keep: int) -> Path:
-    """Rank 0, after every rank wrote into the aside directory: manifest, rename, prune."""
+def commit(root: Path, step: int, keep: int, hashed: dict[str, Entry] | None = None) -> Path:
+    """Rank 0, after every rank wrote into the aside directory (and hashed what it wrote:
+    `hashed`): manifest, rename, prune."""
     tmp = aside(root, step)
     final = root / step_name(step)
-    write_manifest(tmp, step)
+    write_manifest(tmp, step, hashed)
     _fsync_dir(tmp)
     if final.exists():  # a re-run of the same step (resumed at it): replace
         shutil.rmtree(final)
@@ -187,6 +226,12 @@ class _WritesRecorded:
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.error: BaseException | None = None
+        self.written: list[str] = []  # paths this rank saved
+
+    def save(self, state_dict: Any, path: str, *args: Any, **kwargs: Any) -> Any:
+        if self.error is None:
+            self.written.append(str(path))
+        return self._guarded("save", state_dict, path, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -200,16 +245,16 @@ class _WritesRecorded:
             self.error = exc
             return None
 
-    def save(self, *args: Any, **kwargs: Any) -> Any:
-        return self._guarded("save", *args, **kwargs)
-
     def makedirs(self, *args: Any, **kwargs: Any) -> Any:
         return self._guarded("makedirs", *args, **kwargs)
 
 
-def save_state(engine: Any, tmp: Path, rank: int, trainer_state: dict[str, Any]) -> None:
-    """Every rank: DeepSpeed's shards, and this rank's trainer state (RNG, data, step).
-    A failed write raises only after DeepSpeed's save has run its course on this rank."""
+def save_state(engine: Any, tmp: Path, rank: int,
+               trainer_state: dict[str, Any]) -> dict[str, Entry]:  # fmt: skip
+    """Every rank: DeepSpeed's shards, and this rank's trainer state (RNG, data, step); then
+    the manifest entries of the files this rank wrote, hashed here (every rank hashes its
+    own at once). A failed write raises only after DeepSpeed's save has run its course on
+    this rank."""
     import torch
 
     recorder = _WritesRecorded(engine.checkpoint_engine)
@@ -224,7 +269,11 @@ def save_state(engine: Any, tmp: Path, rank: int, trainer_state: dict[str, Any])
         engine.checkpoint_engine = recorder.inner
     if recorder.error is not None:
         raise recorder.error
-    torch.save(trainer_state, tmp / f"trainer-rank{rank}.pt")
+    mine = tmp / f"trainer-rank{rank}.pt"
+    torch.save(trainer_state, mine)
+    rels = {Path(p).resolve().relative_to(tmp.resolve()).as_posix()
+            for p in [*recorder.written, mine]}  # fmt: skip
+    return hash_files(tmp, sorted(rels), rank)
 
 
 def load_state(engine: Any, ckpt: Path, rank: int) -> dict[str, Any]:
@@ -239,29 +288,43 @@ def load_state(engine: Any, ckpt: Path, rank: int) -> dict[str, Any]:
 
 
 def rng_state() -> dict[str, Any]:
+    """This rank's random states: Python's, NumPy's, torch's CPU one and, on a GPU, that of
+    its own device only (asking for every GPU's would open a CUDA context on each of them
+    from every rank of the pod)."""
     import random
 
     import numpy as np
     import torch
 
+    from gspo_trainer.device import rank_device
+
     state = {"python": random.getstate(), "numpy": np.random.get_state(),
              "torch": torch.get_rng_state()}  # fmt: skip
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    device = rank_device()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Back to `rng_state()`'s states; a GPU's on this rank's device (a checkpoint that kept
+    every GPU's, as a list, gives this device's)."""
     import random
 
     import numpy as np
     import torch
 
+    from gspo_trainer.device import rank_device
+
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    device = rank_device()
+    cuda = state.get("cuda")
+    if isinstance(cuda, (list, tuple)):
+        cuda = cuda[device.index] if device.index is not None and device.index < len(cuda) else None
+    if cuda is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(cuda, device)
 
 
 SAFE_WEIGHTS = "model.safetensors"

@@ -79,16 +79,19 @@ class Checkpointer:
             if rank == 0:
                 ckpt.clear_stale(self.directory)
             self.ranks.barrier()
+            hashed: dict[str, ckpt.Entry] = {}  # this rank's files, hashed as it wrote them
             try:
                 tmp = ckpt.aside(self.directory, step)
-                ckpt.save_state(self.engine, tmp, rank, self.trainer_state())
+                hashed = ckpt.save_state(self.engine, tmp, rank, self.trainer_state())
             except Exception:
                 log.exception("Checkpoint at step %d: this rank could not write its part", step)
                 ok = False
             ok = self.ranks.all(ok)
+            parts = self.ranks.gather(hashed)  # rank 0: every rank's entries
             if ok and rank == 0:
                 try:
-                    final = ckpt.commit(self.directory, step, self.keep)
+                    merged = {rel: e for part in parts or [] for rel, e in part.items()}
+                    final = ckpt.commit(self.directory, step, self.keep, merged)
                 except Exception:
                     log.exception("Checkpoint at step %d could not be committed", step)
                     ok = False
@@ -129,11 +132,23 @@ class Checkpointer:
         return state
 
     def _newest_intact(self) -> Path | None:
-        """Rank 0 verifies (checksums: see checkpoint.newest_intact); every rank gets its pick."""
+        """The newest checkpoint every rank finds intact: rank 0 lists them, each rank checks
+        its own share of each one's checksums (checkpoint.verify), all at once, newest
+        first; one with a bad file anywhere is logged (by the rank that found it, naming
+        the files) and passed over for the one before."""
         assert self.directory is not None
-        found = ckpt.newest_intact(self.directory) if self.ranks.rank == 0 else None
-        choice = self.ranks.broadcast(found.name if found else None)
-        return self.directory / choice if choice else None
+        rank, world = self.ranks.rank, self.ranks.world
+        names = [p.name for _, p in reversed(ckpt.list_steps(self.directory))] if rank == 0 else []
+        for name in self.ranks.broadcast(names):
+            path = self.directory / name
+            bad = ckpt.verify(path, rank, world)
+            if bad:
+                log.warning("Checkpoint %s failed verification on rank %d (%s); skipped for the "
+                            "previous one", path, rank,
+                            ", ".join(bad[:5]) + (" ..." if len(bad) > 5 else ""))  # fmt: skip
+            if self.ranks.all(not bad):
+                return path
+        return None
 
     def export(self, shard_bytes: int) -> Path | None:
         """The final policy as HF safetensors under <checkpoint dir>/export, in shards of at

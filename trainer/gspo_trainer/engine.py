@@ -1,10 +1,10 @@
 """The DeepSpeed engine around an HF causal LM: process group, ZeRO config, MoE leaf modules.
 
 `gspo train` and CPU tests run on gloo with DeepSpeed's CPU accelerator; a cluster runs NCCL.
-The optimizer is DeepSpeed's Adam in AdamW mode with `torch_adam`, so no fused kernel is
-compiled. Under ZeRO-3, whole MoE blocks are leaf modules: their parameters are gathered
-once per block rather than per expert, which keeps routing (data-dependent expert calls)
-from tripping ZeRO-3's prefetch trace.
+The optimizer is AdamW (`optimizer_config`): torch's, except with learner.offloadOptimizer on
+GPUs, where it is DeepSpeedCPUAdam. Under ZeRO-3, whole MoE blocks are leaf modules: their
+parameters are gathered once per block rather than per expert, which keeps routing
+(data-dependent expert calls) from tripping ZeRO-3's prefetch trace.
 """
 
 from __future__ import annotations
@@ -31,11 +31,18 @@ def has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def init_distributed() -> None:
-    """Join the learner group (one process alone when no launcher set RANK/WORLD_SIZE)."""
+def init_distributed(timeout_s: float | None = None) -> None:
+    """Join the learner group (one process alone when no launcher set RANK/WORLD_SIZE), on
+    this rank's device (selected first: device.select_device). `timeout_s`: the default
+    group's (ranks.data_timeout_s; None: DeepSpeed's 10 minutes)."""
+    from datetime import timedelta
+
     import deepspeed
     import torch.distributed as dist
 
+    from gspo_trainer.device import select_device
+
+    select_device()
     if dist.is_available() and dist.is_initialized():
         return
     if not has_gpu():
@@ -45,7 +52,9 @@ def init_distributed() -> None:
         os.environ.setdefault(key, value)
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(_free_port())
-    deepspeed.init_distributed(dist_backend="nccl" if has_gpu() else "gloo", verbose=False)
+    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    deepspeed.init_distributed(dist_backend="nccl" if has_gpu() else "gloo", verbose=False,
+                               **timeout)  # fmt: skip
 
 
 def exit_rank(code: int) -> NoReturn:
@@ -73,28 +82,41 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def ds_config(spec: GSPOJobSpec) -> dict[str, Any]:
-    """DeepSpeed config from the spec: one micro-batch per optimizer step, per rank."""
+def offloads_optimizer(spec: GSPOJobSpec) -> bool:
+    """Whether the optimizer state and step live on the CPU (ZeRO 1-3 only)."""
+    return spec.learner.offload_optimizer and spec.learner.zero_stage > 0
+
+
+def optimizer_config(spec: GSPOJobSpec, gpu: bool) -> dict[str, Any]:
+    """DeepSpeed's optimizer entry: AdamW either way; which implementation it builds
+    (DeepSpeedEngine.get_optimizer_configuration) follows from `torch_adam`.
+
+    Offloaded on a GPU machine: DeepSpeedCPUAdam (no `torch_adam`), its vectorised C++ step
+    on every core; torch's Adam would step a 30B model's fp32 state on one thread, for
+    minutes per update. Everywhere else `torch_adam`: on GPUs without offload torch's
+    multi-tensor AdamW on the device (DeepSpeed's FusedAdam would compile a CUDA kernel at
+    start-up), and on a CPU-only machine torch's (no C++ op compiled for a tiny run)."""
+    alg = spec.algorithm
+    params: dict[str, Any] = {"lr": alg.learning_rate, "betas": [0.9, 0.999], "eps": 1e-8,
+                              "weight_decay": alg.weight_decay}  # fmt: skip
+    if not (gpu and offloads_optimizer(spec)):
+        params["torch_adam"] = True
+    return {"type": "AdamW", "params": params}
+
+
+def ds_config(spec: GSPOJobSpec, gpu: bool | None = None) -> dict[str, Any]:
+    """DeepSpeed config from the spec: one micro-batch per optimizer step, per rank. `gpu`:
+    whether the learner runs on GPUs (None: whether this process has one)."""
     alg, learner = spec.algorithm, spec.learner
     zero: dict[str, Any] = {"stage": learner.zero_stage}
-    if learner.offload_optimizer and learner.zero_stage > 0:
+    if offloads_optimizer(spec):
         zero["offload_optimizer"] = {"device": "cpu"}
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": alg.max_grad_norm,
         "zero_optimization": zero,
-        "optimizer": {
-            "type": "Adam",
-            "params": {
-                "lr": alg.learning_rate,
-                "betas": [0.9, 0.999],
-                "eps": 1e-8,
-                "weight_decay": alg.weight_decay,
-                "torch_adam": True,
-                "adam_w_mode": True,
-            },
-        },
+        "optimizer": optimizer_config(spec, has_gpu() if gpu is None else gpu),
         "bf16": {"enabled": spec.model.dtype == "bfloat16"},
         "fp16": {"enabled": spec.model.dtype == "float16"},
         "steps_per_print": 10**9,

@@ -22,14 +22,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from gspo_trainer import checkpoint as ckpt
-from gspo_trainer import ports
+from gspo_trainer import device, ports
 from gspo_trainer.checkpointer import Checkpointer
 from gspo_trainer.config import GSPOJobSpec
 from gspo_trainer.data import PromptStream, fit_prompts, load_eval_examples, load_examples
 from gspo_trainer.learner_state import LearnerState
 from gspo_trainer.metrics import LearnerMetrics
 from gspo_trainer.progress import LearnerProgress
-from gspo_trainer.ranks import Ranks
+from gspo_trainer.ranks import Ranks, control_timeout_s, data_timeout_s
 from gspo_trainer.rewards import build_scorer
 from gspo_trainer.samples import pick_samples
 from gspo_trainer.step.batch import Packed, pack
@@ -82,8 +82,8 @@ class Learner:
         self.state = LearnerState()
         # GSPOCheckpointTooOld scales its threshold by this: unset, it fell to its floor.
         self.metrics.checkpoint_every_steps.set(spec.checkpoint.every_steps)
-        eng.init_distributed()
-        self.ranks = Ranks()
+        eng.init_distributed(data_timeout_s(spec))  # selects this rank's device first
+        self.ranks = Ranks(control_timeout_s(spec))
         self.rank = self.ranks.rank
         where = tracker_dir or checkpoint_dir
         failures = self.metrics.tracker_failures
@@ -383,9 +383,10 @@ class Learner:
 
     async def _off_loop(self, work: Callable[[], T]) -> T:
         """`work` in a thread when collection overlaps it (the event loop runs the run-ahead
-        meanwhile), else here, as a synchronous step always ran."""
+        meanwhile), else here, as a synchronous step always ran. The thread works on this
+        rank's device (a new thread starts on GPU 0)."""
         if self.spec.algorithm.max_staleness > 0:
-            return await asyncio.to_thread(work)
+            return await device.to_thread(work)
         return work()
 
     def _learn(self, packed: Packed, advantages: torch.Tensor, diagnose: bool) -> Learned:

@@ -302,6 +302,13 @@ def main(argv: list[str]) -> int:
     nnodes, _, nproc = _group_size()
     if nnodes * nproc > 1 and "RANK" not in os.environ:
         return launch_group(argv)
+    from gspo_trainer.device import DeviceError, select_device
+
+    try:
+        select_device()  # this rank's GPU, before any CUDA call or collective
+    except DeviceError as exc:
+        print(f"gspo learner: {exc}", file=sys.stderr)
+        return 2
     try:
         code = asyncio.run(run(args, spec))
     except ValueError as exc:

@@ -13,7 +13,8 @@ Gathering is collective: every rank gathers the same groups in the same order. R
 the stream; the other ranks `follow()`: rank 0 tells them when a pass starts (a sync that
 fails mid-way re-forms its group and sends again, so there may be several) and when it is
 done (`finish()`). A pass left early still gathers its remaining groups, so the followers
-never wait on a gather rank 0 skipped. Under ZeRO-0/1/2 (or one rank) the parameters are
+never wait on a gather rank 0 skipped, and so does one closed before its first layer (an
+export that fails before it reads). Under ZeRO-0/1/2 (or one rank) the parameters are
 whole on every rank: the stream yields them as they are and nothing is collective.
 """
 
@@ -90,14 +91,15 @@ class ParamStream:
         finally:
             layers.close()
 
-    def layers(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def layers(self) -> Pass:
         """One pass, group by group (for a consumer that converts a layer's tensors
-        together). Starting it tells the followers to gather too."""
+        together). Starting it tells the followers to gather too; close it however the
+        reading ends (it then gathers the groups not read, as the followers do)."""
         if self.collective:
             if self.ranks.rank != 0:
                 raise RuntimeError("only rank 0 reads a ParamStream; the others follow()")
             self.ranks.broadcast(_PASS)
-        return self._pass()
+        return Pass(self)
 
     def finish(self) -> None:
         """Rank 0: no more passes; the followers return from follow()."""
@@ -111,29 +113,47 @@ class ParamStream:
         if not self.collective:
             return passes
         while self.ranks.broadcast(None) == _PASS:
-            for _ in self._pass():
+            for _ in Pass(self):
                 pass
             passes += 1
         return passes
 
-    def _pass(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        if not self.zero3:
-            for group in self.groups:
+
+class Pass(Iterator[list[tuple[str, "torch.Tensor"]]]):
+    """One pass over a ParamStream's groups, each gathered while it is the current one.
+    `close()` ends it however it went: read to the end, left mid-way, or never started, it
+    gathers every group not yet gathered, so rank 0 runs the same gathers as the followers."""
+
+    def __init__(self, stream: ParamStream) -> None:
+        self.stream = stream
+        self.left = iter(stream.groups)  # shared with the generator: what close() gathers
+        self.gathered = self._gathered()
+
+    def __iter__(self) -> Pass:
+        return self
+
+    def __next__(self) -> list[tuple[str, torch.Tensor]]:
+        return next(self.gathered)
+
+    def close(self) -> None:
+        self.gathered.close()  # lets go of the current group
+        if self.stream.collective:
+            import deepspeed
+
+            for group in self.left:
+                with deepspeed.zero.GatheredParameters([p for _, p in group], modifier_rank=None):
+                    pass
+
+    def _gathered(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        if not self.stream.zero3:
+            for group in self.left:
                 yield [(name, p.data) for name, p in group]
             return
         import deepspeed
 
-        left = iter(self.groups)
-        try:
-            for group in left:
-                with deepspeed.zero.GatheredParameters([p for _, p in group], modifier_rank=None):
-                    yield [(name, p.data) for name, p in group]
-        finally:  # closed early: gather what is left, as the followers will
-            if self.collective:
-                for group in left:
-                    with deepspeed.zero.GatheredParameters([p for _, p in group],
-                                                           modifier_rank=None):  # fmt: skip
-                        pass
+        for group in self.left:
+            with deepspeed.zero.GatheredParameters([p for _, p in group], modifier_rank=None):
+                yield [(name, p.data) for name, p in group]
 
 
 def _nbytes(meta: TensorSpec) -> int:

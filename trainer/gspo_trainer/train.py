@@ -157,6 +157,43 @@ def place_on_cpus(cpus: list[int], n_servers: int, learner_ranks: int) -> CpuPla
     return CpuPlacement([",".join(map(str, share)) for share in shares], learner)
 
 
+@dataclass(frozen=True)
+class GpuPlacement:
+    """CUDA_VISIBLE_DEVICES of the learner and of each rollout server ("": the CPU)."""
+
+    learner: str
+    servers: list[str]
+
+
+class PlacementError(ValueError):
+    """The spec needs more GPUs than this machine has."""
+
+
+def place_on_gpus(spec: GSPOJobSpec, gpus: int, n_servers: int) -> GpuPlacement:
+    """GPUs of their own for the learner and each server on a machine with `gpus` of them.
+
+    The learner's processes (learner.replicas x learner.gpusPerReplica, every pod's ranks on
+    this one machine) take the first GPUs, so LOCAL_RANK k is the k-th it sees; each rollout
+    server then takes rollout.tensorParallelSize GPUs (vLLM's workers, one per GPU). A side
+    whose gpusPerReplica is 0 runs on the CPU and sees none. PlacementError naming the
+    numbers when they do not fit."""
+    learner = spec.learner.replicas * spec.learner.gpus_per_replica
+    per_server = spec.rollout.tensor_parallel_size if spec.rollout.gpus_per_replica > 0 else 0
+    need = learner + n_servers * per_server
+    if need > gpus:
+        raise PlacementError(
+            f"this job needs {need} GPUs and this machine has {gpus}: the learner "
+            f"{learner} (spec.learner.replicas {spec.learner.replicas} x gpusPerReplica "
+            f"{spec.learner.gpus_per_replica}) and {n_servers} rollout server(s) x "
+            f"{per_server} (spec.rollout.tensorParallelSize); lower them, run fewer servers "
+            "(--rollout-servers), or run on a cluster"
+        )
+    ids = [str(i) for i in range(need)]
+    servers = [",".join(ids[learner + i * per_server : learner + (i + 1) * per_server])
+               for i in range(n_servers)]  # fmt: skip
+    return GpuPlacement(",".join(ids[:learner]), servers)
+
+
 def wait_healthy(servers: list[tuple[Proc, str]], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     pending = list(servers)
@@ -299,14 +336,31 @@ def _has_cuda() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def _gpu_count() -> int:
+    import torch
+
+    return int(torch.cuda.device_count())
+
+
 ROLLOUT_TOKEN_FILE = "rollout-token"
 
 
-def server_env(env: dict[str, str], placement: CpuPlacement | None, index: int) -> dict[str, str]:
-    """A rollout server's environment: its cores when `gspo train` placed them."""
+def server_env(env: dict[str, str], placement: CpuPlacement | GpuPlacement | None,
+               index: int) -> dict[str, str]:  # fmt: skip
+    """A rollout server's environment: its cores or its GPUs when `gspo train` placed them."""
+    if isinstance(placement, GpuPlacement):
+        return {**env, "CUDA_VISIBLE_DEVICES": placement.servers[index]}
     if placement is None:
         return env
     return {**env, "VLLM_CPU_OMP_THREADS_BIND": placement.servers[index]}
+
+
+def server_gpu_args(spec: GSPOJobSpec, placement: GpuPlacement | None) -> list[str]:
+    """The vLLM flags of a server on GPUs: its tensor-parallel size, its memory share."""
+    if placement is None or spec.rollout.gpus_per_replica == 0:
+        return []
+    return ["--tensor-parallel-size", str(spec.rollout.tensor_parallel_size),
+            "--gpu-memory-utilization", str(spec.rollout.gpu_memory_utilization)]  # fmt: skip
 
 
 def process_env(spec: GSPOJobSpec, environ: Mapping[str, str], cache: Path,
@@ -333,6 +387,14 @@ def main(argv: list[str]) -> int:
         for problem in exc.problems:
             print(f"gspo train: {problem}", file=sys.stderr)
         return 2
+    n_servers = max(1, args.rollout_servers or spec.rollout.replicas)
+    gpus: GpuPlacement | None = None
+    if _has_cuda():  # GPUs of their own for the learner and each server, or a refusal
+        try:
+            gpus = place_on_gpus(spec, _gpu_count(), n_servers)
+        except PlacementError as exc:
+            print(f"gspo train: {exc}", file=sys.stderr)
+            return 2
     out = Path(args.output_dir).resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
     cache = out / "models"
@@ -356,10 +418,9 @@ def main(argv: list[str]) -> int:
 
     token = secrets.token_hex(16)
     base_env = process_env(spec, os.environ, cache, token)
-    n_servers = max(1, args.rollout_servers or spec.rollout.replicas)
     world = spec.learner.replicas * max(spec.learner.gpus_per_replica, 1)
-    placement = None
-    if not _has_cuda() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # the user's wins
+    placement: CpuPlacement | None = None
+    if gpus is None and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # the user's wins
         placement = place_on_cpus(list(os.sched_getaffinity(0)), n_servers, world)
     servers: list[tuple[Proc, str]] = []
     learner: Proc | None = None
@@ -388,8 +449,9 @@ def main(argv: list[str]) -> int:
                 "--dtype", spec.model.dtype, "--max-model-len", str(spec.model.max_model_len),
                 "--max-num-seqs", str(spec.rollout.max_num_seqs),
                 *[f"--engine-arg={k}={json.dumps(v)}" for k, v in spec.rollout.engine_args.items()],
-                *weights_dir,
-            ], server_env(base_env, placement, i), out / "logs" / f"rollout-{i}.log")  # fmt: skip
+                *weights_dir, *server_gpu_args(spec, gpus),
+            ], server_env(base_env, gpus or placement, i),
+               out / "logs" / f"rollout-{i}.log")  # fmt: skip
             servers.append((proc, f"http://127.0.0.1:{port}"))
         wait_healthy(servers, SERVER_START_TIMEOUT_S)
         # The servers answer anyone with the run's token, OpenAI's API included: leave it
@@ -414,6 +476,8 @@ def main(argv: list[str]) -> int:
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(free_port()),
         }
+        if gpus is not None:  # its ranks' LOCAL_RANK index these
+            learner_env["CUDA_VISIBLE_DEVICES"] = gpus.learner
         learner = spawn("learner", [
             "learner", "--config", str(config), "--checkpoint-dir", str(out / "checkpoints"),
             "--weight-sync-port", str(free_port()), "--metrics-host", "127.0.0.1",

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import msgspec
 
-from gspo_trainer import ports
+from gspo_trainer import device, ports
 from gspo_trainer.rollout.types import Completion, RolloutBatch, SamplingParams
 
 if TYPE_CHECKING:
@@ -144,8 +144,15 @@ class RolloutClient:
         if self._session is not None:
             await self._session.close()
             self._session = None
-        self._group = None
+        self._drop_group(abort=False)
         self._store = None
+
+    def _drop_group(self, *, abort: bool) -> None:
+        """Shut the weight-sync group down (healthy: a regroup, or closing) or abort it (a
+        collective failed: NCCL's abort frees what a dead peer left waiting) and forget it."""
+        old, self._group = self._group, None
+        if old is not None:
+            old.group.close(abort=abort)
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -375,7 +382,7 @@ class RolloutClient:
         if not opts.directory:
             raise RolloutError("weightSync.method filesystem needs SyncOptions(directory=...)")
         start = time.perf_counter()
-        path, bytes_total = await asyncio.to_thread(
+        path, bytes_total = await device.to_thread(  # reads (gathers) on the rank's GPU
             weight_files.write_version, tensors, Path(opts.directory), version,
             int(opts.bucket_mb * 2**20),
         )  # fmt: skip
@@ -417,6 +424,7 @@ class RolloutClient:
         members = tuple(s.url for s in servers)
         if self._group is not None and self._group.members == members:
             return False
+        self._drop_group(abort=False)  # every regroup ends the group before it
         if not servers:
             raise RolloutError(f"no live rollout server to sync: {self._describe()}")
         opts = self.sync_options
@@ -447,7 +455,7 @@ class RolloutClient:
             )
             for s, offset in zip(servers, offsets, strict=True)
         ]
-        root = asyncio.to_thread(
+        root = device.to_thread(  # an NCCL group binds to the thread's GPU
             weight_sync.open_group, self._store, name, 0, world_size,
             backend=opts.backend, timeout_s=opts.timeout_s,
         )  # fmt: skip
@@ -458,7 +466,8 @@ class RolloutClient:
                 if isinstance(o, BaseException):
                     s.alive = False
                     failed.append(s.url)
-            self._group = None
+            if isinstance(outcomes[0], weight_sync.SyncGroup):  # formed here, not there
+                outcomes[0].close(abort=True)
             raise RolloutError(f"forming the weight-sync group failed: {errors[0]}")
         group = outcomes[0]
         self._group = _Group(
@@ -478,7 +487,7 @@ class RolloutClient:
         timeout_s = self.sync_options.timeout_s
         sender = self._group.sender
         t0 = time.perf_counter()
-        send = asyncio.to_thread(sender.send, tensors, version)
+        send = device.to_thread(sender.send, tensors, version)  # gathers on the rank's GPU
         calls = [
             self._post(s.url, "/control/sync/update", {"timeout_s": timeout_s}, timeout_s + 10)
             for s in servers
@@ -493,7 +502,7 @@ class RolloutClient:
             else:
                 s.policy_version = int(o["policy_version"])
         if errors:
-            self._group = None  # a broken collective leaves the group unusable: re-form it
+            self._drop_group(abort=True)  # a broken collective leaves it unusable: re-form it
             raise RolloutError(f"weight update to version {version} failed: {errors[0]}")
         return outcomes[0].bytes_total, bcast_s
 

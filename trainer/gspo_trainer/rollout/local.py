@@ -66,7 +66,7 @@ class LocalRollout:
     def _sample(self, index: int, prompt: list[int], params: SamplingParams) -> list[Completion]:
         import torch
 
-        ids = torch.tensor([prompt])  # (1, P)
+        ids = torch.tensor([prompt], device=self.model.device)  # (1, P), on the model's device
         greedy = params.temperature == 0
         sampling = {} if greedy else {"temperature": params.temperature, "top_p": params.top_p,
                                       "top_k": max(params.top_k, 0)}  # fmt: skip

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import gc
 import json
+import logging
 import math
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -27,6 +28,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger("gspo.weight_sync")
 
 HEADER_FORMAT = 1
 ALIGN_BYTES = 64  # every tensor starts at an offset that any dtype can be viewed from
@@ -327,20 +330,49 @@ def tensor_source(named_tensors: Iterable[tuple[str, torch.Tensor]] | TensorSour
 # --- the process group ---------------------------------------------------------------
 
 
-class SyncGroup:
-    """A standalone process group of learner rank 0 (root) and the rollout workers."""
+class SyncTimeout(RuntimeError):
+    """A collective of the sync group did not complete in time (a peer died or hangs)."""
 
-    def __init__(self, pg: Any, store: Any, rank: int, world_size: int, device: str) -> None:
-        self.pg, self.store, self.rank, self.world_size, self.device = (
-            pg,
-            store,
-            rank,
-            world_size,
-            device,
-        )
+
+POLL_FIRST_S, POLL_MAX_S = 5e-5, 1e-3
+
+
+def wait_bounded(work: Any, timeout_s: float, *, clock: Any = time.monotonic,
+                 sleep: Any = time.sleep) -> None:  # fmt: skip
+    """Block this thread until `work` completes, for at most `timeout_s`; then `work.wait()`.
+
+    Under NCCL `wait()` neither blocks the host nor raises: it makes the current CUDA stream
+    wait, so a broadcast a dead peer never finishes would stall every later kernel of the
+    process, and the host would carry on as if it had been sent. `is_completed()` asks
+    without blocking (NCCL: has its end event fired; gloo: has it finished, with or without
+    an error), so the host polls it against a deadline and calls `wait()` only on finished
+    work (gloo raises its error there; NCCL orders the current stream after it). SyncTimeout
+    if it does not finish: the caller aborts the group."""
+    deadline, delay = clock() + timeout_s, POLL_FIRST_S
+    while not work.is_completed():
+        if clock() >= deadline:
+            raise SyncTimeout(f"a weight-sync collective did not complete in {timeout_s:.0f} s "
+                              "(a peer died or hangs); the group is aborted")  # fmt: skip
+        sleep(delay)
+        delay = min(delay * 2, POLL_MAX_S)
+    work.wait()
+
+
+class SyncGroup:
+    """A standalone process group of learner rank 0 (root) and the rollout workers. Every
+    wait on it is bounded by `timeout_s` (wait_bounded); `close` ends it: shut down when it
+    is healthy, aborted when a collective failed (NCCL's abort unblocks kernels a dead peer
+    left waiting, which a shutdown would wait on)."""
+
+    def __init__(self, pg: Any, store: Any, rank: int, world_size: int, device: Any,
+                 timeout_s: float = 120.0) -> None:  # fmt: skip
+        self.pg, self.store, self.rank, self.world_size = pg, store, rank, world_size
+        self.device, self.timeout_s = device, timeout_s
+        self.closed = False
+        self.clock, self.sleep = time.monotonic, time.sleep  # what bounds the waits
 
     def broadcast(self, tensor: torch.Tensor) -> None:
-        self.broadcast_async(tensor).wait()
+        self.wait(self.broadcast_async(tensor))
 
     def broadcast_async(self, tensor: torch.Tensor) -> Any:
         """Start a broadcast from rank 0; returns the work handle to `wait()` on."""
@@ -348,6 +380,29 @@ class SyncGroup:
         opts = torch.distributed.BroadcastOptions()
         opts.rootRank = 0
         return self.pg.broadcast([tensor], opts)
+
+    def wait(self, work: Any) -> None:
+        """Until `work` completes, at most the group's timeout (SyncTimeout otherwise)."""
+        wait_bounded(work, self.timeout_s, clock=self.clock, sleep=self.sleep)
+
+    def close(self, *, abort: bool) -> None:
+        """End the group (once): `abort` after a failed or timed-out collective, or when the
+        peers may be gone; else a shutdown, falling back to abort if it fails."""
+        if self.closed:
+            return
+        self.closed = True
+        if not abort:
+            shutdown = getattr(self.pg, "shutdown", None) or getattr(self.pg, "_shutdown", None)
+            try:
+                if shutdown is not None:
+                    shutdown()
+                    return
+            except Exception as exc:  # aborted below
+                log.warning("Shutting the weight-sync group down failed (%s); aborting it", exc)
+        try:
+            self.pg.abort()
+        except Exception as exc:  # the group is dropped either way
+            log.warning("Aborting the weight-sync group failed: %s", exc)
 
 
 def connect_store(host: str, port: int, *, is_master: bool, timeout_s: float) -> Any:
@@ -382,12 +437,18 @@ def open_group(
     elif backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        pg, device = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts), "cuda"
+        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+        # The calling thread's GPU (a learner thread enters its rank's: device.to_thread).
+        device = torch.device("cuda", torch.cuda.current_device())
     else:
         raise ValueError(f"weight-sync backend {backend!r} is not one of 'gloo', 'nccl'")
-    group = SyncGroup(pg, store, rank, world_size, device)
+    group = SyncGroup(pg, store, rank, world_size, device, timeout_s)
     # One tiny collective so that a rank missing from the group fails here, not mid-update.
-    group.broadcast(torch.zeros(1, dtype=torch.uint8, device=device))
+    try:
+        group.broadcast(torch.zeros(1, dtype=torch.uint8, device=device))
+    except BaseException:
+        group.close(abort=True)
+        raise
     return group
 
 
@@ -438,15 +499,17 @@ class WeightSender:
             _, buckets, layout, staging = self._layout
             _broadcast_header(self.group, version, layout)
             with reading(source) as tensors:
-                # Fill bucket k+1 while bucket k is on the wire.
+                # Fill bucket k+1 while bucket k is on the wire. Each wait blocks the host
+                # until the bucket is sent (bounded), so the time below is the transfer's,
+                # not the enqueueing's, and a send buffer is refilled only once it is sent.
                 in_flight: Any = None
                 for k, bucket in enumerate(buckets):
                     buffer = staging.fill(k, bucket, tensors)
                     if in_flight is not None:
-                        in_flight.wait()
+                        self.group.wait(in_flight)
                     in_flight = self.group.broadcast_async(buffer)
                 if in_flight is not None:
-                    in_flight.wait()
+                    self.group.wait(in_flight)
         return SyncStats(
             version=version,
             bytes_total=sum(m[3] for m in metas),
@@ -476,7 +539,7 @@ def receive_weights(group: SyncGroup) -> tuple[int, Iterator[tuple[str, torch.Te
             for k in range(len(buckets)):
                 assert pending is not None
                 bucket, buffer, work = pending
-                work.wait()
+                group.wait(work)  # bounded: a learner that died mid-broadcast fails it
                 pending = post(buckets[k + 1]) if k + 1 < len(buckets) else None
                 yield from unflatten_bucket(bucket, buffer)
 

@@ -162,15 +162,22 @@ class WeightSyncExtension:
         return rank
 
     def gspo_receive_weights(self) -> dict[str, int]:
-        """Receive one bucketed broadcast and load it in place; returns its version and size."""
+        """Receive one bucketed broadcast and load it in place; returns its version and size.
+        Each bucket's wait is bounded (the group's timeout): a learner that died or hangs
+        mid-broadcast fails the update, and the group is aborted here (NCCL's abort frees
+        the kernel left waiting on it), not left to hang the worker's stream."""
         if self._gspo_group is None:
             raise RuntimeError("no sync group: call /control/sync/init before an update")
-        version, tensors = weight_sync.receive_weights(self._gspo_group)
-        counted = {"tensors": 0, "bytes": 0}
-        stream = _counting(tensors, counted)
-        reload_weights(self.model_runner, stream)  # type: ignore[attr-defined]
-        for _ in stream:  # every bucket is a collective: take part even if the loader stopped
-            pass
+        try:
+            version, tensors = weight_sync.receive_weights(self._gspo_group)
+            counted = {"tensors": 0, "bytes": 0}
+            stream = _counting(tensors, counted)
+            reload_weights(self.model_runner, stream)  # type: ignore[attr-defined]
+            for _ in stream:  # every bucket is a collective: take part if the loader stopped
+                pass
+        except BaseException:
+            self.gspo_close_sync_group()  # the learner forms a new one to send again
+            raise
         return {"version": version, **counted}
 
     def gspo_load_weights_file(self, path: str) -> dict[str, int]:
@@ -181,5 +188,8 @@ class WeightSyncExtension:
         return counted
 
     def gspo_close_sync_group(self) -> None:
-        self._gspo_group = None
-        self._gspo_store = None
+        """Abort the group (its peers may be gone: a new one is formed without a lost
+        server, or after a failed update) and forget it."""
+        group, self._gspo_group, self._gspo_store = self._gspo_group, None, None
+        if group is not None:
+            group.close(abort=True)

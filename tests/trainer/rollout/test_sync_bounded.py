@@ -1,0 +1,242 @@
+"""Weight sync under NCCL's semantics, shown on CPU: `work.wait()` neither blocks the host nor
+raises there, so every wait is bounded by polling `is_completed()` against a deadline, a
+group whose collective does not finish is aborted on both sides, the group before every
+regroup is shut down, and the sync's time is the transfer's.
+
+The failures are injected: a work that never completes (a peer died mid-broadcast), whose
+`wait()` returns at once as NCCL's does. The torch calls NCCL needs are checked against
+torch's real API as far as the CPU build has it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import timedelta
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gspo_trainer.rollout import client as client_mod
+from gspo_trainer.rollout import weight_sync as ws
+from gspo_trainer.rollout.client import RolloutClient, RolloutError, SyncOptions
+from gspo_trainer.rollout.worker_ext import WeightSyncExtension
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class Work:
+    """A collective's handle as NCCL gives it: `wait()` returns at once, done or not."""
+
+    def __init__(self, done_at: float | None, clock: Any = time.monotonic) -> None:
+        self.done_at, self.clock, self.waited = done_at, clock, False
+
+    def is_completed(self) -> bool:
+        return self.done_at is not None and self.clock() >= self.done_at
+
+    def wait(self) -> bool:
+        self.waited = True
+        return True
+
+
+class PG:
+    """A process group backend whose broadcasts complete for the first `good` calls (at once,
+    or after `seconds`), then never; records abort and shutdown."""
+
+    def __init__(self, good: int = 10**9, seconds: float = 0.0, clock: Any = time.monotonic):
+        self.good, self.seconds, self.clock = good, seconds, clock
+        self.calls, self.ended = 0, []
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Work:
+        self.calls += 1
+        done = self.clock() + self.seconds if self.calls <= self.good else None
+        return Work(done, self.clock)
+
+    def abort(self) -> None:
+        self.ended.append("abort")
+
+    def shutdown(self) -> None:
+        self.ended.append("shutdown")
+
+
+def group_on(pg: PG, clock: FakeClock | None = None, timeout_s: float = 30.0) -> ws.SyncGroup:
+    group = ws.SyncGroup(pg, None, 0, 2, "cpu", timeout_s)
+    if clock is not None:
+        group.clock, group.sleep = clock, clock.sleep
+    return group
+
+
+WEIGHTS = [(f"w{i}", torch.full((64,), float(i))) for i in range(8)]
+
+
+def test_a_collective_that_never_completes_times_out_without_waiting_on_it() -> None:
+    clock = FakeClock()
+    work = Work(None, clock)
+    with pytest.raises(ws.SyncTimeout, match="30 s"):
+        ws.wait_bounded(work, 30.0, clock=clock, sleep=clock.sleep)
+    assert 30.0 <= clock.now < 31.0
+    assert not work.waited  # under NCCL it would have queued the stream behind the hang
+
+
+def test_a_finished_collective_is_waited_on_so_a_gloo_error_surfaces() -> None:
+    class Failed(Work):
+        def wait(self) -> bool:
+            raise RuntimeError("Connection closed by peer")
+
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        ws.wait_bounded(Failed(0.0), 30.0)
+
+
+def test_the_sender_fails_in_bounded_time_when_a_bucket_never_arrives() -> None:
+    """The header goes, the first bucket never completes: the send raises after the group's
+    timeout (on the fake clock) instead of returning as if the weights were sent."""
+    clock = FakeClock()
+    sender = ws.WeightSender(group_on(PG(good=2, clock=clock), clock), bucket_mb=512 / 2**20)
+    with pytest.raises(ws.SyncTimeout):
+        sender.send(WEIGHTS, version=1)
+    assert clock.now >= 30.0
+
+
+def test_the_sync_time_is_the_transfer_not_the_enqueueing() -> None:
+    """Each bucket takes 50 ms to arrive and `wait()` returns at once (NCCL): the reported
+    time covers the transfers."""
+    sender = ws.WeightSender(group_on(PG(seconds=0.05)), bucket_mb=1024 / 2**20)
+    stats = sender.send(WEIGHTS, version=1)
+    assert stats.buckets >= 2
+    assert stats.seconds >= 0.05 * (stats.buckets + 2)  # header (2 broadcasts) and buckets
+
+
+def test_a_receiver_whose_learner_died_aborts_its_group() -> None:
+    """The server's side: the header arrives, the first bucket never does; the update fails
+    in bounded time and the worker aborts its group (the learner forms a new one)."""
+    clock = FakeClock()
+    pg = PG(good=0, clock=clock)
+    head = torch.tensor([3, 0], dtype=torch.int64)
+
+    class Header(PG):
+        def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Work:
+            self.calls += 1
+            if self.calls == 1:
+                layout = ws.encode_layout(ws.plan_buckets([("w", (4,), "float32", 16)], 64))
+                head[1] = len(layout)
+                tensors[0].copy_(head)
+                self.layout = layout
+                return Work(0.0, clock)
+            if self.calls == 2:
+                tensors[0].copy_(torch.frombuffer(bytearray(self.layout), dtype=torch.uint8))
+                return Work(0.0, clock)
+            return Work(None, clock)  # the bucket: the learner is gone
+
+    pg = Header(clock=clock)
+    worker = WeightSyncExtension()
+    worker._gspo_group = group_on(pg, clock)
+    worker.model_runner = SimpleNamespace(  # type: ignore[attr-defined]
+        get_model=lambda: torch.nn.Module(),
+        reload_weights=lambda weights_iterator: [None for _ in weights_iterator],
+    )
+    with pytest.raises(ws.SyncTimeout):
+        worker.gspo_receive_weights()
+    assert pg.ended == ["abort"] and worker._gspo_group is None
+
+
+def test_the_learner_aborts_a_failed_group_and_shuts_the_old_one_down_on_regroup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Attempt 1: the broadcast never completes; its group is aborted, a new one formed and
+    the weights sent again. Then a server joins: the healthy group is shut down, not left."""
+    clock = FakeClock()
+    pgs = [PG(good=1, clock=clock), PG(), PG()]  # the first breaks after its join broadcast
+    formed: list[ws.SyncGroup] = []
+
+    def open_group(store: Any, name: str, rank: int, world: int, **kw: Any) -> ws.SyncGroup:
+        group = group_on(pgs[len(formed)], clock, timeout_s=kw["timeout_s"])
+        group.broadcast(torch.zeros(1, dtype=torch.uint8))
+        formed.append(group)
+        return group
+
+    async def post(self: Any, url: str, path: str, body: Any, timeout_s: float) -> Any:
+        return {"policy_version": 1}
+
+    monkeypatch.setattr(ws, "open_group", open_group)
+    monkeypatch.setattr(ws, "connect_store", lambda *a, **k: object())
+    monkeypatch.setattr(client_mod.RolloutClient, "_post", post)
+
+    async def scenario() -> None:
+        opts = SyncOptions("127.0.0.1", 1, bucket_mb=1024 / 2**20, timeout_s=30)
+        client = RolloutClient(["http://a"], sync=opts)
+
+        async def refresh(only_down: bool = False) -> None:
+            return None
+
+        client.refresh = refresh  # type: ignore[method-assign]
+        report = await client.sync_weights(WEIGHTS, 1)
+        assert report.regrouped and report.servers == ["http://a"]
+        assert pgs[0].ended == ["abort"] and pgs[1].ended == []
+        client.servers["http://b"] = client_mod.Server("http://b")
+        await client.sync_weights(WEIGHTS, 2)
+        assert pgs[1].ended == ["shutdown"] and len(formed) == 3
+        await client.close()
+        assert pgs[2].ended == ["shutdown"]
+
+    asyncio.run(scenario())
+
+
+def test_a_sync_that_fails_twice_aborts_both_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
+    pgs = [PG(good=1, clock=clock), PG(good=1, clock=clock)]
+    formed: list[Any] = []
+
+    def open_group(*a: Any, **kw: Any) -> ws.SyncGroup:
+        group = group_on(pgs[len(formed)], clock)
+        group.broadcast(torch.zeros(1, dtype=torch.uint8))
+        formed.append(group)
+        return group
+
+    async def post(self: Any, url: str, path: str, body: Any, timeout_s: float) -> Any:
+        return {"policy_version": 1}
+
+    monkeypatch.setattr(ws, "open_group", open_group)
+    monkeypatch.setattr(ws, "connect_store", lambda *a, **k: object())
+    monkeypatch.setattr(client_mod.RolloutClient, "_post", post)
+
+    async def scenario() -> None:
+        client = RolloutClient(["http://a"], sync=SyncOptions("127.0.0.1", 1, timeout_s=30))
+
+        async def refresh(only_down: bool = False) -> None:
+            return None
+
+        client.refresh = refresh  # type: ignore[method-assign]
+        with pytest.raises(RolloutError, match="did not complete"):
+            await client.sync_weights(WEIGHTS, 1)
+
+    asyncio.run(scenario())
+    assert [pg.ended for pg in pgs] == [["abort"], ["abort"]]
+
+
+def test_the_torch_calls_nccl_needs_exist_and_end_a_real_group() -> None:
+    """What the CPU build can show: the c10d ProcessGroup API NCCL implements has abort and
+    shutdown, a Work answers is_completed without blocking, backend options carry the
+    `_timeout` open_group sets on NCCL's, and a real gloo group ends both ways."""
+    assert callable(dist.ProcessGroup.abort) and callable(dist.ProcessGroup.shutdown)
+    assert hasattr(torch._C._distributed_c10d.Backend.Options, "_timeout")
+    for abort in (False, True):
+        pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=5))
+        group = ws.SyncGroup(pg, None, 0, 1, "cpu", 5.0)
+        work = group.broadcast_async(torch.zeros(4))
+        group.wait(work)
+        assert work.is_completed()
+        group.close(abort=abort)
+        group.close(abort=abort)  # once
+        assert group.closed
