@@ -23,6 +23,10 @@ RULES: list[Rule] = [
      "verbs": ["get", "list", "watch", "patch", "delete"]},
     {"apiGroups": [API_GROUP], "resources": ["gspojobs/status"],
      "verbs": ["get", "patch", "update"]},
+    # Every child's controller ownerReference sets blockOwnerDeletion; with the admission
+    # plugin OwnerReferencesPermissionEnforcement (OpenShift) that needs update on the owner's
+    # finalizers subresource (kubernetes plugin/pkg/admission/gc/gc_admission.go).
+    {"apiGroups": [API_GROUP], "resources": ["gspojobs/finalizers"], "verbs": ["update"]},
     # The children (reconcile.py). Watched (list, watch) with a label selector so a change or
     # deletion by hand is seen at once; created, read back by name when the name is taken
     # (to check its owner) and repaired with a patch. JobSet runs, restarts and stops the pods;

@@ -148,8 +148,32 @@ def assert_rbac_covers(server: ClusterApiServer) -> None:
             resource += "/" + request.subresource
         group = request.resource.group or ""
         assert allows(RULES, group, resource, verb), f"rbac.RULES lack {verb} {group}/{resource}"
+        for owner in _blocking_owners(request.data if method in ("POST", "PUT") else None):
+            assert allows(RULES, *owner, "update"), (
+                "cannot set blockOwnerDeletion if an ownerReference refers to a resource you "
+                f"can't set finalizers on: rbac.RULES lack update {'/'.join(owner)}"
+            )
         checked += 1
     assert checked or not server._requests, "no operator request was recognised"
+
+
+def _blocking_owners(body: Any) -> list[tuple[str, str]]:
+    """(group, plural/finalizers) of each owner a created object's ownerReferences block.
+
+    kube-apiserver's OwnerReferencesPermissionEnforcement admission plugin (on in OpenShift;
+    kubernetes plugin/pkg/admission/gc/gc_admission.go) admits an ownerReference with
+    blockOwnerDeletion: true only when the requester may update the owner's `finalizers`
+    subresource. Only GSPOJob owners are mapped: the operator owns nothing else."""
+    from gspo_operator.crd import PLURAL
+    from gspo_trainer.config import API_GROUP, KIND
+
+    refs = ((body or {}).get("metadata") or {}).get("ownerReferences") or []
+    out = []
+    for ref in refs:
+        if ref.get("blockOwnerDeletion"):
+            assert ref.get("kind") == KIND, f"unexpected owner {ref}"
+            out.append((API_GROUP, f"{PLURAL}/finalizers"))
+    return out
 
 
 class Progress:
