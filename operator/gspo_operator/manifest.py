@@ -37,6 +37,7 @@ ENV_OPERATOR_NAMESPACE = "GSPO_OPERATOR_NAMESPACE"  # the downward API's metadat
 ENV_OPERATOR_POD_LABELS = "GSPO_OPERATOR_POD_LABELS"  # JSON object: the operator pods' labels
 ENV_ALLOWED_IMAGES = "GSPO_ALLOWED_IMAGES"  # JSON list of image prefixes or glob patterns
 ENV_ALLOWED_PRIORITY_CLASSES = "GSPO_ALLOWED_PRIORITY_CLASSES"  # JSON list of names
+ENV_POD_MONITOR_LABELS = "GSPO_POD_MONITOR_LABELS"  # JSON object: labels of each job's PodMonitor
 
 Peer = dict[str, Any]  # a NetworkPolicyPeer: namespaceSelector and/or podSelector
 
@@ -94,6 +95,10 @@ class ClusterPolicy:
     )
     allowed_images: tuple[str, ...] = ()  # prefixes or globs; empty: any image
     allowed_priority_classes: tuple[str, ...] = ()  # empty: any PriorityClass
+    # Labels each job's PodMonitor carries so the cluster's Prometheus selects it
+    # (kube-prometheus-stack's selects `release: <its Helm release>` and ignores the rest):
+    # the chart values monitoring.labels and monitoring.podMonitorLabels.
+    pod_monitor_labels: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> ClusterPolicy:
@@ -129,6 +134,7 @@ class ClusterPolicy:
                 ENV_ALLOWED_PRIORITY_CLASSES,
                 "policy.allowedPriorityClasses",
             ),
+            pod_monitor_labels=parse_pod_monitor_labels(env.get(ENV_POD_MONITOR_LABELS, "")),
         )
 
     def operator_peer(self) -> Peer:
@@ -271,6 +277,20 @@ def parse_operator_labels(text: str) -> dict[str, str]:
         raise PolicyError(ENV_OPERATOR_POD_LABELS, source, f"is wrong: {why}")
     if not labels:
         raise PolicyError(ENV_OPERATOR_POD_LABELS, source, "names no label")
+    return dict(labels)
+
+
+def parse_pod_monitor_labels(text: str) -> dict[str, str]:
+    """$GSPO_POD_MONITOR_LABELS: the labels every job's PodMonitor carries (empty: none)."""
+    if not text.strip():
+        return {}
+    source = "the chart values monitoring.labels and monitoring.podMonitorLabels"
+    try:
+        labels = json.loads(text)
+    except ValueError as exc:
+        raise PolicyError(ENV_POD_MONITOR_LABELS, source, f"is not JSON: {exc}") from exc
+    if (why := _labels_problem(labels)) is not None:
+        raise PolicyError(ENV_POD_MONITOR_LABELS, source, f"is wrong: {why}")
     return dict(labels)
 
 

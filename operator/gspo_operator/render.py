@@ -564,12 +564,17 @@ def render_network_policy(ctx: _Ctx) -> Obj:
 
 
 def render_pod_monitor(ctx: _Ctx) -> Obj:
+    """The learner's and servers' /metrics for the Prometheus Operator. It carries the admin's
+    monitor labels (policy.pod_monitor_labels): a Prometheus selects monitors by label, and
+    kube-prometheus-stack's ignores any without `release: <its Helm release>`."""
     relabel = [{"sourceLabels": [JOB_LABEL_META], "targetLabel": "gspojob"}]
     interval = ctx.spec.metrics.interval
+    meta = ctx.meta(names.pod_monitor(ctx.job), "metrics")
+    meta["labels"] = {**ctx.policy.pod_monitor_labels, **meta["labels"]}  # ours win
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PodMonitor",
-        "metadata": ctx.meta(names.pod_monitor(ctx.job), "metrics"),
+        "metadata": meta,
         "spec": {
             "selector": {"matchLabels": names.selector(ctx.job)},
             "podMetricsEndpoints": [

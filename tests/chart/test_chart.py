@@ -243,6 +243,36 @@ def test_policy_values_reach_the_operator() -> None:
     assert nobody.metrics_from == () and nobody != ClusterPolicy()
 
 
+def test_job_pod_monitors_carry_the_labels_kube_prometheus_stack_selects() -> None:
+    """kube-prometheus-stack's Prometheus selects monitors labelled `release: <its release>`
+    and ignores the rest; by default the chart's monitors and every job's PodMonitor carry the
+    label its default install asks for, and the values change it for all of them."""
+    from gspo_operator.manifest import check_job
+    from gspo_operator.render import render_job
+
+    job = yaml.safe_load((REPO / "examples" / "gspojob.yaml").read_text())
+    job["metadata"].update(name="exp", namespace="team-a", uid="u1")
+
+    def pod_monitor_labels(*args: str) -> dict[str, str]:
+        policy = policy_from(template(*args))
+        (spec, problems) = check_job(job, policy)
+        assert spec is not None, problems
+        objs = render_job(job, spec, token="t", policy=policy)
+        (monitor,) = by_kind(objs, "PodMonitor")
+        return dict(monitor["metadata"]["labels"])
+
+    assert pod_monitor_labels()["release"] == "kube-prometheus-stack"
+    labels = pod_monitor_labels(
+        "--set", "monitoring.labels.release=prom", "--set", "monitoring.podMonitorLabels.team=ml"
+    )
+    assert labels["release"] == "prom" and labels["team"] == "ml"
+    assert labels["gspo.dev/job-name"] == "exp"  # the operator's own labels stay
+    both = ("--set", "prometheusRule.enabled=true", "--set", "metrics.serviceMonitor.enabled=true")
+    for kind in ("PrometheusRule", "ServiceMonitor"):
+        (obj,) = by_kind(template(*both, "--set", "monitoring.labels.release=prom"), kind)
+        assert obj["metadata"]["labels"]["release"] == "prom", kind
+
+
 def test_values_schema_checks_the_policy_values() -> None:
     bad = [
         ("--set", "networkPolicy.metricsFrom[0].ipBlock.cidr=10.0.0.0/8"),
