@@ -51,7 +51,9 @@ def jobset(job: str) -> str:
 
 
 def subdomain(job: str) -> str:
-    """JobSet's headless Service of the job's pods (JobSet names it after the JobSet)."""
+    """The headless Service of the job's pods, JobSet's network.subdomain. The operator
+    creates it (render.render_pod_dns_service), so a name taken by another object is refused
+    rather than silently shared."""
     return jobset(job)
 
 

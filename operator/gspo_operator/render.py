@@ -80,6 +80,7 @@ def render_job(
     out: list[Obj] = [
         render_config_map(ctx, job),
         render_secret(ctx, token),
+        render_pod_dns_service(ctx),
         *(services if spec.rollout.replicas > 0 else []),
         render_network_policy(ctx),
         render_jobset(ctx),
@@ -503,6 +504,27 @@ def render_rollout_pod_template(ctx: _Ctx) -> Obj:
         "volumes": volumes,
     }
     return _pod_template(ctx, names.ROLLOUT, rollout, pod_spec)
+
+
+def render_pod_dns_service(ctx: _Ctx) -> Obj:
+    """The headless Service that gives the job's pods their DNS names (`<host>.<subdomain>`;
+    the learner's rendezvous address is rank 0's), as JobSet would create it.
+
+    JobSet creates a Service named like its subdomain only when none exists and otherwise uses
+    whatever holds that name, whoever owns it (createHeadlessSvcIfNecessary in
+    pkg/controllers/jobset_controller.go): job `exp-rollout`'s JobSet would take job `exp`'s
+    rollout Service. The operator creates it instead, owned by the job, before the JobSet, so
+    a name another object holds is refused as every child's is (Blocked, Conflict)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": ctx.meta(names.subdomain(ctx.job), "pod-dns"),
+        "spec": {
+            "clusterIP": "None",
+            "selector": names.selector(ctx.job),
+            "publishNotReadyAddresses": True,  # rank 0 must resolve before it is ready
+        },
+    }
 
 
 def render_rollout_service(ctx: _Ctx, *, headless: bool) -> Obj:

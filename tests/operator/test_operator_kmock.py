@@ -23,12 +23,12 @@ from gspo_operator.crd import render_crd
 from gspo_trainer.progress import LearnerProgress
 
 JOB = "tiny"
-# The operator's children (JobSet's headless Service "tiny" is the JobSet's, not the job's).
+# The operator's children (the pods' headless Service "tiny" too: the operator makes it).
 CHILD_KINDS = {
     "ConfigMap": 1,
     "Secret": 1,
     "PersistentVolumeClaim": 1,
-    "Service": 2,
+    "Service": 3,
     "JobSet": 1,
     "NetworkPolicy": 1,
     "PodMonitor": 1,

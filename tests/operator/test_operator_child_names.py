@@ -1,0 +1,50 @@
+"""Two jobs whose child names meet: JobSet uses any Service named like its subdomain,
+whoever owns it (createHeadlessSvcIfNecessary, jobset_controller.go; the JobSet stand-in does
+the same), so job `exp-rollout` would take job `exp`'s rollout Service for its pods' DNS.
+The operator creates that Service itself and refuses a name another object holds."""
+
+from __future__ import annotations
+
+from operator_harness import NS, eventually, tiny_job
+
+from gspo_operator import names
+
+
+def status_of(api, job: str) -> dict:
+    return (api.get("GSPOJob", NS, job) or {}).get("status") or {}
+
+
+def blocked(api, job: str) -> str | None:
+    st = status_of(api, job)
+    if st.get("phase") != "Blocked":
+        return None
+    (cond,) = [c for c in st["conditions"] if c["type"] == "Blocked"]
+    return f"{cond['reason']}: {cond['message']}"
+
+
+async def create(api, doc: dict) -> None:
+    from test_operator_kmock import create as post
+
+    await post(api, doc)
+
+
+async def test_a_job_named_like_another_jobs_service_is_refused(api, run_operator) -> None:
+    async with run_operator(api):
+        # exp's rollout Service first, then a job whose pods' Service would have that name.
+        await create(api, tiny_job("exp"))
+        await eventually(lambda: api.get("JobSet", NS, "exp"), what="exp's JobSet")
+        await create(api, tiny_job("exp-rollout"))
+        why = await eventually(lambda: blocked(api, "exp-rollout"), what="exp-rollout Blocked")
+        assert why.startswith("Conflict: Service exp-rollout already exists and is not "), why
+        assert api.get("JobSet", NS, "exp-rollout") is None  # no JobSet took exp's Service
+        service = api.get("Service", NS, names.rollout_headless_service("exp"))
+        assert service["spec"]["selector"] == names.selector("exp", names.ROLLOUT)
+
+        # The other order: the pods' Service first, then the job whose rollout Service it is.
+        await create(api, tiny_job("run-rollout"))
+        await eventually(lambda: api.get("JobSet", NS, "run-rollout"), what="the JobSet")
+        await create(api, tiny_job("run"))
+        why = await eventually(lambda: blocked(api, "run"), what="run Blocked")
+        assert "Service run-rollout already exists" in why, why
+        assert status_of(api, "exp").get("phase") != "Blocked"
+        assert status_of(api, "run-rollout").get("phase") != "Blocked"
