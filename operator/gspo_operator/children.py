@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gspo_operator.names import JOB_UID_ANNOTATION
+
 Obj = dict[str, Any]
 ChildKey = tuple[str, str]  # (kind, name)
 
@@ -41,6 +43,8 @@ class ChildView:
         controller = next(
             (o for o in meta.get("ownerReferences") or [] if o.get("controller")), None
         )
+        if controller is None and (uid := (meta.get("annotations") or {}).get(JOB_UID_ANNOTATION)):
+            controller = {"uid": uid}  # kept without an owner (a retained claim): whose it is
         fields: Obj = {"labels": dict(meta.get("labels") or {})}
         for name in OWNED_FIELDS.get(obj.get("kind", ""), ()):
             fields[name] = obj.get(name)

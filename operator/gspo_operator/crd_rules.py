@@ -415,10 +415,9 @@ def _checkpoint_rules() -> list[Rule]:
             reason=FORBIDDEN,
         ),
         rule(
-            f"!{claim} || ((!has(self.accessModes) || size(self.accessModes) == 0) && "
-            "!self.retainClaim)",
-            "names an existing claim, so accessModes and retainClaim (settings of a claim the "
-            "operator creates) do not apply; remove them",
+            f"!{claim} || !has(self.accessModes) || size(self.accessModes) == 0",
+            "names an existing claim, so accessModes (a setting of a claim the operator "
+            "creates) does not apply; remove it",
             field_path=".claimName",
         ),
     ]

@@ -34,6 +34,7 @@ PLURALS = {
     "NetworkPolicy": "networkpolicies",
     "PodMonitor": "podmonitors",
     "Workload": "workloads",
+    "Event": "events",
     "GSPOJob": "gspojobs",
 }
 JOB_API = f"{API_GROUP}/{API_VERSION}"
@@ -193,6 +194,13 @@ class Kube:
     ) -> list[Obj]:
         path = path_of(api_version, kind, namespace)
         found = await self.request("GET", path, query={"labelSelector": label_selector})
+        return list(found.get("items") or [])
+
+    async def events_of(self, namespace: str, kind: str, name: str) -> list[Obj]:
+        """The core/v1 Events about one object (the way `kubectl describe` finds them)."""
+        selector = f"involvedObject.kind={kind},involvedObject.name={name}"
+        path = path_of("v1", "Event", namespace)
+        found = await self.request("GET", path, query={"fieldSelector": selector})
         return list(found.get("items") or [])
 
     async def patch(

@@ -23,6 +23,9 @@ APP_NAME = "gspo"
 JOB_LABEL = f"{API_GROUP}/job-name"
 ROLE_LABEL = f"{API_GROUP}/role"
 SPEC_HASH_ANNOTATION = f"{API_GROUP}/spec-hash"
+# On a child kept without an owner (a retained checkpoint claim): the uid of the job that made
+# it, so that job knows it as its own and a later job of the same name does not.
+JOB_UID_ANNOTATION = f"{API_GROUP}/job-uid"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 # Kueue labels the Workload it makes for a job with that job's uid (here: the JobSet's).
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"

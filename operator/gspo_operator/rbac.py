@@ -18,6 +18,8 @@ RULES: list[Rule] = [
     {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
     # kopf: Events on every transition.
     {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create"]},
+    # A Pending checkpoint claim's reason is in its Events (the provisioner's message).
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["list"]},
     # kopf watches and annotates jobs; `ttlSecondsAfterFinished` deletes them.
     {"apiGroups": [API_GROUP], "resources": ["gspojobs"],
      "verbs": ["get", "list", "watch", "patch", "delete"]},

@@ -368,10 +368,17 @@ def _refusal(what: str, verb: str, exc: ApiError) -> tuple[str, str, str]:
 
 
 def _foreign(what: str) -> str:
+    kept = ""
+    if what.startswith("PersistentVolumeClaim "):
+        claim = what.split(" ", 1)[1]
+        kept = (
+            f" (a checkpoint claim kept from an earlier job of this name holds its "
+            f"checkpoints: to resume from them set spec.checkpoint.claimName: {claim})"
+        )
     return (
         f"{what} already exists and is not controlled by this GSPOJob (no ownerReference with "
         "its uid); the operator adopts only its own children: delete that object, or give "
-        "the job another name"
+        f"the job another name{kept}"
     )
 
 
@@ -476,10 +483,14 @@ async def _observe(
         if js.suspended or spec.run_policy.suspend or not admitted:
             queued = await _observe_workload(ctx, ns, js.uid)
     observed = status.Observed(jobset=js, pods=pods, **queued)
-    rank0 = next((p for p in observed.learners(js.restarts if js else 0) if p.index == 0), None)
+    learners = observed.learners(js.restarts if js else 0)
+    rank0 = next((p for p in learners if p.index == 0), None)
     if rank0 is not None and rank0.phase == "Running" and rank0.ip:
         progress = await fetch_progress(ctx.session(), rank0.ip, spec.metrics.port)
         observed = status.Observed(jobset=js, pods=pods, progress=progress, **queued)
+    elif js is not None and _starting(js, learners):
+        claim = await _observe_claim(ctx, ns, render.checkpoint_claim_name(name, spec))
+        observed = status.Observed(jobset=js, pods=pods, claim=claim, **queued)
     return observed
 
 
@@ -507,6 +518,22 @@ async def _observe_workload(ctx: Context, ns: str, jobset_uid: str) -> dict[str,
         return {"kueue": True, "workload_error": message}
     workload = status.WorkloadView.from_workload(found[0]) if found else None
     return {"kueue": True, "workload": workload}
+
+
+def _starting(js: status.JobSetView, learners: list[status.PodView]) -> bool:
+    """The JobSet runs but no learner pod does yet: its claim may be what holds it."""
+    finished = js.true("Completed") or js.true("Failed")
+    return not (js.suspended or finished or any(p.phase == "Running" for p in learners))
+
+
+async def _observe_claim(ctx: Context, ns: str, name: str) -> status.ClaimView | None:
+    """The checkpoint claim and its Events, read while no learner pod runs (a claim that
+    never binds keeps every pod Pending; its Events say why)."""
+    claim = await ctx.kube.get("v1", "PersistentVolumeClaim", ns, name)
+    if claim is None or (claim.get("status") or {}).get("phase") == "Bound":
+        return None
+    events = await ctx.kube.events_of(ns, "PersistentVolumeClaim", name)
+    return status.ClaimView.from_claim(claim, events)
 
 
 async def _act(

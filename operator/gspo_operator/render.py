@@ -193,8 +193,12 @@ def render_checkpoint_claim(ctx: _Ctx) -> Obj:
     }
     if ckpt.storage_class_name:
         spec["storageClassName"] = ckpt.storage_class_name
-    # A retained claim has no owner: deleting the job (or its TTL) leaves it and the export.
+    # A retained claim (the default) has no owner: deleting the job, by hand or through
+    # ttlSecondsAfterFinished, leaves the checkpoints and the export. The job's uid marks it
+    # as this job's child instead of an ownerReference.
     meta = ctx.meta(names.checkpoint_claim(ctx.job), "checkpoints", owned=not ckpt.retain_claim)
+    if ckpt.retain_claim and ctx.owner is not None:
+        meta["annotations"] = {names.JOB_UID_ANNOTATION: ctx.owner["uid"]}
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": spec}
 
 
@@ -679,8 +683,13 @@ def _service_port(name: str, port: int) -> Obj:
     return {"name": name, "port": port, "targetPort": port, "protocol": "TCP"}
 
 
+def checkpoint_claim_name(job: str, spec: GSPOJobSpec) -> str:
+    """The claim the learner writes checkpoints to: the user's, or the one the operator makes."""
+    return spec.checkpoint.claim_name or names.checkpoint_claim(job)
+
+
 def _claim(ctx: _Ctx) -> str:
-    return ctx.spec.checkpoint.claim_name or names.checkpoint_claim(ctx.job)
+    return checkpoint_claim_name(ctx.job, ctx.spec)
 
 
 def _pod_security() -> Obj:
@@ -689,6 +698,9 @@ def _pod_security() -> Obj:
         "runAsUser": POD_UID,
         "runAsGroup": POD_UID,
         "fsGroup": POD_UID,  # the checkpoint volume is writable by the non-root user
+        # Change ownership only when the volume's root is not the fsGroup's yet: otherwise the
+        # kubelet walks every file of the checkpoint and model volumes at each pod start.
+        "fsGroupChangePolicy": "OnRootMismatch",
         "seccompProfile": {"type": "RuntimeDefault"},
     }
 

@@ -88,6 +88,7 @@ class JobSetView:
 
     suspended: bool = False  # spec.suspend
     restarts: int = 0
+    restarts_counted: int = 0  # status.restartsCountTowardsMax: those not after a disruption
     conditions: dict[str, tuple[bool, str, str]] = field(default_factory=dict)
     uid: str = ""  # Kueue labels the JobSet's Workload with it
 
@@ -98,6 +99,7 @@ class JobSetView:
             uid=(jobset.get("metadata") or {}).get("uid", ""),
             suspended=bool((jobset.get("spec") or {}).get("suspend")),
             restarts=int(status.get("restarts") or 0),
+            restarts_counted=int(status.get("restartsCountTowardsMax") or 0),
             conditions={
                 c["type"]: (c.get("status") == "True", c.get("reason", ""), c.get("message", ""))
                 for c in status.get("conditions") or []
@@ -158,6 +160,41 @@ class WorkloadView:
 
 
 @dataclass(frozen=True)
+class ClaimView:
+    """The checkpoint claim while it is not Bound, and why, in its provisioner's words.
+
+    A claim keeps no condition that says why it waits: the PV controller and the external
+    provisioner record it as Events on the claim (FailedBinding, "ProvisioningFailed: failed to
+    provision volume with StorageClass ...: rpc error: ..."), so the newest Warning is the
+    reason; a Normal one (WaitForFirstConsumer, ExternalProvisioning) is only progress."""
+
+    name: str
+    phase: str = "Pending"  # Pending | Bound | Lost
+    warning: str = ""  # "<reason>: <message>" of the newest Warning Event
+
+    @classmethod
+    def from_claim(cls, claim: Mapping[str, Any], events: Iterable[Mapping[str, Any]]) -> ClaimView:
+        uid = (claim.get("metadata") or {}).get("uid")
+        warnings = [
+            e
+            for e in events
+            if e.get("type") == "Warning"
+            and (not uid or (e.get("involvedObject") or {}).get("uid") in (None, uid))
+        ]
+        newest = max(warnings, key=_event_time, default=None)
+        return cls(
+            name=(claim.get("metadata") or {}).get("name", ""),
+            phase=(claim.get("status") or {}).get("phase") or "Pending",
+            warning=f"{newest.get('reason')}: {newest.get('message')}" if newest else "",
+        )
+
+
+def _event_time(event: Mapping[str, Any]) -> str:
+    """RFC 3339 stamps of one format compare as strings; eventTime is the events.k8s.io field."""
+    return str(event.get("lastTimestamp") or event.get("eventTime") or "")
+
+
+@dataclass(frozen=True)
 class Observed:
     jobset: JobSetView | None = None  # None: the JobSet does not exist (yet, or any more)
     pods: list[PodView] = field(default_factory=list)
@@ -167,6 +204,7 @@ class Observed:
     kueue: bool = False
     workload: WorkloadView | None = None
     workload_error: str = ""
+    claim: ClaimView | None = None  # the checkpoint claim, read only while it may be why
 
     def learners(self, attempt: int) -> list[PodView]:
         return [
@@ -266,6 +304,8 @@ def compute(
         message = f"every learner pod exited 0 at step {st.get('step')}"
         return _finish(st, "Succeeded", "Completed", message)
 
+    if (out := _disruption_limit(st, policy.max_disruption_restarts, js)) is not None:
+        return out
     restarts = js.restarts
     if restarts > int(prev.get("restarts") or 0):
         why = _why_failed(observed, restarts - 1) or "a learner pod failed"
@@ -315,6 +355,11 @@ def compute(
         message = f"waiting for the learner group (restart {restarts}) to run again"
         st.phase("Restarting", "Warning", "Restarting", message, event=False)
         st.condition("Running", False, "Restarting", message)
+    elif (claim := observed.claim) is not None and claim.phase != "Bound" and claim.warning:
+        # The pods cannot start before their claim binds; the provisioner says why it does not.
+        message = f"checkpoint claim {claim.name} is {claim.phase}: {claim.warning}"
+        st.phase("Pending", "Warning", "ClaimPending", message)
+        st.condition("Running", False, "ClaimPending", message)
     else:
         waiting = next((p for p in current if p.phase == "Pending" and p.message), None)
         why = f"; {waiting.name}: {waiting.message}" if waiting else ""
@@ -376,6 +421,31 @@ def _queued(
     st.condition("Running", False, "Queued", message)
     st.condition("Queued", True, reason, why)
     return Outcome(st.done(), st.events, activate_workload=activate)
+
+
+def _disruption_limit(st: _Status, limit: int, js: JobSetView) -> Outcome | None:
+    """Fail the job once JobSet restarted it after more disruptions than the spec allows.
+
+    The failure policy restarts a disrupted learner with RestartJobSetAndIgnoreMaxRestarts, so
+    JobSet never stops on its own. A Job's podFailurePolicy can match the DisruptionTarget
+    condition but not its reason, so a kubelet's node-pressure eviction (TerminationByKubelet)
+    looks like a preemption there; the operator counts them all instead: JobSet's restarts
+    less those that counted towards maxRestarts."""
+    disruptions = js.restarts - js.restarts_counted
+    if disruptions <= limit:
+        return None
+    out = _finish(
+        st,
+        "Failed",
+        "DisruptionLimitExceeded",
+        f"JobSet restarted the job's pods after {disruptions} disruptions (preemption, eviction, "
+        f"node drain or shutdown), more than runPolicy.maxDisruptionRestarts={limit}. A learner "
+        "evicted for node memory pressure is restarted without end: give the learner a memory "
+        "limit (learner.resources.limits.memory), or raise maxDisruptionRestarts",
+    )
+    st.set(restarts=js.restarts)
+    out.delete_jobset = True  # stop the pods JobSet would otherwise restart again
+    return out
 
 
 def _failure(

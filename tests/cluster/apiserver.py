@@ -37,6 +37,9 @@ CLUSTER_RESOURCES = [
     *RESOURCES,
     ("batch", "v1", "jobs", "Job", True, True, []),
     ("jobset.x-k8s.io", "v1alpha2", "jobsets", "JobSet", True, True, ["js"]),
+    # Storage (storage.StorageController provisions claims on these).
+    ("storage.k8s.io", "v1", "storageclasses", "StorageClass", False, False, ["sc"]),
+    ("", "v1", "persistentvolumes", "PersistentVolume", False, True, ["pv"]),
 ]
 DEFAULT_GRACE_S = 30
 

@@ -48,3 +48,26 @@ async def test_a_job_named_like_another_jobs_service_is_refused(api, run_operato
         assert "Service run-rollout already exists" in why, why
         assert status_of(api, "exp").get("phase") != "Blocked"
         assert status_of(api, "run-rollout").get("phase") != "Blocked"
+
+
+async def test_a_kept_claim_is_not_taken_by_the_next_job_of_that_name(api, run_operator) -> None:
+    """The checkpoint claim outlives its job (retainClaim, the default); a new job of the same
+    name is told how to resume from it rather than silently writing into it."""
+    from test_operator_kmock import call
+
+    claim = names.checkpoint_claim("exp")
+    async with run_operator(api):
+        await create(api, tiny_job("exp"))
+        await eventually(lambda: api.get("JobSet", NS, "exp"), what="exp's JobSet")
+        await call(api, "DELETE", f"/apis/gspo.dev/v1alpha1/namespaces/{NS}/gspojobs/exp")
+        await eventually(lambda: api.get("JobSet", NS, "exp") is None, what="JobSet gone")
+        assert api.get("PersistentVolumeClaim", NS, claim) is not None
+
+        await create(api, tiny_job("exp"))
+        why = await eventually(lambda: blocked(api, "exp"), what="the new exp Blocked")
+        assert f"set spec.checkpoint.claimName: {claim})" in why, why
+        await call(api, "DELETE", f"/apis/gspo.dev/v1alpha1/namespaces/{NS}/gspojobs/exp")
+        await eventually(lambda: api.get("GSPOJob", NS, "exp") is None, what="exp gone")
+        await create(api, tiny_job("exp", checkpoint={"claimName": claim}))
+        await eventually(lambda: api.get("JobSet", NS, "exp"), what="the resumed job's JobSet")
+        assert blocked(api, "exp") is None

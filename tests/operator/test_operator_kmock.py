@@ -19,6 +19,7 @@ from operator_harness import (
     tiny_job,
 )
 
+from gspo_operator import names
 from gspo_operator.crd import render_crd
 from gspo_trainer.progress import LearnerProgress
 
@@ -124,8 +125,11 @@ async def test_create_runs_and_reports_progress(api, run_operator, progress) -> 
         kids = children(api)
         assert {k: len(v) for k, v in kids.items()} == CHILD_KINDS
         uid = api.get("GSPOJob", NS, JOB)["metadata"]["uid"]
-        for objs in kids.values():
+        for kind, objs in kids.items():
             for obj in objs:
+                if kind == "PersistentVolumeClaim":  # kept after the job, marked as its own
+                    assert obj["metadata"]["annotations"][names.JOB_UID_ANNOTATION] == uid
+                    continue
                 assert obj["metadata"]["ownerReferences"][0]["uid"] == uid
         assert cond(api, "Created")["status"] == "True"
         # JobSet made the Jobs, the Job controller the pods: rank 0's host name is the
@@ -285,9 +289,13 @@ async def test_restarting_the_operator_duplicates_nothing(api, run_operator, pro
         after = {k: sorted(o["metadata"]["uid"] for o in v) for k, v in children(api).items()}
         assert after == before
         assert api.get("Secret", NS, f"{JOB}-sync-token") == secret  # never rotated
-        # Deleting the job leaves no orphans (ownerReferences; the stand-in runs the GC).
+        # Deleting the job leaves no orphans (ownerReferences; the stand-in runs the GC) but
+        # the checkpoint claim, kept by default (checkpoint.retainClaim).
         await call(api, "DELETE", f"/apis/gspo.dev/v1alpha1/namespaces/{NS}/gspojobs/{JOB}")
-        await eventually(lambda: all(not v for v in children(api).values()), what="no orphans")
+        kept = {"PersistentVolumeClaim": 1}
+        await eventually(
+            lambda: {k: len(v) for k, v in children(api).items() if v} == kept, what="no orphans"
+        )
         await eventually(lambda: not api.list_kind("Pod", NS), what="no pods")
 
 
@@ -320,7 +328,13 @@ async def test_deadline_fails_and_ttl_deletes(api, run_operator, progress) -> No
             timeout_s=30,
             what="ttl deletion",
         )
-        await eventually(lambda: all(not v for v in children(api).values()), what="no orphans")
+        # Everything goes with the job but the checkpoint claim (checkpoints, the HF export).
+        await eventually(
+            lambda: (
+                {k: len(v) for k, v in children(api).items() if v} == {"PersistentVolumeClaim": 1}
+            ),
+            what="no orphans, the claim kept",
+        )
 
 
 async def test_a_cluster_without_the_prometheus_operator_still_runs_jobs(

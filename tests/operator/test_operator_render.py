@@ -191,9 +191,30 @@ def test_every_child_is_labelled_and_owned() -> None:
         assert meta["labels"][names.JOB_LABEL] == JOB
         assert meta["labels"]["app.kubernetes.io/managed-by"] == "gspo-operator"
         assert meta["labels"][names.ROLE_LABEL] == meta["labels"]["app.kubernetes.io/component"]
+        if obj["kind"] == "PersistentVolumeClaim":
+            # Kept when the job goes (ttlSecondsAfterFinished included): no owner to follow.
+            assert "ownerReferences" not in meta
+            assert meta["annotations"][names.JOB_UID_ANNOTATION] == doc["metadata"]["uid"]
+            continue
         (owner,) = meta["ownerReferences"]
         assert owner["uid"] == doc["metadata"]["uid"]
         assert owner["kind"] == "GSPOJob" and owner["controller"] is True
+
+
+def test_a_claim_goes_with_the_job_only_when_asked() -> None:
+    doc = job(checkpoint={"retainClaim": False})
+    (claim,) = by_kind(rendered(doc), "PersistentVolumeClaim")
+    assert claim["metadata"]["ownerReferences"][0]["uid"] == doc["metadata"]["uid"]
+    assert "annotations" not in claim["metadata"]
+
+
+def test_volume_ownership_is_changed_only_on_a_root_mismatch() -> None:
+    """fsGroup alone makes the kubelet chown every file of the checkpoint and model volumes at
+    each pod start (hours on a multi-terabyte claim); OnRootMismatch only when needed."""
+    for obj in by_kind(rendered(job()), "JobSet"):
+        for rjob in obj["spec"]["replicatedJobs"]:
+            pod = rjob["template"]["spec"]["template"]["spec"]
+            assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
 
 
 def test_one_jobset_runs_the_learner_group_and_one_job_per_server() -> None:

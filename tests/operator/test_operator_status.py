@@ -420,3 +420,52 @@ def test_time_in_kueues_queue_does_not_count_against_the_deadline() -> None:
     assert running.status["startTime"] == later.strftime("%Y-%m-%dT%H:%M:%SZ")
     past = step(timed, admitted, running.status, later + timedelta(seconds=3601))
     assert past.status["phase"] == "Failed" and past.delete_jobset
+
+
+def test_restarts_after_disruptions_beyond_the_cap_fail_the_job_and_stop_its_pods() -> None:
+    """JobSet ignores maxRestarts for the disruption rule, and a kubelet's memory-pressure
+    eviction is a disruption: past runPolicy.maxDisruptionRestarts the operator fails the job."""
+    prev = {"phase": "Restarting", "restarts": 3, "startTime": "2026-01-01T11:00:00Z"}
+    at_cap = JobSetView(restarts=4, restarts_counted=1)  # 3 disruptions, 1 learner failure
+    out = step(spec(maxDisruptionRestarts=3), observed(pods("Pending", "Pending"), jobset=at_cap),
+               prev)  # fmt: skip
+    assert out.status["phase"] != "Failed" and not out.delete_jobset
+    past = JobSetView(restarts=5, restarts_counted=1)
+    out = step(spec(maxDisruptionRestarts=3), observed(pods("Pending"), jobset=past), prev)
+    assert out.status["phase"] == "Failed" and out.delete_jobset
+    c = cond(out.status, "Failed")
+    assert c["reason"] == "DisruptionLimitExceeded"
+    assert "after 4 disruptions" in c["message"] and "maxDisruptionRestarts=3" in c["message"]
+    assert "learner.resources.limits.memory" in c["message"]
+    assert out.status["restarts"] == 5 and out.status["completionTime"]
+    # Counted restarts (learner failures) are JobSet's own maxRestarts, not this cap.
+    counted = JobSetView(restarts=5, restarts_counted=5)
+    out = step(spec(maxDisruptionRestarts=0), observed(pods("Pending"), jobset=counted), prev)
+    assert out.status["phase"] != "Failed"
+
+
+def test_a_claim_that_cannot_bind_shows_the_provisioners_reason() -> None:
+    pvc = {"metadata": {"name": f"{JOB}-checkpoints", "uid": "c1"}, "status": {"phase": "Pending"}}
+    events = [
+        {"type": "Normal", "reason": "ExternalProvisioning", "message": "Waiting ...",
+         "lastTimestamp": "2026-01-01T11:59:00Z", "involvedObject": {"uid": "c1"}},
+        {"type": "Warning", "reason": "ProvisioningFailed", "message": "old",
+         "lastTimestamp": "2026-01-01T11:58:00Z", "involvedObject": {"uid": "c1"}},
+        {"type": "Warning", "reason": "ProvisioningFailed", "message": "rpc error: new",
+         "lastTimestamp": "2026-01-01T11:59:30Z", "involvedObject": {"uid": "c1"}},
+        {"type": "Warning", "reason": "ProvisioningFailed", "message": "an earlier claim's",
+         "lastTimestamp": "2026-01-01T11:59:50Z", "involvedObject": {"uid": "c0"}},
+    ]  # fmt: skip
+    claim = status.ClaimView.from_claim(pvc, events)
+    assert claim.warning == "ProvisioningFailed: rpc error: new"
+    obs = Observed(jobset=js(), pods=pods("Pending", "Pending"), claim=claim)
+    out = step(spec(), obs, None)
+    running = cond(out.status, "Running")
+    assert out.status["phase"] == "Pending" and running["reason"] == "ClaimPending"
+    assert running["message"] == (
+        f"checkpoint claim {JOB}-checkpoints is Pending: ProvisioningFailed: rpc error: new"
+    )
+    # Only progress so far (WaitForFirstConsumer, ExternalProvisioning): the pods' words stay.
+    quiet = status.ClaimView.from_claim(pvc, events[:1])
+    out = step(spec(), Observed(jobset=js(), pods=pods("Pending"), claim=quiet), None)
+    assert cond(out.status, "Running")["reason"] == "PodsPending"

@@ -95,5 +95,5 @@ def test_long_names_are_refused_with_the_limit_jobset_enforces() -> None:
 
 
 def test_existing_claim_settings_conflict_is_refused() -> None:
-    found = problems(checkpoint={"claimName": "mine", "retainClaim": True})
+    found = problems(checkpoint={"claimName": "mine", "accessModes": ["ReadWriteMany"]})
     assert any(p.startswith("spec.checkpoint.claimName:") for p in found), found

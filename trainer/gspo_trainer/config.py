@@ -571,10 +571,13 @@ class CheckpointConfig(Section):
         ),
     )
     retain_claim: bool = Field(
-        False,
+        True,
         description=(
             "Keep the created claim (checkpoints and the exported model) when the job is "
-            "deleted, ttlSecondsAfterFinished included; it is then yours to delete."
+            "deleted, ttlSecondsAfterFinished included, as a StatefulSet keeps its claims; it "
+            "is then yours to delete (kubectl delete pvc <job>-checkpoints), or to resume "
+            "from with checkpoint.claimName. false: the claim goes with the job. A claim named "
+            "by claimName is never deleted by the operator."
         ),
     )
     every_steps: int = Field(50, ge=1, description="Checkpoint every N steps.")
@@ -610,6 +613,17 @@ class RunPolicy(Section):
         description=(
             "Restarts of the job's pods after a learner failure before the job fails (JobSet's "
             "failurePolicy.maxRestarts); disruptions such as preemption are not counted."
+        ),
+    )
+    max_disruption_restarts: int = Field(
+        10,
+        ge=0,
+        description=(
+            "Restarts after disruptions (preemption, eviction, node drain or shutdown) before "
+            "the job fails with DisruptionLimitExceeded. JobSet does not count them against "
+            "backoffLimit, and a kubelet evicting a learner for node memory pressure is a "
+            "disruption too, so without this cap such a learner restarts without end. Raise "
+            "it on spot or preemptible nodes."
         ),
     )
     restart_scope: Literal["all", "learner"] = Field(

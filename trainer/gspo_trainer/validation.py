@@ -255,11 +255,11 @@ def check_spec(spec: GSPOJobSpec, *, prefix: str = "spec") -> list[Problem]:
                     f"are stated once: remove this entry (the operator sets requests and limits "
                     "from gpusPerReplica) or make them equal",
                 )
-    if ckpt.claim_name and (ckpt.access_modes or ckpt.retain_claim):
+    if ckpt.claim_name and ckpt.access_modes:
         bad(
             "checkpoint.claimName",
-            "names an existing claim, so accessModes and retainClaim (settings of a claim the "
-            "operator creates) do not apply; remove them",
+            "names an existing claim, so accessModes (a setting of a claim the operator "
+            "creates) does not apply; remove it",
         )
     if spec.metrics.port in RESERVED_PORTS:
         bad(
