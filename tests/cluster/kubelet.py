@@ -14,7 +14,8 @@ Modelled:
   requests count as requests; init containers as max, overhead added), nodeSelector and
   required node affinity against the node's labels (kubernetes.io/hostname, os, arch and
   `node_labels`), schedulingGates (SchedulingGated), a missing or terminating
-  PersistentVolumeClaim; otherwise PodScheduled=False, reason Unschedulable with
+  PersistentVolumeClaim, and with `volume_binding` one not Bound yet ("pod has unbound
+  immediate PersistentVolumeClaims"); otherwise PodScheduled=False, reason Unschedulable with
   kube-scheduler's message ("0/1 nodes are available: 1 Insufficient nvidia.com/gpu."; the
   " preemption: ..." suffix newer versions append is left out). Pods naming another
   schedulerName are left alone.
@@ -610,6 +611,23 @@ def volume_problems(pod: Obj, api: ClusterApiServer) -> list[str]:
     return out
 
 
+# kube-scheduler's VolumeBinding PreFilter (pkg/scheduler/framework/plugins/volumebinding,
+# ErrReasonUnboundImmediatePVC). WaitForFirstConsumer claims wait the same way here, where
+# the real scheduler picks a node first and waits in PreBind for the provisioner.
+UNBOUND_CLAIMS = "pod has unbound immediate PersistentVolumeClaims"
+
+
+def _unbound_claims(pod: Obj, api: ClusterApiServer) -> list[str]:
+    ns = pod["metadata"].get("namespace", "default")
+    out = []
+    for vol in (pod.get("spec") or {}).get("volumes") or []:
+        name = (vol.get("persistentVolumeClaim") or {}).get("claimName")
+        claim = api.get("PersistentVolumeClaim", ns, name) if name else None
+        if claim is not None and (claim.get("status") or {}).get("phase") != "Bound":
+            out.append(name)
+    return out
+
+
 def pod_problems(
     pod: Obj, api: ClusterApiServer, command_map: dict[str, str] | None = None
 ) -> list[str]:
@@ -907,8 +925,13 @@ class ProcessKubelet:
         network: PodNetwork | None = None,
         events: bool = True,
         poll_s: float = 0.1,
+        volume_binding: bool = False,
     ) -> None:
         self.api = api
+        # kube-scheduler's VolumeBinding: a pod waits while a claim it mounts is not Bound.
+        # On only where something binds claims (storage.StorageController); off, any claim
+        # that exists will do, as before a PV controller was modelled.
+        self.volume_binding = volume_binding
         self.workdir = Path(workdir)
         self.node_name = node_name
         self.command_map = {**default_command_map(), **(command_map or {})}
@@ -1112,6 +1135,8 @@ class ProcessKubelet:
             claims = [
                 p for p in volume_problems(pod, self.api) if p.startswith("persistentvolumeclaim ")
             ]
+            if not claims and self.volume_binding and _unbound_claims(pod, self.api):
+                claims = [UNBOUND_CLAIMS]
             if claims:
                 await self._set_unscheduled(
                     pod, "Unschedulable", f"0/1 nodes are available: {claims[0]}."

@@ -6,6 +6,8 @@
   `kubectl` drives it (`LocalCluster.kubectl`);
 - the controllers a JobSet cluster runs: JobSet's (`jobset_controller`) and the Job
   controller (`job_controller`), written from those projects' sources;
+- storage (`storage.StorageController`, one default class `local` that provisions every
+  access mode): claims bind before the pods that mount them are scheduled;
 - one node (`kubelet.ProcessKubelet`): every pod runs its container's command as a real
   process, in its own network namespace (own address and ports, names from a hosts file) and
   mount namespace (its volumes at their mount paths, PVCs as shared directories under
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -32,7 +35,8 @@ from typing import Any
 
 from kubectl import Kubectl
 from kubelet import ProcessKubelet
-from operator_harness import NS, api_server, kueue_api_server, operator
+from operator_harness import NS, _keep_running, api_server, kueue_api_server, operator
+from storage import LOCAL_CLASSES, StorageController
 
 from gspo_operator.handlers import Context
 
@@ -130,18 +134,25 @@ async def local_cluster(
     serving = api_server() if kueue is None else kueue_api_server(**kueue)
     async with serving as served:
         api, controller = (served, None) if kueue is None else served
+        for sc in LOCAL_CLASSES:
+            api.add(copy.deepcopy(sc))
         node = ProcessKubelet(
-            api, workdir, image_env=IMAGE_ENV, probe_period_scale=probe_period_scale
+            api,
+            workdir,
+            image_env=IMAGE_ENV,
+            probe_period_scale=probe_period_scale,
+            volume_binding=True,
         )
         stop = asyncio.Event()
         node_task = asyncio.create_task(node.run(stop))
+        storage_task = asyncio.create_task(_keep_running(StorageController(api), stop))
         try:
             async with operator(api, interval_s=interval_s) as ctx:
                 kubectl = Kubectl(api.base_url, workdir)
                 yield LocalCluster(api, node, ctx, kubectl, workdir, kueue=controller)
         finally:
             stop.set()
-            await asyncio.wait([node_task], timeout=30)
+            await asyncio.wait([node_task, storage_task], timeout=30)
             await node.close()
             if node_task.done() and not node_task.cancelled() and node_task.exception():
                 raise node_task.exception()  # type: ignore[misc]

@@ -26,6 +26,7 @@ import yaml
 from kubelet import pod_problems, scheduling_problems
 from local_cluster import LocalCluster, local_cluster
 from netns import unavailable_reason
+from storage import GKE_CLASSES
 
 from gspo_trainer import ports
 
@@ -288,6 +289,8 @@ async def test_the_flagship_example_is_pending_for_gpus_only(tmp_path) -> None:
     path = tmp_path / "example.yaml"
     path.write_text(yaml.safe_dump_all([*prereqs, example]))
     async with local_cluster(tmp_path / "cluster") as cluster:
+        for sc in GKE_CLASSES:  # the example's checkpoint claim asks for Filestore's
+            cluster.api.add(copy.deepcopy(sc))
         await cluster.kubectl("apply", "--validate=false", "-f", str(path))
         await cluster.wait(lambda: len(cluster.pods(name, "learner")) == 2
                            and len(cluster.pods(name, "rollout")) == 4,

@@ -169,3 +169,55 @@ async def test_the_flagship_claim_binds_on_filestore_and_pd_says_why_not() -> No
             "mount access type"
         )
         assert running_condition("math").get("reason") != "ClaimPending"
+
+
+async def test_pods_wait_for_their_claim_to_bind(tmp_path) -> None:
+    """The node's scheduler (volume_binding) holds a pod until its claims are Bound: on the PD
+    class the ReadWriteMany claim never binds and the pod says so; on Filestore it runs."""
+    from kubelet import ProcessKubelet
+    from netns import unavailable_reason
+
+    if reason := unavailable_reason():
+        pytest.skip(f"the local cluster's node needs network namespaces: {reason}")
+    async with ClusterApiServer() as api:
+        for sc in GKE_CLASSES:
+            api.add(copy.deepcopy(sc))
+        node = ProcessKubelet(api, tmp_path / "node", volume_binding=True)
+        stop = asyncio.Event()
+        tasks = [
+            asyncio.create_task(node.run(stop)),
+            asyncio.create_task(_keep_running(StorageController(api), stop)),
+        ]
+        try:
+            for name, cls in (("on-pd", "standard-rwo"), ("on-filestore", "standard-rwx")):
+                await api.create(claim(name, ["ReadWriteMany"], cls))
+                pod = consumer(name)
+                pod["spec"]["restartPolicy"] = "Never"
+                pod["spec"]["containers"][0]["command"] = ["python", "-c", "print('wrote')"]
+                await api.create(pod)
+
+            def scheduled(name: str) -> dict:
+                st = (api.get("Pod", NS, f"uses-{name}") or {}).get("status") or {}
+                return next(
+                    (c for c in st.get("conditions") or [] if c["type"] == "PodScheduled"), {}
+                )
+
+            await eventually(
+                lambda: (
+                    (api.get("Pod", NS, "uses-on-filestore") or {}).get("status", {}).get("phase")
+                    == "Succeeded"
+                ),
+                what="the pod on Filestore ran",
+            )
+            cond = await eventually(
+                lambda: scheduled("on-pd").get("status") == "False" and scheduled("on-pd"),
+                what="the pod on PD unschedulable",
+            )
+            assert cond["message"] == (
+                "0/1 nodes are available: pod has unbound immediate PersistentVolumeClaims."
+            )
+            assert phase(api, "on-pd") is None and phase(api, "on-filestore") == "Bound"
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)
+            await node.close()
