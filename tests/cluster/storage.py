@@ -4,8 +4,10 @@ provisioners that refuse the access modes their driver does not support.
 A claim the cluster cannot provision stays Pending for ever, and nothing on the claim but its
 Events says why. This stand-in makes the claims of the local cluster behave so: a claim binds
 only on a class whose driver supports its access modes, and otherwise stays Pending with the
-Events a real cluster records. Written from:
-- kubernetes pkg/controller/volume/persistentvolume/pv_controller.go (v1.33): a claim without
+Events a real cluster records. Written from (the drivers' sources read at the commits named;
+the PV controller's and external-provisioner's messages checked against `kubectl describe
+pvc` output recorded on PD, EBS and EFS clusters, their sources not read at a pinned version):
+- kubernetes pkg/controller/volume/persistentvolume/pv_controller.go: a claim without
   a class and no default class gets Warning FailedBinding "no persistent volumes available for
   this claim and no storage class is set"; a class that does not exist, Warning
   ProvisioningFailed `storageclass.storage.k8s.io "<name>" not found`; a class with
@@ -16,8 +18,8 @@ Events a real cluster records. Written from:
   volume.kubernetes.io/storage-provisioner. A claim without storageClassName gets the default
   class (annotation storageclass.kubernetes.io/is-default-class: "true"), as the
   DefaultStorageClass admission plugin and the retroactive default assignment (1.28+) do.
-- kubernetes-csi/external-provisioner v5 (pkg/controller/controller.go) with
-  sig-storage-lib-external-provisioner v10 (controller/controller.go): Normal Provisioning
+- kubernetes-csi/external-provisioner (pkg/controller/controller.go) with
+  sig-storage-lib-external-provisioner (controller/controller.go): Normal Provisioning
   `External provisioner is provisioning volume for claim "<ns>/<name>"`; on a CreateVolume
   error Warning ProvisioningFailed `failed to provision volume with StorageClass "<class>":
   <gRPC error>`, retried with exponential backoff (--retry-interval-start 1 s, doubling, up to
