@@ -189,6 +189,9 @@ def check_children(api: ApiServer, doc: dict[str, Any], trial: Trial) -> None:
         key = (kind, obj["metadata"]["name"])
         seen[key] = seen.get(key, 0) + 1
         owners = obj["metadata"].get("ownerReferences") or []
+        kept = (obj["metadata"].get("annotations") or {}).get(names.JOB_UID_ANNOTATION)
+        if kind == "PersistentVolumeClaim" and kept == job["metadata"]["uid"]:
+            continue  # the checkpoint claim outlives the job (retainClaim): marked, not owned
         if not any(o.get("uid") == job["metadata"]["uid"] and o.get("controller") for o in owners):
             trial.orphans += 1
             trial.problems.append(f"{kind} {key[1]} has no ownerReference to the GSPOJob")
