@@ -14,22 +14,18 @@ import os
 from pathlib import Path
 from typing import Any
 
+from gspo_trainer.model_shape import TINY_KINDS, tiny_config_fields
+
 # The built-in arithmetic task needs only these characters; a small vocabulary keeps the
 # random policy's chance of a well-formed answer high enough for the reward to move.
 ARITHMETIC_ALPHABET = "0123456789+="
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, EOS, UNK)
-# name -> (architecture, hidden size). `tiny` (hidden 64, ~0.1M parameters) is what tests
-# train: cheapest per step. `small` (hidden 128, ~0.5M) is the embedded default's: on the
-# built-in addition task it reaches a given greedy accuracy in about a third of tiny's steps,
-# at about 1.5x the cost of a step on CPU (BENCHMARKS.md).
-TINY_KINDS = {
-    "builtin:tiny-qwen3-moe": ("qwen3_moe", 64),
-    "builtin:tiny-qwen3": ("qwen3", 64),
-    "builtin:small-qwen3-moe": ("qwen3_moe", 128),
-    "builtin:small-qwen3": ("qwen3", 128),
-}
-HEAD_DIM = 32
+# TINY_KINDS: name -> (architecture, hidden size). `tiny` (hidden 64, ~0.1M parameters) is
+# what tests train: cheapest per step. `small` (hidden 128, ~0.5M) is the embedded default's:
+# on the built-in addition task it reaches a given greedy accuracy in about a third of tiny's
+# steps, at about 1.5x the cost of a step on CPU (BENCHMARKS.md). Their config fields live in
+# model_shape.py, which the memory plan reads without transformers.
 
 
 def build_tokenizer(alphabet: str = ARITHMETIC_ALPHABET) -> Any:
@@ -49,41 +45,11 @@ def build_tokenizer(alphabet: str = ARITHMETIC_ALPHABET) -> Any:
 
 def tiny_config(kind: str, vocab_size: int, *, pad_id: int, eos_id: int, hidden: int = 64) -> Any:
     """A transformers config for a small Qwen3 (dense) or Qwen3-MoE model of width `hidden`
-    (a multiple of 64): heads of 32, one key/value head per two query heads, MLPs twice as
-    wide as the model, 4 experts of the model's width with 2 routed per token."""
-    from transformers import Qwen3Config, Qwen3MoeConfig
+    (model_shape.tiny_config_fields says what it holds)."""
+    from transformers import AutoConfig
 
-    if hidden % 64:
-        raise ValueError(f"hidden must be a multiple of 64, got {hidden}")
-    common: dict[str, Any] = dict(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        num_hidden_layers=2,
-        num_attention_heads=hidden // HEAD_DIM,
-        num_key_value_heads=hidden // (2 * HEAD_DIM),
-        head_dim=HEAD_DIM,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        pad_token_id=pad_id,
-        eos_token_id=eos_id,
-        bos_token_id=eos_id,
-        torch_dtype="float32",
-    )
-    if kind == "qwen3":
-        return Qwen3Config(intermediate_size=2 * hidden, **common)
-    if kind == "qwen3_moe":
-        return Qwen3MoeConfig(
-            intermediate_size=2 * hidden,
-            moe_intermediate_size=hidden,
-            num_experts=4,
-            num_experts_per_tok=2,
-            decoder_sparse_step=1,
-            norm_topk_prob=True,
-            router_aux_loss_coef=0.001,
-            **common,
-        )
-    kinds = sorted({k for k, _ in TINY_KINDS.values()})
-    raise ValueError(f"unknown tiny model kind {kind!r}; use one of {kinds}")
+    fields = tiny_config_fields(kind, vocab_size, pad_id=pad_id, eos_id=eos_id, hidden=hidden)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
 def build_tiny_model(name: str, *, seed: int = 0, alphabet: str = ARITHMETIC_ALPHABET) -> Any:
