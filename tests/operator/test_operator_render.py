@@ -406,10 +406,18 @@ def test_cpu_learner_has_no_gpus_and_uses_the_named_claim() -> None:
 
 
 def test_a_single_learner_pod_asks_for_a_read_write_once_claim() -> None:
-    one_pod = job(learner__replicas=1, learner__gpusPerReplica=8, algorithm__miniBatches=4)
+    # Offloaded: the example's model fits one pod's 8 GPUs only so (the memory plan).
+    one_pod = job(
+        learner__replicas=1,
+        learner__gpusPerReplica=8,
+        algorithm__miniBatches=4,
+        learner__offloadOptimizer=True,
+    )
     (claim,) = by_kind(rendered(one_pod), "PersistentVolumeClaim")
     assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
-    shared = job(learner__replicas=1, weightSync__method="filesystem")
+    shared = job(
+        learner__replicas=1, learner__offloadOptimizer=True, weightSync__method="filesystem"
+    )
     (claim,) = by_kind(rendered(shared), "PersistentVolumeClaim")
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # the servers read it too
 
