@@ -261,6 +261,13 @@ def _spec_rules() -> list[Rule]:
             field_path=".algorithm.promptsPerStep",
         ),
         rule(
+            f"{learner}.zeroStage != 0 || self.model.dtype != 'bfloat16'",
+            "0 cannot train model.dtype bfloat16: bf16 gradients accumulate in fp32, which "
+            "DeepSpeed offers under ZeRO stages 1-3 only; set learner.zeroStage to 1 or more, "
+            "or model.dtype to float32",
+            field_path=".learner.zeroStage",
+        ),
+        rule(
             f"{longest} <= self.model.maxModelLen",
             "is shorter than data.maxPromptTokens + algorithm.maxResponseTokens; raise it or "
             "shorten those",

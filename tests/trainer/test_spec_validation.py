@@ -96,6 +96,7 @@ CROSS_FIELD_CASES = [
     ),
     ({"model": {"name": "builtin:gpt5"}}, "spec.model.name", "tiny-qwen3-moe"),
     ({"model": {"maxModelLen": 4096}}, "spec.model.maxModelLen", "10240"),
+    ({"learner": {"zeroStage": 0}}, "spec.learner.zeroStage", "learner.zeroStage to 1 or more"),
     ({"reward": {"kind": "python"}}, "spec.reward.function", "module:function"),
     ({"reward": {"function": "a:b"}}, "spec.reward.function", "only read"),
     ({"reward": {"kind": "math", "functions": [FORMAT]}}, "spec.reward.kind", "remove reward.kind"),

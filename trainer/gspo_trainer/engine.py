@@ -126,7 +126,7 @@ def ds_config(spec: GSPOJobSpec, gpu: bool | None = None) -> dict[str, Any]:
         # A mini-batch's gradient sums ~16 micro-batches; in bf16 (8 bits of mantissa) the
         # small ones vanish into the sum. fp32 accumulation: ZeRO-1 takes DeepSpeed's
         # BF16_Optimizer, ZeRO-2/3 fp32 gradient partitions; master weights and Adam state
-        # are fp32 under every stage.
+        # are fp32. Without ZeRO DeepSpeed refuses the mix: validation refuses zeroStage 0.
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     return cfg
 

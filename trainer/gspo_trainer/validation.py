@@ -169,6 +169,15 @@ def explain_error(err: Mapping[str, Any], allowed: Sequence[str] | None = None) 
     return f"{err['msg'].removeprefix('Value error, ')} (got {value!r})"
 
 
+# The learner accumulates bf16 gradients in fp32 (engine.ds_config); DeepSpeed 0.19.8 does that
+# under ZeRO 1-3 only: without ZeRO its engine refuses the mix (_do_optimizer_sanity_check).
+ZERO0_BF16 = (
+    "0 cannot train model.dtype bfloat16: bf16 gradients accumulate in fp32, which DeepSpeed "
+    "offers under ZeRO stages 1-3 only; set learner.zeroStage to 1 or more, or model.dtype "
+    "to float32"
+)
+
+
 def check_spec(spec: GSPOJobSpec, *, prefix: str = "spec") -> list[Problem]:
     """Cross-field rules that no single field can express. Pure; returns every problem."""
     out: list[Problem] = []
@@ -206,6 +215,8 @@ def check_spec(spec: GSPOJobSpec, *, prefix: str = "spec") -> list[Problem]:
             "promptsPerStep x groupSize / miniBatches a multiple of it",
         )
 
+    if learner.zero_stage == 0 and spec.model.dtype == "bfloat16":
+        bad("learner.zeroStage", ZERO0_BF16)
     if spec.model.moe is not None and spec.model.moe.expert_parallel_size != 1:
         bad(
             "model.moe.expertParallelSize",
