@@ -137,6 +137,24 @@ def test_gspo_train_places_its_processes_on_the_gpus(
     assert server_args[server_args.index("--tensor-parallel-size") + 1] == "2"
 
 
+def test_gspo_train_given_some_gpus_places_its_processes_on_those(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Started with CUDA_VISIBLE_DEVICES=4,5,6,7 (4 GPUs seen), its processes see GPUs of
+    those four, not GPUs 0-3 of the machine: a child's CUDA_VISIBLE_DEVICES replaces it."""
+    import yaml
+
+    from gspo_trainer import train
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    started = record_spawns(monkeypatch, gpus=4)
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(gpu_spec(learner_gpus=2, servers=1, tp=2)))
+    assert train.main([str(job), "--output-dir", str(tmp_path / "out"), "--no-progress"]) == 0
+    seen = {name: env.get("CUDA_VISIBLE_DEVICES") for name, _, env in started}
+    assert seen == {"rollout-0": "6,7", "learner": "4,5"}
+
+
 def test_gspo_train_refuses_a_job_that_needs_more_gpus_naming_the_numbers(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

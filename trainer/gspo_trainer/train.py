@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -169,26 +169,37 @@ class PlacementError(ValueError):
     """The spec needs more GPUs than this machine has."""
 
 
-def place_on_gpus(spec: GSPOJobSpec, gpus: int, n_servers: int) -> GpuPlacement:
-    """GPUs of their own for the learner and each server on a machine with `gpus` of them.
+def visible_gpus(count: int, environ: Mapping[str, str]) -> list[str]:
+    """The CUDA_VISIBLE_DEVICES entries of the `count` GPUs this process sees, in its order:
+    a child's CUDA_VISIBLE_DEVICES replaces the parent's, so it must name the parent's own
+    entries (the GPUs given to `gspo train`), not their indices among them."""
+    raw = environ.get("CUDA_VISIBLE_DEVICES")
+    if raw is None:
+        return [str(i) for i in range(count)]
+    return [entry.strip() for entry in raw.split(",") if entry.strip()][:count]
+
+
+def place_on_gpus(spec: GSPOJobSpec, gpus: int | Sequence[str], n_servers: int) -> GpuPlacement:
+    """GPUs of their own for the learner and each server on a machine with `gpus` of them
+    (a count: GPUs 0..count-1; or the entries of visible_gpus).
 
     The learner's processes (learner.replicas x learner.gpusPerReplica, every pod's ranks on
     this one machine) take the first GPUs, so LOCAL_RANK k is the k-th it sees; each rollout
     server then takes rollout.tensorParallelSize GPUs (vLLM's workers, one per GPU). A side
     whose gpusPerReplica is 0 runs on the CPU and sees none. PlacementError naming the
     numbers when they do not fit."""
+    ids = [str(i) for i in range(gpus)] if isinstance(gpus, int) else list(gpus)
     learner = spec.learner.replicas * spec.learner.gpus_per_replica
     per_server = spec.rollout.tensor_parallel_size if spec.rollout.gpus_per_replica > 0 else 0
     need = learner + n_servers * per_server
-    if need > gpus:
+    if need > len(ids):
         raise PlacementError(
-            f"this job needs {need} GPUs and this machine has {gpus}: the learner "
+            f"this job needs {need} GPUs and this machine has {len(ids)}: the learner "
             f"{learner} (spec.learner.replicas {spec.learner.replicas} x gpusPerReplica "
             f"{spec.learner.gpus_per_replica}) and {n_servers} rollout server(s) x "
             f"{per_server} (spec.rollout.tensorParallelSize); lower them, run fewer servers "
             "(--rollout-servers), or run on a cluster"
         )
-    ids = [str(i) for i in range(need)]
     servers = [",".join(ids[learner + i * per_server : learner + (i + 1) * per_server])
                for i in range(n_servers)]  # fmt: skip
     return GpuPlacement(",".join(ids[:learner]), servers)
@@ -391,7 +402,7 @@ def main(argv: list[str]) -> int:
     gpus: GpuPlacement | None = None
     if _has_cuda():  # GPUs of their own for the learner and each server, or a refusal
         try:
-            gpus = place_on_gpus(spec, _gpu_count(), n_servers)
+            gpus = place_on_gpus(spec, visible_gpus(_gpu_count(), os.environ), n_servers)
         except PlacementError as exc:
             print(f"gspo train: {exc}", file=sys.stderr)
             return 2
