@@ -15,6 +15,7 @@ import math
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from gspo_trainer.config import GSPOJobSpec
@@ -181,6 +182,26 @@ def resolve_model_path(spec: GSPOJobSpec, cache_dir: str | None = None) -> str:
 
         return str(materialize(name, cache_dir, seed=spec.algorithm.seed))
     return name
+
+
+# What from_pretrained reads of a Hub repository: config and generation config, safetensors
+# weights and their index, tokenizer files, chat template, remote code.
+FETCHED = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py"]
+
+
+def fetch_model(spec: GSPOJobSpec, path: str) -> None:
+    """A Hub model's files into the local cache, before the load's collectives: from_pretrained
+    downloads them before it builds the model, so a rank whose download is slow would keep
+    its peers waiting in the first collective of the load (zero.Init's broadcasts, or the
+    engine's) on the default group, whose watchdog (NCCL's) ends them after
+    ranks.data_timeout_s. Each rank downloads (a pod's ranks share its cache; huggingface_hub
+    locks each file, so one fetches it), then the ranks meet on the control group. Nothing
+    to do for a local directory, a built-in model, or with HF_HUB_OFFLINE."""
+    from huggingface_hub import constants, snapshot_download
+
+    if spec.model.name.startswith("builtin:") or Path(path).is_dir() or constants.HF_HUB_OFFLINE:
+        return
+    snapshot_download(path, revision=spec.model.revision, allow_patterns=FETCHED)
 
 
 def load_model(spec: GSPOJobSpec, path: str, *, shard: bool = False) -> tuple[Any, Any]:

@@ -89,6 +89,8 @@ class Learner:
         failures = self.metrics.tracker_failures
         self.trackers = build_trackers(spec.metrics.report_to, where, self.rank, failures)
         path = model_path or eng.resolve_model_path(spec)
+        eng.fetch_model(spec, path)  # a Hub download, before any collective of the load
+        self.ranks.barrier()  # on the control group: every rank has the files
         # Under ZeRO-3 loaded sharded: each rank builds and keeps only its partition.
         model, self.tokenizer = eng.load_model(spec, path, shard=True)
         self.engine = eng.build_engine(spec, model)
