@@ -191,3 +191,21 @@ def test_a_failed_export_fails_the_run_and_a_rerun_exports_from_the_final_checkp
     trained = params(learner)
     for name, value in exported.named_parameters():
         assert torch.equal(value, trained[name]), name
+
+
+def test_a_file_that_cannot_be_read_is_damaged_not_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """verify runs on every rank between two agreements: a read error (EIO on a bad disk)
+    marks the file damaged, where raising would leave this rank out of the next one."""
+    ckpt.aside(tmp_path, 1).mkdir()
+    (ckpt.aside(tmp_path, 1) / "a.bin").write_bytes(b"x" * 10)
+    ckpt.commit(tmp_path, 1, keep=5)
+    final = tmp_path / ckpt.step_name(1)
+    assert ckpt.verify(final) == []
+
+    def unreadable(path: Path) -> str:
+        raise OSError(5, "Input/output error", str(path))
+
+    monkeypatch.setattr(ckpt, "sha256_file", unreadable)
+    assert ckpt.verify(final) == ["a.bin"]

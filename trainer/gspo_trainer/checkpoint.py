@@ -132,12 +132,10 @@ def verify(ckpt: Path, rank: int = 0, world: int = 1) -> list[str]:
 
     def damaged(item: tuple[str, dict[str, Any]]) -> bool:
         path = ckpt / item[0]
-        try:
-            if path.stat().st_size != item[1]["bytes"]:
-                return True
+        try:  # a file that cannot be read is damaged too: the ranks agree on it
+            return path.stat().st_size != item[1]["bytes"] or sha256_file(path) != item[1]["sha256"]
         except OSError:
             return True
-        return sha256_file(path) != item[1]["sha256"]
 
     with ThreadPoolExecutor(max_workers=min(8, len(files) or 1)) as pool:
         flags = list(pool.map(damaged, files.items()))
