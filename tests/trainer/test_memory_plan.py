@@ -195,6 +195,21 @@ def test_zero1_counts_the_whole_fp32_gradients_of_bf16_optimizer() -> None:
     assert _states(rows) - theirs == 6 * shape.params - 6 * shape.params // 16
 
 
+def test_the_reduce_bucket_is_deepspeeds_whole_size_for_a_small_model() -> None:
+    """ZeRO-2 and -3 allocate their reduce bucket at reduce_bucket_size elements (torch.empty
+    in stage_1_and_2.py and stage3.py), not at the model's size: 5e8 bf16 elements, ~0.93 GiB,
+    on every GPU even for a 0.6B-parameter model (more than the bucket) or a tiny one."""
+    tiny = ModelShape.from_config({"hidden_size": 64, "num_hidden_layers": 2,
+                                   "num_attention_heads": 4, "intermediate_size": 128,
+                                   "vocab_size": 512})  # fmt: skip
+    for stage in (2, 3):
+        rows = learner_rows(
+            tiny, LearnerSetup(8, stage, "bfloat16", False, True, 1024, False, 0, 80 * 2**30)
+        )
+        by_name = {r.name: r.bytes for r in rows}
+        assert by_name["gradient reduce bucket"] == 500_000_000 * 2
+
+
 # --- verdicts -------------------------------------------------------------------------------
 def test_the_example_fits_as_shipped() -> None:
     plan, skipped = plan_spec(parse_spec(example()))

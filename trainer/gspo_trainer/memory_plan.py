@@ -245,8 +245,8 @@ def learner_rows(shape: ModelShape, s: LearnerSetup) -> tuple[Row, ...]:
     rows.append(
         Row(f"gradients, {kind} ({'on the host' if host_grads else _part(grad_shard)})", grads)
     )
-    if s.zero_stage >= 2:
-        rows.append(Row("gradient reduce bucket", min(REDUCE_BUCKET_ELEMENTS, P) * b))
+    if s.zero_stage >= 2:  # allocated whole whatever the model's size (stage3.py, stage_1_and_2.py)
+        rows.append(Row("gradient reduce bucket", REDUCE_BUCKET_ELEMENTS * b))
     elif accum != b:
         rows.append(Row(f"{s.dtype} gradients of a backward", P * b))
     if s.reference:
