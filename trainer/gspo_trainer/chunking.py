@@ -21,7 +21,7 @@ def chunk_tokens(device_type: str, vocab: int, device_memory_bytes: int = 0) -> 
     temporaries within GPU_CHUNK_MEMORY_SHARE of the device's memory, a multiple of 256
     within GPU_CHUNK_TOKENS: a big matmul keeps the GPU busy where 256 tokens leave it
     waiting on launches, and a response within one chunk is never recomputed (fused_loss).
-    An 80 GB H100 with Qwen3's 151,936-token vocabulary: 3,072 tokens."""
+    An 80 GB H100 with Qwen3's 151,936-token vocabulary: 3,328 tokens."""
     if device_type == "cpu" or device_memory_bytes <= 0:
         return DEFAULT_CHUNK_TOKENS
     fit = int(device_memory_bytes * GPU_CHUNK_MEMORY_SHARE) // (GPU_CHUNK_BYTES_PER_LOGIT * vocab)
