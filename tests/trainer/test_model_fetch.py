@@ -41,6 +41,7 @@ def test_nothing_is_fetched_locally_offline_or_built_in(
                         lambda *a, **kw: pytest.fail("downloaded"))  # fmt: skip
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     engine.fetch_model(spec_of("Qwen/Qwen3-0.6B"), str(tmp_path))  # a local directory
+    engine.fetch_model(spec_of("/models/absent"), "/models/absent")  # a path, not a repo
     engine.fetch_model(spec_of("builtin:tiny-qwen3"), "builtin:tiny-qwen3")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     engine.fetch_model(spec_of("Qwen/Qwen3-0.6B"), "Qwen/Qwen3-0.6B")

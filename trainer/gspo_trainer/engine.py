@@ -199,7 +199,8 @@ def fetch_model(spec: GSPOJobSpec, path: str) -> None:
     to do for a local directory, a built-in model, or with HF_HUB_OFFLINE."""
     from huggingface_hub import constants, snapshot_download
 
-    if spec.model.name.startswith("builtin:") or Path(path).is_dir() or constants.HF_HUB_OFFLINE:
+    local = path.startswith(("/", ".", "~")) or Path(path).is_dir()  # from_pretrained says why
+    if spec.model.name.startswith("builtin:") or local or constants.HF_HUB_OFFLINE:
         return
     snapshot_download(path, revision=spec.model.revision, allow_patterns=FETCHED)
 
