@@ -19,7 +19,8 @@ The KL reference (klCoef > 0) is weights only, sharded like the policy under ZeR
 keeps the weight sync's two send buffers. Activations are counted per token of
 microBatchTokens, tensor by tensor as autograd saves them in transformers' Qwen3 layers
 (RMSNorm upcasts to fp32; flash or memory-efficient attention, no seq x seq term): all layers'
-without gradient checkpointing; with it, each layer's input plus one layer recomputed.
+without gradient checkpointing; with it, each layer's input plus one layer recomputed. The
+fused loss's gradient of the output head is whole and fp32 on every rank (fused_loss.py).
 
 A rollout server's GPU (one of tensorParallelSize ranks): vLLM takes gpuMemoryUtilization of
 the GPU; weights (1/TP of them), its profile run's activations and a runtime reserve come
@@ -263,6 +264,11 @@ def learner_rows(shape: ModelShape, s: LearnerSetup) -> tuple[Row, ...]:
             ),
         )
     )
+    # The fused loss computes the output head's gradient in its forward, in fp32 for the whole
+    # (vocabulary, hidden) weight, and holds it through the backward, where autograd casts it
+    # to the weights' dtype (fused_loss.py): with the body's activations at their peak.
+    head_grad = shape.vocab * shape.hidden * (FP32 + (b if b != FP32 else 0))
+    rows.append(Row("output head's gradient (fp32, whole; the fused loss)", head_grad))
     rows.append(Row("CUDA context, NCCL, allocator (allowance)", RUNTIME_RESERVE))
     return tuple(rows)
 
