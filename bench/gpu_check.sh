@@ -20,8 +20,11 @@ wheels)
         typing-extensions==4.16.0 msgspec==0.22.0 transformers==5.19.0
     ;;
 run)
-    "$PY" -m pip install --no-deps --no-index --quiet .whl/*.whl
-    PYTHONPATH="$PWD/operator:$PWD/trainer" exec "$PY" bench/gpu_check.py "$@"
+    # Into a directory of their own, first on the path: the image's site-packages may not be
+    # writable, and its transformers (5.17) must not win over the carried one.
+    "$PY" -m pip install --no-deps --no-index --no-compile --quiet --upgrade \
+        --target /tmp/gspo-site .whl/*.whl
+    PYTHONPATH="$PWD/operator:$PWD/trainer:/tmp/gspo-site" exec "$PY" bench/gpu_check.py "$@"
     ;;
 *)
     echo "usage: sh bench/gpu_check.sh wheels|run" >&2
