@@ -89,6 +89,8 @@ OPERATOR_ONLY = (
     "configMapRef or secretRef with a name",  # envFrom: likewise
     "not allowed on this cluster",  # the cluster's policy: hostPath
     "RestartJob feature gate",  # the cluster's policy: restartScope learner
+    "per GPU and the GPU has",  # the memory plan: the model's config.json, not the spec
+    "and vLLM refuses to start",  # likewise, a rollout server's GPU
 )
 # engineArgs is a preserved-unknown-fields map checked against vLLM's flag table: the
 # operator's to check, invisible to CEL.

@@ -59,9 +59,9 @@ def test_a_tampered_checkpoint_is_skipped_for_the_previous_one_with_a_log_line(
     else:
         victim.unlink()
     learner = make_learner(cache, root, manifest_for(3))
-    with caplog.at_level(logging.WARNING, logger="gspo.checkpoint"):
+    with caplog.at_level(logging.WARNING):
         assert learner.resume() == 1
-    warned = [r.getMessage() for r in caplog.records if r.name == "gspo.checkpoint"]
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warned) == 1, warned
     assert "step-000002 failed verification" in warned[0]
     assert "engine/mp_rank_00_model_states.pt" in warned[0]
