@@ -10,9 +10,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+DIST_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
 def checkout_env(**extra: str) -> dict[str, str]:
-    """Environment whose Python imports this checkout's packages first."""
-    env = dict(os.environ)
+    """Environment whose Python imports this checkout's packages first, without the
+    rendezvous of a process group this test process may hold (engine.init_distributed sets
+    MASTER_PORT to a port its own store keeps bound: a child would fail to listen on it)."""
+    env = {k: v for k, v in os.environ.items() if k not in DIST_RENDEZVOUS}
     paths = [str(REPO / "operator"), str(REPO / "trainer")]
     env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.update(extra)

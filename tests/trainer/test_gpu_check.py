@@ -4,17 +4,17 @@ section, so it is ready (not rotten) the day a GPU is lent."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from checkout import checkout_env
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_gpu_check_dry_run_passes_every_section() -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "operator"), str(REPO / "trainer")])
+    env = checkout_env()
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--dry-run"],
                           cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)  # fmt: skip
