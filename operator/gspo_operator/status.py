@@ -270,15 +270,17 @@ def compute(
 
     resume = None
     if policy.scheduling.queue and observed.kueue:
-        held = _queued(st, spec, js, observed, phase)
+        held = _queued(st, spec, js, observed)
         if held is not None:
             return held
     elif policy.suspend:
         _suspended(st, "runPolicy.suspend is true")
         return Outcome(st.done(), st.events, suspend_jobset=True if not js.suspended else None)
-    elif js.suspended:
-        resume = False
-        if phase == "Suspended":
+    else:
+        resume = False if js.suspended else None
+        # By the condition, not the JobSet: the watch may show the JobSet's suspend only after
+        # the resume, and the phase has moved on by then.
+        if st.condition_of("Suspended"):
             st.condition("Suspended", False, "Resumed", "resuming from the latest checkpoint")
             st.set(startTime=st.now)  # the deadline counts running time since the resume
 
@@ -382,9 +384,7 @@ def _suspended(st: _Status, why: str) -> None:
     st.condition("Running", False, "Suspended", "the job is suspended")
 
 
-def _queued(
-    st: _Status, spec: GSPOJobSpec, js: JobSetView, observed: Observed, phase: Any
-) -> Outcome | None:
+def _queued(st: _Status, spec: GSPOJobSpec, js: JobSetView, observed: Observed) -> Outcome | None:
     """A queued job on a cluster with Kueue, which owns its JobSet's suspend: Kueue unsuspends
     an admitted JobSet and suspends one it evicts, so the operator never patches it (a
     suspended, admitted JobSet is unsuspended again at once, every pod deleted each round).
@@ -398,7 +398,7 @@ def _queued(
             return Outcome(st.done(), st.events, suspend_jobset=True if not js.suspended else None)
         return Outcome(st.done(), st.events, activate_workload=False if wl.active else None)
     activate = True if wl is not None and not wl.active else None
-    if phase == "Suspended":
+    if st.condition_of("Suspended"):
         st.condition("Suspended", False, "Resumed", "resuming from the latest checkpoint")
         st.data.pop("startTime", None)  # the deadline counts from the next start
     if wl is not None and wl.admitted() and not js.suspended:

@@ -223,6 +223,22 @@ def test_suspend_suspends_the_jobset_and_resume_continues() -> None:
     assert resumed.status["startTime"] == "2026-01-01T13:00:00Z"
 
 
+def test_resume_seen_before_the_suspended_jobset_still_clears_suspended() -> None:
+    """The JobSet watch lags: the resume arrives while the view still shows the JobSet running
+    (its suspend not seen yet), then the suspended JobSet shows up after the phase moved on."""
+    prev = step(spec(), observed(pods("Running", "Running"), servers(4)), None).status
+    gone = step(spec(suspend=True), observed(pods("Running", "Running")), prev).status
+    assert gone["phase"] == "Suspended"
+    later = NOW + timedelta(hours=1)
+    lagging = step(spec(), observed(jobset=js(suspended=False)), gone, later)
+    assert lagging.status["phase"] == "Pending" and lagging.suspend_jobset is None
+    assert cond(lagging.status, "Suspended")["status"] == "False"
+    caught_up = step(spec(), observed(jobset=js(suspended=True)), lagging.status, later)
+    assert caught_up.suspend_jobset is False
+    assert cond(caught_up.status, "Suspended")["reason"] == "Resumed"
+    assert caught_up.status["startTime"] == "2026-01-01T13:00:00Z"
+
+
 def test_condition_transition_time_changes_only_on_flip() -> None:
     first = step(spec(), observed(pods("Running", "Pending")), None, NOW).status
     t0 = cond(first, "LearnerReady")["lastTransitionTime"]
