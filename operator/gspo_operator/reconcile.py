@@ -242,7 +242,13 @@ async def _reconcile(ctx: Context, key: Key, body: Obj) -> float | None:
     outcome = status.compute(spec, observed, current, now, body["metadata"].get("generation"))
     if children.jobset_unserved:
         outcome.status = status.jobset_missing(outcome.status, now, JOBSET_MISSING)
-    await _act(ctx, key, body["metadata"]["uid"], outcome, observed)
+    refused = await _act(ctx, key, body["metadata"]["uid"], outcome, observed)
+    if refused is not None:  # e.g. no RBAC to patch the Workload: the status says so
+        current, event = status.api_refused(outcome.status, now, "blocked", *refused)
+        if not _true(original, "Blocked") or original.get("phase") != current.get("phase"):
+            events.append(event)
+        await _write(ctx, key, body, original, current, events + outcome.events, force=True)
+        return _back_off(ctx, key)
     await _write(ctx, key, body, original, outcome.status, events + outcome.events)
     _record(ctx, key, original, outcome.status, spec)
     return _next_look(ctx, key, spec, outcome.status, observed, now)
@@ -538,26 +544,41 @@ async def _observe_claim(ctx: Context, ns: str, name: str) -> status.ClaimView |
 
 async def _act(
     ctx: Context, key: Key, uid: str, out: status.Outcome, observed: status.Observed
-) -> None:
-    """Suspend, resume and delete what `out` asks for; every call tolerates a repeat."""
+) -> tuple[str, str] | None:
+    """Suspend, resume and delete what `out` asks for; every call tolerates a repeat. The
+    (reason, message) of a refusal an admin must clear (RBAC, a webhook), for the status."""
     ns, name = key
     jobset = names.jobset(name)
-    if out.suspend_jobset is not None:
-        patch = {"spec": {"suspend": out.suspend_jobset}}
-        await ctx.kube.patch(render.JOBSET_API, "JobSet", ns, jobset, patch)
-        log.info("%s JobSet %s in %s", "Suspended" if out.suspend_jobset else "Resumed", jobset, ns)
-    if out.activate_workload is not None and observed.workload is not None:
-        workload = observed.workload.name
-        patch = {"spec": {"active": out.activate_workload}}
-        await ctx.kube.patch(names.KUEUE_API, "Workload", ns, workload, patch)
-        verb = "Activated" if out.activate_workload else "Deactivated"
-        log.info("%s Workload %s in %s", verb, workload, ns)
-    if out.delete_jobset and await ctx.kube.delete(render.JOBSET_API, "JobSet", ns, jobset):
-        log.info("Deleted JobSet %s in %s", jobset, ns)
-    if out.delete_job:
-        await ctx.kube.delete(JOB_API, "GSPOJob", ns, name)
-        ctx.deleted.add(uid)
-        log.info("Deleted GSPOJob %s in %s: ttlSecondsAfterFinished passed", name, ns)
+    doing = ""
+    try:
+        if out.suspend_jobset is not None:
+            verb = "suspend" if out.suspend_jobset else "resume"
+            doing = f"{verb} JobSet {jobset} (patch its spec.suspend)"
+            patch = {"spec": {"suspend": out.suspend_jobset}}
+            await ctx.kube.patch(render.JOBSET_API, "JobSet", ns, jobset, patch)
+            log.info("%sd JobSet %s in %s", verb.capitalize(), jobset, ns)
+        if out.activate_workload is not None and observed.workload is not None:
+            workload = observed.workload.name
+            verb = "activate" if out.activate_workload else "deactivate"
+            doing = f"{verb} Kueue's Workload {workload} (patch its spec.active)"
+            patch = {"spec": {"active": out.activate_workload}}
+            await ctx.kube.patch(names.KUEUE_API, "Workload", ns, workload, patch)
+            log.info("%sd Workload %s in %s", verb.capitalize(), workload, ns)
+        if out.delete_jobset:
+            doing = f"delete JobSet {jobset}"
+            if await ctx.kube.delete(render.JOBSET_API, "JobSet", ns, jobset):
+                log.info("Deleted JobSet %s in %s", jobset, ns)
+        if out.delete_job:
+            doing = "delete the GSPOJob (ttlSecondsAfterFinished passed)"
+            await ctx.kube.delete(JOB_API, "GSPOJob", ns, name)
+            ctx.deleted.add(uid)
+            log.info("Deleted GSPOJob %s in %s: ttlSecondsAfterFinished passed", name, ns)
+    except ApiError as exc:
+        if exc.status in (404, 409) or api_errors.classify(exc.status) == "transient":
+            raise  # gone since it was read, throttled, unavailable: back off, look again
+        reason = "Forbidden" if exc.status == 403 else "Invalid"
+        return reason, f"the API server refused to {doing}: {exc.message}"
+    return None
 
 
 async def _write(

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import kueue
+from kmock_apiserver import Fault
 from operator_harness import (
     NS,
     api_server,
@@ -195,3 +196,25 @@ async def test_without_kueue_a_queue_label_does_nothing_and_suspend_patches_the_
         assert api.get("JobSet", NS, JOB)["spec"]["suspend"] is True
         asked = [r for r in api._requests if r.resource and r.resource.plural == "workloads"]
         assert len(asked) == 1  # the 404 is remembered until the next resync
+
+
+async def test_a_refused_workload_patch_is_in_the_job_status(progress) -> None:
+    async with kueue_api_server() as (api, _), operator(api):
+        for doc in ROOMY:
+            api.add(doc)
+        await create(api, queued_job(metrics={"port": progress.port}))
+        await running(api)
+        message = (
+            'workloads.kueue.x-k8s.io "x" is forbidden: User "system:serviceaccount:gspo:gspo" '
+            'cannot patch resource "workloads" in API group "kueue.x-k8s.io"'
+        )
+        api.faults.append(Fault("PATCH", "workloads", 403, "Forbidden", message))
+        await patch_spec(api, {"runPolicy": {"suspend": True}})
+        blocked = await eventually(lambda: cond(api, "Blocked"), what="the refusal in the status")
+        assert blocked["reason"] == "Forbidden" and job_status(api)["phase"] == "Blocked"
+        wl = workload(api)["metadata"]["name"]
+        assert f"refused to deactivate Kueue's Workload {wl}" in blocked["message"]
+        assert "cannot patch resource" in blocked["message"]
+        api.faults.clear()  # the admin grants it: the job suspends
+        await eventually(lambda: job_status(api).get("phase") == "Suspended", what="Suspended")
+        assert cond(api, "Blocked")["status"] == "False"
