@@ -564,17 +564,15 @@ async def _act(
             patch = {"spec": {"active": out.activate_workload}}
             await ctx.kube.patch(names.KUEUE_API, "Workload", ns, workload, patch)
             log.info("%sd Workload %s in %s", verb.capitalize(), workload, ns)
-        if out.delete_jobset:
-            doing = f"delete JobSet {jobset}"
-            if await ctx.kube.delete(render.JOBSET_API, "JobSet", ns, jobset):
-                log.info("Deleted JobSet %s in %s", jobset, ns)
+        doing = ""  # the deletes come with a finished job: its phase stays; the log says
+        if out.delete_jobset and await ctx.kube.delete(render.JOBSET_API, "JobSet", ns, jobset):
+            log.info("Deleted JobSet %s in %s", jobset, ns)
         if out.delete_job:
-            doing = "delete the GSPOJob (ttlSecondsAfterFinished passed)"
             await ctx.kube.delete(JOB_API, "GSPOJob", ns, name)
             ctx.deleted.add(uid)
             log.info("Deleted GSPOJob %s in %s: ttlSecondsAfterFinished passed", name, ns)
     except ApiError as exc:
-        if exc.status in (404, 409) or api_errors.classify(exc.status) == "transient":
+        if not doing or exc.status in (404, 409) or api_errors.classify(exc.status) == "transient":
             raise  # gone since it was read, throttled, unavailable: back off, look again
         reason = "Forbidden" if exc.status == 403 else "Invalid"
         return reason, f"the API server refused to {doing}: {exc.message}"
