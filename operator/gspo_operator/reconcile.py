@@ -374,17 +374,20 @@ def _refusal(what: str, verb: str, exc: ApiError) -> tuple[str, str, str]:
 
 
 def _foreign(what: str) -> str:
-    kept = ""
     if what.startswith("PersistentVolumeClaim "):
+        # Most often the claim an earlier job of this name kept (checkpoint.retainClaim): its
+        # checkpoints are reused only when asked for, and deleting it deletes them.
         claim = what.split(" ", 1)[1]
-        kept = (
-            f" (a checkpoint claim kept from an earlier job of this name holds its "
-            f"checkpoints: to resume from them set spec.checkpoint.claimName: {claim})"
+        return (
+            f"{what} already exists and is not this GSPOJob's (an earlier GSPOJob of this "
+            "name keeps its checkpoint claim when deleted: checkpoint.retainClaim); to resume "
+            f"from its checkpoints set spec.checkpoint.claimName: {claim}, to start afresh "
+            "give the job another name or delete that claim (its checkpoints go with it)"
         )
     return (
         f"{what} already exists and is not controlled by this GSPOJob (no ownerReference with "
         "its uid); the operator adopts only its own children: delete that object, or give "
-        f"the job another name{kept}"
+        "the job another name"
     )
 
 

@@ -64,8 +64,16 @@ async def test_a_kept_claim_is_not_taken_by_the_next_job_of_that_name(api, run_o
         assert api.get("PersistentVolumeClaim", NS, claim) is not None
 
         await create(api, tiny_job("exp"))
-        why = await eventually(lambda: blocked(api, "exp"), what="the new exp Blocked")
-        assert f"set spec.checkpoint.claimName: {claim})" in why, why
+        # Until the garbage collector has deleted every other child of the old job, one of
+        # those may be what blocks it first.
+        why = await eventually(
+            lambda: "PersistentVolumeClaim" in (blocked(api, "exp") or "") and blocked(api, "exp"),
+            what="the new exp Blocked by the kept claim",
+        )
+        assert why.startswith(f"Conflict: PersistentVolumeClaim {claim} already exists and is ")
+        assert "an earlier GSPOJob of this name keeps its checkpoint claim" in why, why
+        assert f"to resume from its checkpoints set spec.checkpoint.claimName: {claim}," in why
+        assert "delete that claim (its checkpoints go with it)" in why
         await call(api, "DELETE", f"/apis/gspo.dev/v1alpha1/namespaces/{NS}/gspojobs/exp")
         await eventually(lambda: api.get("GSPOJob", NS, "exp") is None, what="exp gone")
         await create(api, tiny_job("exp", checkpoint={"claimName": claim}))
