@@ -87,7 +87,9 @@ class Context:
     watch_jobsets: bool = True  # False: the JobSet API was not served at start-up; GET it
     http: aiohttp.ClientSession | None = None
     phases: dict[Key, str] = field(default_factory=dict)
-    accepted: dict[Key, GSPOJobSpec] = field(default_factory=dict)  # the spec in effect
+    # The spec in effect, with the uid of the job it is for (a job re-created with the same
+    # name is another job).
+    accepted: dict[Key, tuple[str, GSPOJobSpec]] = field(default_factory=dict)
     last_write: dict[Key, float] = field(default_factory=dict)  # monotonic
     # The job's resourceVersion before this operator's last status write, and until when to
     # wait for the watch to show a newer one (kopf's consistency timeout: 5 s).
@@ -200,7 +202,10 @@ async def _reconcile(ctx: Context, key: Key, body: Obj) -> float | None:
         if current != original:
             await _write(ctx, key, body, original, current, [event], force=True)
         return None
-    accepted = ctx.accepted.get(key) or _spec_in_config_map(ctx, key) or spec
+    uid = body["metadata"].get("uid", "")
+    kept = ctx.accepted.get(key)
+    accepted = (kept[1] if kept and kept[0] == uid else None) or _spec_in_config_map(ctx, key, uid)
+    accepted = accepted or spec
     if accepted is None:
         return None
     events: list[status.Event] = []
@@ -219,7 +224,7 @@ async def _reconcile(ctx: Context, key: Key, body: Obj) -> float | None:
             events.append(event)
         elif not refused and _true(current, "InvalidSpec"):
             current = status.accepted_change(current, now)
-    ctx.accepted[key] = spec
+    ctx.accepted[key] = (uid, spec)
 
     # Children: create what is missing, repair what was changed by hand, refuse strangers.
     terminal = current.get("phase") in status.TERMINAL
@@ -687,10 +692,15 @@ def _record(ctx: Context, key: Key, previous: Obj, new: Obj, spec: GSPOJobSpec) 
 # --- the spec in effect ---------------------------------------------------------------------
 
 
-def _spec_in_config_map(ctx: Context, key: Key) -> GSPOJobSpec | None:
-    """The spec the job runs: the one its ConfigMap holds (written when it was accepted)."""
+def _spec_in_config_map(ctx: Context, key: Key, uid: str) -> GSPOJobSpec | None:
+    """The spec the job runs: the one its ConfigMap holds (written when it was accepted). Not
+    the ConfigMap of an earlier job of this name the garbage collector has not deleted yet."""
     for view in ctx.indexed("children", key):
-        if view.kind == "ConfigMap" and view.name == names.config_map(key[1]):
+        if (view.kind, view.name, view.controller_uid) == (
+            "ConfigMap",
+            names.config_map(key[1]),
+            uid,
+        ):
             data = view.fields.get("data") or {}
             try:
                 return parse_spec(yaml.safe_load(data[ports.CONFIG_FILE])["spec"])

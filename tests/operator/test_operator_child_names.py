@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from operator_harness import NS, eventually, tiny_job
 
-from gspo_operator import names
+from gspo_operator import names, render
 
 
 def status_of(api, job: str) -> dict:
@@ -66,10 +66,34 @@ async def test_a_kept_claim_is_not_taken_by_the_next_job_of_that_name(api, run_o
         await create(api, tiny_job("exp"))
         # Until the garbage collector has deleted every other child of the old job, one of
         # those may be what blocks it first.
-        why = await eventually(
-            lambda: "PersistentVolumeClaim" in (blocked(api, "exp") or "") and blocked(api, "exp"),
-            what="the new exp Blocked by the kept claim",
-        )
+        try:
+            why = await eventually(
+                lambda: (
+                    "PersistentVolumeClaim" in (blocked(api, "exp") or "") and blocked(api, "exp")
+                ),
+                what="the new exp Blocked by the kept claim",
+            )
+        except AssertionError:
+            import json
+
+            print("DBG", json.dumps(status_of(api, "exp"), indent=1))
+            print(
+                "DBGKIDS",
+                [
+                    (o["kind"], o["metadata"]["name"], o["metadata"].get("ownerReferences"))
+                    for k in (
+                        "Secret",
+                        "ConfigMap",
+                        "Service",
+                        "JobSet",
+                        "PersistentVolumeClaim",
+                        "NetworkPolicy",
+                        "PodMonitor",
+                    )
+                    for o in api.list_kind(k, NS)
+                ],
+            )
+            raise
         assert why.startswith(f"Conflict: PersistentVolumeClaim {claim} already exists and is ")
         assert "an earlier GSPOJob of this name keeps its checkpoint claim" in why, why
         assert f"to resume from its checkpoints set spec.checkpoint.claimName: {claim}," in why
@@ -79,3 +103,28 @@ async def test_a_kept_claim_is_not_taken_by_the_next_job_of_that_name(api, run_o
         await create(api, tiny_job("exp", checkpoint={"claimName": claim}))
         await eventually(lambda: api.get("JobSet", NS, "exp"), what="the resumed job's JobSet")
         assert blocked(api, "exp") is None
+
+
+async def test_an_earlier_jobs_config_map_is_not_the_new_jobs_accepted_spec(
+    api, run_operator
+) -> None:
+    """Deleted and re-created with another spec while the garbage collector has not yet deleted
+    the old job's ConfigMap: the new job runs its own spec, not the old one's."""
+    from gspo_trainer.validation import parse_spec
+
+    old = tiny_job("exp", algorithm={**tiny_job()["spec"]["algorithm"], "learningRate": 0.5})
+    old["metadata"].update(namespace=NS, uid="uid-of-the-deleted-exp")
+    leftover = render.render_config_map_of(old, parse_spec(old["spec"]))
+    leftover["metadata"]["finalizers"] = ["example.com/hold"]  # the collector is not done yet
+    await api.create(leftover)
+    async with run_operator(api):
+        await create(api, tiny_job("exp"))
+        why = await eventually(lambda: blocked(api, "exp"), what="Blocked by the leftover")
+        assert why.startswith(f"Conflict: ConfigMap {names.config_map('exp')} already exists")
+        conditions = {c["type"]: c for c in status_of(api, "exp")["conditions"]}
+        assert "InvalidSpec" not in conditions, conditions["InvalidSpec"]["message"]
+        patch = {"metadata": {"finalizers": None}}  # the collector catches up
+        await api.patch("ConfigMap", NS, names.config_map("exp"), patch)
+        await eventually(lambda: api.get("JobSet", NS, "exp"), what="exp's JobSet")
+        data = api.get("ConfigMap", NS, names.config_map("exp"))["data"]
+        assert "learningRate: 0.5" not in next(iter(data.values()))
