@@ -276,7 +276,7 @@ async def _ensure_children(
     desired = _rendered(ctx, key, body, spec)
     if terminal:  # a finished job's pods stay stopped
         desired = [o for o in desired if o["kind"] != "JobSet"]
-    observed = _children_seen(ctx, key)
+    observed = _children_seen(ctx, key, body["metadata"].get("uid"))
     observed.update(await _unwatched_children(ctx, key, desired))
     uid = body["metadata"]["uid"]
     plan = plan_children(desired, observed, uid)
@@ -409,9 +409,10 @@ def _unserved(ctx: Context, body: Obj, kind: str, what: str, out: Children) -> N
     ctx.post(body, status.Event("Normal", f"{kind}Skipped", message))
 
 
-def _children_seen(ctx: Context, key: Key) -> dict[ChildKey, ChildView]:
+def _children_seen(ctx: Context, key: Key, uid: str | None) -> dict[ChildKey, ChildView]:
     """Every watched child of the job, from the indexes, and what this operator has just
-    created or repaired that its watch does not show yet."""
+    created or repaired that its watch does not show yet (for this job: not for an earlier
+    job of this name, whose children the garbage collector may have deleted unseen)."""
     out: dict[ChildKey, ChildView] = {}
     for index in ("jobsets", "children"):
         for view in ctx.indexed(index, key):
@@ -421,7 +422,8 @@ def _children_seen(ctx: Context, key: Key) -> dict[ChildKey, ChildView]:
     now = time.monotonic()
     for child, (view, until) in list(expected.items()):
         seen = out.get(child)
-        if now > until or (seen is not None and contains(view.fields, seen.fields)):
+        stale = view.controller_uid not in (None, uid)
+        if stale or now > until or (seen is not None and contains(view.fields, seen.fields)):
             del expected[child]  # the watch shows it (or it is too long ago to trust)
         else:
             out[child] = view

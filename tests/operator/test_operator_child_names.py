@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from operator_harness import NS, eventually, tiny_job
 
-from gspo_operator import names, render
+from gspo_operator import names, reconcile, render
+from gspo_operator.kube import Kube
+from gspo_trainer.validation import parse_spec
 
 
 def status_of(api, job: str) -> dict:
@@ -110,8 +112,6 @@ async def test_an_earlier_jobs_config_map_is_not_the_new_jobs_accepted_spec(
 ) -> None:
     """Deleted and re-created with another spec while the garbage collector has not yet deleted
     the old job's ConfigMap: the new job runs its own spec, not the old one's."""
-    from gspo_trainer.validation import parse_spec
-
     old = tiny_job("exp", algorithm={**tiny_job()["spec"]["algorithm"], "learningRate": 0.5})
     old["metadata"].update(namespace=NS, uid="uid-of-the-deleted-exp")
     leftover = render.render_config_map_of(old, parse_spec(old["spec"]))
@@ -128,3 +128,16 @@ async def test_an_earlier_jobs_config_map_is_not_the_new_jobs_accepted_spec(
         await eventually(lambda: api.get("JobSet", NS, "exp"), what="exp's JobSet")
         data = api.get("ConfigMap", NS, names.config_map("exp"))["data"]
         assert "learningRate: 0.5" not in next(iter(data.values()))
+
+
+def test_a_child_just_made_for_an_earlier_job_of_the_name_is_not_the_new_jobs() -> None:
+    """The operator remembers what it created until its watch shows it; a child of a job that
+    was deleted (its children collected before the watch showed them) is no child of the next
+    job of that name."""
+
+    ctx = reconcile.Context(kube=Kube.for_host("http://127.0.0.1:1"))
+    old = tiny_job("exp")
+    old["metadata"].update(namespace=NS, uid="uid-of-the-deleted-exp")
+    reconcile._expect(ctx, (NS, "exp"), render.render_config_map_of(old, parse_spec(old["spec"])))
+    assert reconcile._children_seen(ctx, (NS, "exp"), "uid-of-the-deleted-exp")  # its own
+    assert reconcile._children_seen(ctx, (NS, "exp"), "uid-of-the-new-exp") == {}
