@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
 import math
 import multiprocessing as mp
 import os
@@ -48,6 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "operator"), str(REPO / "trainer")]
 
 import torch  # noqa: E402
+from rss import reset_peak, resident  # noqa: E402
 
 from gspo_trainer import checkpoint as ckpt  # noqa: E402
 from gspo_trainer.jobs import tiny_manifest  # noqa: E402
@@ -56,26 +56,9 @@ from gspo_trainer.rollout import weight_sync as ws  # noqa: E402
 MiB = 2**20
 
 
-def resident() -> tuple[int, int]:
-    """(VmRSS, VmHWM) in bytes."""
-    found = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                found[key] = int(value.split()[0]) * 1024
-    return found["VmRSS"], found["VmHWM"]
-
-
 def peak_extra(fn: Any) -> int:
     """Peak resident bytes during fn() above the resident bytes before it."""
-    import gc
-
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
-    before, _ = resident()
+    before = reset_peak()
     fn()
     _, peak = resident()
     return peak - before

@@ -17,14 +17,14 @@ Exits 1 when an estimate is off the measurement by more than 25%.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from rss import reset_peak, resident
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "operator"), str(REPO / "trainer")]
@@ -72,25 +72,6 @@ CASES: dict[str, tuple[dict[str, Any], int, bool, int]] = {
     "moe-69M-z2": (MOE_M, 2, False, 2048),
     "moe-69M-z1-ckpt": (MOE_M, 1, True, 4096),
 }
-
-
-def resident() -> tuple[int, int]:
-    """(VmRSS, VmHWM) in bytes."""
-    found = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                found[key] = int(value.split()[0]) * 1024
-    return found["VmRSS"], found["VmHWM"]
-
-
-def reset_peak() -> int:
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
-    return resident()[0]
 
 
 class _OneRank:

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import gc
 import json
 import os
 import subprocess
@@ -34,6 +32,8 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from rss import reset_peak, resident
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "operator"), str(REPO / "trainer")]
@@ -55,17 +55,6 @@ def config_fields(layers: int) -> dict[str, Any]:
         head_dim=64,
         tie_word_embeddings=False,
     )
-
-
-def resident() -> tuple[int, int]:
-    """(VmRSS, VmHWM) in bytes."""
-    found = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                found[key] = int(value.split()[0]) * 1024
-    return found["VmRSS"], found["VmHWM"]
 
 
 def save(path: Path, layers: int) -> None:
@@ -96,11 +85,7 @@ def rank_main(path: str, mode: str, out: str) -> None:
     # A first load of a one-layer model of the same kind, so that the baseline below already
     # holds what any load imports and sets up once (transformers' model code, DeepSpeed's).
     eng._from_pretrained(spec, str(Path(path).parent / "warm"), shard=True)
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
-    before = resident()[0]
+    before = reset_peak()
     model = eng._from_pretrained(spec, path, shard=True)
     peak = resident()[1] - before
     kept = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in model.parameters())
