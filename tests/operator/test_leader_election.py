@@ -473,7 +473,9 @@ async def test_two_replicas_one_leader_and_takeovers(
         assert first.said("Became leader (lease gspo-operator in ns default)")
         await eventually(lambda: second.said("New leader elected: op-"), 10, "the standby's log")
         assert not second.said("Became leader")
-        assert first.said("Created JobSet one") and not second.said("Created")
+        # The log line follows the API's answer through a pipe: wait for it, not for the object.
+        await eventually(lambda: first.said("Created JobSet one"), 10, "op-a's log")
+        assert not second.said("Created")
 
         # SIGKILL: nothing is released; the standby takes over once the lease runs out.
         killed_at = loop.time()
@@ -485,7 +487,7 @@ async def test_two_replicas_one_leader_and_takeovers(
         kill_takeover_s = loop.time() - killed_at
         assert await first.proc.wait() == -signal.SIGKILL
         assert kill_takeover_s < 30, kill_takeover_s
-        assert second.said("Created JobSet two")
+        await eventually(lambda: second.said("Created JobSet two"), 10, "the new leader's log")
         assert spec_of(api)["leaseTransitions"] >= 1
         assert await second.metric("gspo_operator_leader") == 1
 
@@ -505,7 +507,8 @@ async def test_two_replicas_one_leader_and_takeovers(
         await create_job(api, "three")  # only now: the stopping leader might have taken it
         await eventually(children_of(api, "three"), 20, "job three's children")
         term_takeover_s = loop.time() - termed_at
-        assert third.said("Created JobSet three") and not second.said("Created JobSet three")
+        await eventually(lambda: third.said("Created JobSet three"), 10, "op-c's log")
+        assert not second.said("Created JobSet three")
 
         # A leader that sees someone else holding its Lease stops and exits non-zero at once.
         lease = api.get("Lease", NS, LEASE)
