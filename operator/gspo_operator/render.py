@@ -640,7 +640,7 @@ def _model_env(spec: GSPOJobSpec) -> list[Obj]:
     """Hugging Face Hub access: online unless asked (built-in models never download)."""
     model = spec.model
     out = []
-    if model.hub_offline:
+    if spec.hub_offline:
         out.append(_env("HF_HUB_OFFLINE", "1"))
     if model.cache is not None:
         out.append(_env("HF_HOME", model.cache.mount_path))

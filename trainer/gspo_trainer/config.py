@@ -159,8 +159,9 @@ class ModelConfig(Section):
     offline: bool = Field(
         False,
         description=(
-            "Never contact the Hugging Face Hub (HF_HUB_OFFLINE=1 on every pod): the model must "
-            "be a local path or already in the model cache. Built-in models never download."
+            "Never contact the Hugging Face Hub (HF_HUB_OFFLINE=1 on every pod): the model (and "
+            "a Hub data set) must be local or already in the cache. Built-in models never "
+            "download."
         ),
     )
     hf_token_secret: SecretKeySelector | None = Field(
@@ -172,27 +173,61 @@ class ModelConfig(Section):
         description="A volume that keeps downloaded models between pods and runs (HF_HOME).",
     )
 
-    @property
-    def hub_offline(self) -> bool:
-        """Whether processes loading this model run with HF_HUB_OFFLINE=1: when the job asks,
-        or for a built-in model (built on the spot; nothing to download). Otherwise a Hub
-        name downloads as transformers and vLLM would, into the model cache."""
-        return self.offline or self.name.startswith("builtin:")
-
 
 class DataConfig(Section):
     source: str = Field(
         ...,
         min_length=1,
-        description="jsonl or parquet file, a local HF dataset directory, or builtin:addition.",
+        description=(
+            "jsonl or parquet file, a local HF dataset directory (save_to_disk), a Hugging Face "
+            "Hub dataset name (e.g. openai/gsm8k, downloaded once into the HF cache with "
+            "HF_TOKEN), or builtin:addition."
+        ),
     )
-    format: Literal["auto", "jsonl", "parquet", "hf-dataset", "builtin"] = Field(
-        "auto", description="Format of source; auto guesses from the path."
+    format: Literal["auto", "jsonl", "parquet", "hf-dataset", "hub", "builtin"] = Field(
+        "auto",
+        description=(
+            "Format of source; auto guesses from the path: a file's extension, a local "
+            "directory, else a name like owner/name is a Hub dataset."
+        ),
     )
-    prompt_field: str = Field("prompt", description="Row field holding the prompt.")
-    answer_field: str = Field("answer", description="Row field holding the reference answer.")
-    chat_template: bool = Field(True, description="Wrap prompts in the tokenizer's chat template.")
-    system_prompt: str | None = Field(None, description="System message for chat templates.")
+    config: str | None = Field(
+        None, description="Configuration of a Hub dataset (load_dataset's name), e.g. main."
+    )
+    split: str = Field(
+        "train",
+        description=(
+            "Split read from source, for a Hub dataset or a saved DatasetDict (a dictionary "
+            "with one split is read whatever its name)."
+        ),
+    )
+    eval_split: str = Field("test", description="Split read from evalSource, like split.")
+    prompt_field: str = Field(
+        "prompt",
+        description=(
+            "Row field holding the prompt: text, or a conversation (a list of {role, content} "
+            "messages, rendered with the tokenizer's chat template); a dotted path reaches "
+            "into nested fields."
+        ),
+    )
+    answer_field: str = Field(
+        "answer",
+        description=(
+            "Row field holding the reference answer; a dotted path reaches into nested fields, "
+            "e.g. reward_model.ground_truth for verl's parquet files."
+        ),
+    )
+    chat_template: bool = Field(
+        True,
+        description=(
+            "Wrap text prompts in the tokenizer's chat template (when it has one); a "
+            "conversation always goes through it."
+        ),
+    )
+    system_prompt: str | None = Field(
+        None,
+        description="System message for chat templates (not added to a conversation with one).",
+    )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description=(
@@ -219,8 +254,41 @@ class DataConfig(Section):
         description="Longer prompts are left out at start, counted in gspo_prompts_dropped_total.",
     )
 
+    @property
+    def names_hub_dataset(self) -> bool:
+        """Whether source or evalSource may name a Hugging Face Hub dataset (read by its
+        spelling alone: the operator cannot see the learner's files). A local path of that
+        spelling is read as the path (data.py)."""
+        if self.format == "hub":
+            return True
+        return self.format == "auto" and any(
+            looks_like_hub_name(s) for s in (self.source, self.eval_source) if s
+        )
+
+
+# A Hub repository id: "name" or "owner/name" (huggingface_hub's validate_repo_id rules).
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?")
+_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".arrow")
+
+
+def looks_like_hub_name(source: str) -> bool:
+    """`source` is spelled like a Hub dataset id (owner/name), not a file or a builtin."""
+    return (
+        _HUB_NAME.fullmatch(source) is not None
+        and not source.endswith(_FILE_SUFFIXES)
+        and ".." not in source
+    )
+
 
 RewardKind = Literal["arithmetic", "math", "python"]
+RewardConvention = Literal["gspo", "trl", "verl"]
+_CONVENTION = (
+    "How function is called (kind python). gspo: fn(prompt, completion, answer) -> float, "
+    "once per response. trl: TRL's reward_funcs, fn(prompts, completions, completion_ids, "
+    "**columns) -> list[float | None], once per batch (conversations stay messages; None "
+    "scores 0). verl: verl's compute_score(data_source, solution_str, ground_truth, "
+    "extra_info) -> float or {score: float}, once per response."
+)
 RewardComponentKind = Literal["arithmetic", "math", "python", "format", "length"]
 
 
@@ -246,6 +314,7 @@ class RewardFunctionConfig(Section):
     function: str | None = Field(
         None, max_length=MAX_REWARD_FUNCTION, description="module:function, for kind python."
     )
+    convention: RewardConvention = Field("gspo", description=_CONVENTION)
     weight: float = Field(1.0, description="The reward is the sum of weight x component.")
     pattern: str | None = Field(
         None,
@@ -282,6 +351,7 @@ class RewardConfig(Section):
     function: str | None = Field(
         None, description="module:function returning a float, for kind python."
     )
+    convention: RewardConvention = Field("gspo", description=_CONVENTION)
     functions: list[RewardFunctionConfig] | None = Field(
         None,
         max_length=MAX_REWARD_FUNCTIONS,
@@ -709,6 +779,15 @@ class GSPOJobSpec(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     run_policy: RunPolicy = Field(default_factory=RunPolicy)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+    @property
+    def hub_offline(self) -> bool:
+        """Whether the job's processes run with HF_HUB_OFFLINE=1: when model.offline asks, or
+        for a built-in model (built on the spot, nothing to download) unless data.source or
+        evalSource may name a Hub dataset, which downloads as the model would."""
+        if self.model.offline:
+            return True
+        return self.model.name.startswith("builtin:") and not self.data.names_hub_dataset
 
     def to_manifest_dict(self) -> dict[str, Any]:
         """The spec as it appears in a manifest: camelCase keys, defaults filled in."""

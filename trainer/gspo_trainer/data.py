@@ -1,28 +1,50 @@
-"""Prompts for the learner: the built-in addition task, jsonl, parquet or a local HF dataset.
+"""Prompts for the learner: the built-in addition task, jsonl, parquet, a local HF dataset
+or a Hugging Face Hub dataset, in the row shapes TRL's and verl's preparations write.
 
-`PromptStream` walks the examples in a fresh seeded shuffle each epoch; its position
-(epoch, index) goes into checkpoints so a resumed run sees the very prompts it would have.
+A prompt is text or a conversation (a list of {role, content} messages: TRL's conversational
+format, verl's parquet `prompt` column), which the tokenizer's chat template renders. Fields
+are found by a dotted path (`reward_model.ground_truth`). A row the reader cannot use is a
+`DataError` naming the file, the row and the field. `PromptStream` walks the examples in a
+fresh seeded shuffle each epoch; its position (epoch, index) goes into checkpoints so a
+resumed run sees the very prompts it would have.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import random
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gspo_trainer.config import DataConfig
+from gspo_trainer.config import DataConfig, looks_like_hub_name
 
 BUILTIN_ADDITION = "builtin:addition"
 log = logging.getLogger("gspo.data")
+
+Message = dict[str, Any]  # {"role": ..., "content": ...} and whatever else the row had
 
 
 @dataclass(frozen=True)
 class Example:
     prompt: str  # rendered prompt text, as sent to the model
     answer: str  # reference answer the reward checks against
+    # The prompt as the row had it (text, or messages) and the whole row: what TRL's and
+    # verl's reward functions are given (rewards.py).
+    source_prompt: str | list[Message] | None = field(default=None, compare=False)
+    row: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+
+class DataError(ValueError):
+    """A data set the reader cannot use; `field` is the DataConfig field to fix (camelCase),
+    or None for the source itself."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 def addition_examples() -> list[Example]:
@@ -42,29 +64,155 @@ def _format_of(cfg: DataConfig) -> str:
         return "parquet"
     if Path(src).is_dir():
         return "hf-dataset"
-    raise ValueError(
+    if not Path(src).exists() and looks_like_hub_name(src):
+        return "hub"
+    raise DataError(
         f"data.source {src!r}: cannot tell its format; name a .jsonl or .parquet file, a "
-        "directory saved with datasets' save_to_disk, or set data.format"
+        "directory saved with datasets' save_to_disk, a Hub dataset (owner/name), or set "
+        "data.format"
     )
 
 
-def read_rows(cfg: DataConfig) -> list[dict[str, Any]]:
+def _jsonl_rows(src: str, what: str) -> Iterator[tuple[str, Any]]:
+    with open(src, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield f"line {n}", json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(
+                    f"{what} {src!r} line {n}: not JSON ({exc.msg} at "
+                    f"column {exc.colno}); write one JSON object per line"
+                ) from exc
+
+
+def _pick_split(ds: Any, split: str, what: str) -> Any:
+    """The split of a saved DatasetDict; one split is read whatever its name."""
+    if not hasattr(ds, "keys"):
+        return ds
+    names = list(ds.keys())
+    if split in names:
+        return ds[split]
+    if len(names) == 1:
+        return ds[names[0]]
+    field = "split" if what == "data.source" else "evalSplit"
+    raise DataError(f"{what} {split!r} is not one of its splits {names}; set data.{field}", field)
+
+
+def load_hub_dataset(
+    name: str, config: str | None, split: str, what: str, environ: Mapping[str, str] | None = None
+) -> Any:
+    """A Hugging Face Hub dataset's split, as datasets.load_dataset reads it: downloaded once
+    into the datasets cache under HF_HOME (the model cache volume on a cluster), with HF_TOKEN
+    for a gated or private one, read from the cache alone with HF_HUB_OFFLINE=1. Errors
+    are one line naming the field."""
+    import datasets
+
+    env = os.environ if environ is None else environ
+    offline = bool(datasets.config.HF_HUB_OFFLINE)  # HF_HUB_OFFLINE, as datasets read it
+    field = "split" if what == "data.source" else "evalSplit"
+    shown = f"{what} {name!r} (config {config!r}, split {split!r})"
+    try:
+        return datasets.load_dataset(name, config, split=split, token=env.get("HF_TOKEN"))
+    except ValueError as exc:
+        first = str(exc).strip().splitlines()[0]
+        if "split" in first.lower():
+            raise DataError(f"{shown}: {first}; set data.{field}", field) from exc
+        if "config" in first.lower():
+            raise DataError(f"{shown}: {first}; set data.config", "config") from exc
+        raise DataError(f"{shown}: {first}") from exc
+    except (ConnectionError, OSError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if offline:
+            raise DataError(
+                f"{shown} is not in this node's dataset cache ({datasets.config.HF_DATASETS_CACHE}"
+                ") and HF_HUB_OFFLINE=1 (model.offline) forbids downloading it; run once with "
+                "the Hub reachable, or give a local file"
+            ) from exc
+        raise DataError(
+            f"{shown}: cannot download it ({first}); check the name, HF_TOKEN "
+            "(model.hfTokenSecret) for a gated one, and the network"
+        ) from exc
+
+
+def _rows(cfg: DataConfig, split: str, what: str) -> Iterator[tuple[str, Any]]:
+    """(where, row) for every row of the source: where is "line 3" or "row 2"."""
     fmt, src = _format_of(cfg), cfg.source
+    if fmt == "hub":
+        yield from (
+            (f"row {i}", r) for i, r in enumerate(load_hub_dataset(src, cfg.config, split, what))
+        )
+        return
+    if not Path(src).exists():
+        raise DataError(
+            f"{what} {src!r} does not exist on this node; mount the data set or fix the path"
+        )
     if fmt == "jsonl":
-        with open(src, encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
-    if fmt == "parquet":
+        yield from _jsonl_rows(src, what)
+    elif fmt == "parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(src).to_pylist()
-    if fmt == "hf-dataset":
+        yield from ((f"row {i}", r) for i, r in enumerate(pq.read_table(src).to_pylist()))
+    elif fmt == "hf-dataset":
         from datasets import load_from_disk
 
-        ds = load_from_disk(src)
-        if hasattr(ds, "keys"):  # a DatasetDict: take its train split
-            ds = ds["train"] if "train" in ds else ds[next(iter(ds.keys()))]
-        return list(ds)
-    raise ValueError(f"data.format {fmt!r} is not a file format")
+        ds = _pick_split(load_from_disk(src), split, what)
+        yield from ((f"row {i}", r) for i, r in enumerate(ds))
+    else:
+        raise DataError(f"data.format {fmt!r} is not a file format", "format")
+
+
+def read_rows(cfg: DataConfig) -> list[dict[str, Any]]:
+    return [row for _, row in _rows(cfg, cfg.split, "data.source")]
+
+
+_MISSING = object()
+
+
+def field_value(row: Mapping[str, Any], path: str) -> Any:
+    """row[path], or by a dotted path through nested mappings (verl's
+    reward_model.ground_truth); a key that itself holds dots wins. _MISSING if absent."""
+    if path in row:
+        return row[path]
+    value: Any = row
+    for part in path.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value
+
+
+def _conversation(value: list[Any], at: str) -> list[Message]:
+    """The messages of a conversational prompt, each with a role and text content."""
+    if not value:
+        raise DataError(
+            f"{at} is an empty list; give text or {{role, content}} messages", "promptField"
+        )
+    for i, m in enumerate(value):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+            raise DataError(
+                f"{at}[{i}] is not a {{role, content}} message ({_kind(m)}); "
+                "a prompt is text or a list of such messages",
+                "promptField",
+            )
+        if not isinstance(m.get("content"), str):
+            raise DataError(
+                f"{at}[{i}].content is {_kind(m.get('content'))}, not text "
+                "(content parts such as images are not supported)",
+                "promptField",
+            )
+    return [dict(m) for m in value]
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, Mapping):
+        return f"a mapping with keys {sorted(value)}"
+    if isinstance(value, list | tuple):
+        return "a list"
+    return f"a {type(value).__name__}"
 
 
 def render_prompt(cfg: DataConfig, text: str, tokenizer: Any | None) -> str:
@@ -72,32 +220,105 @@ def render_prompt(cfg: DataConfig, text: str, tokenizer: Any | None) -> str:
     if cfg.prompt_template:
         text = cfg.prompt_template.format(prompt=text)
     if cfg.chat_template and tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": text}]
-        if cfg.system_prompt:
-            messages.insert(0, {"role": "system", "content": cfg.system_prompt})
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                             **cfg.chat_template_kwargs)  # fmt: skip
+        return render_messages(cfg, [{"role": "user", "content": text}], tokenizer)
     return text
 
 
-def load_examples(cfg: DataConfig, tokenizer: Any | None = None) -> list[Example]:
+def render_messages(cfg: DataConfig, messages: list[Message], tokenizer: Any) -> str:
+    """A conversation through the tokenizer's chat template, ready for the assistant's
+    turn; data.systemPrompt first unless the conversation opens with a system message."""
+    if cfg.system_prompt and messages[0].get("role") != "system":
+        messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, **cfg.chat_template_kwargs
+    )
+
+
+def _check_conversation_settings(cfg: DataConfig, tokenizer: Any | None, at: str) -> None:
+    """A conversation needs the chat template; a text template cannot apply to it."""
+    if cfg.prompt_template:
+        raise DataError(
+            f"{at} is a conversation, which data.promptTemplate (for text "
+            "prompts) cannot format; remove promptTemplate or give text prompts",
+            "promptTemplate",
+        )
+    if not cfg.chat_template:
+        raise DataError(
+            f"{at} is a conversation, which only the tokenizer's chat template "
+            "renders; set data.chatTemplate true",
+            "chatTemplate",
+        )
+    if tokenizer is not None and not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            f"{at} is a conversation and the tokenizer has no chat template; use "
+            "a model (or model.tokenizer) with one, or give text prompts",
+            "promptField",
+        )
+
+
+def _answer(value: Any, at: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    hint = " (point data.answerField at the text inside it, e.g. reward_model.ground_truth)"
+    raise DataError(
+        f"{at} is {_kind(value)}, not text or a number{hint if isinstance(value, Mapping) else ''}",
+        "answerField",
+    )
+
+
+def example_of(
+    cfg: DataConfig, row: Any, where: str, tokenizer: Any | None, what: str = "data.source"
+) -> Example:
+    """One row as an Example, or a DataError naming the file, the row and the field."""
+    head = f"{what} {cfg.source!r} {where}"
+    if not isinstance(row, Mapping):
+        raise DataError(f"{head} is {_kind(row)}, not a mapping of fields")
+    values = {}
+    for name, key in (("promptField", cfg.prompt_field), ("answerField", cfg.answer_field)):
+        values[name] = field_value(row, key)
+        if values[name] is _MISSING:
+            raise DataError(
+                f"{head} has no field {key!r} (fields: {sorted(row)}); set data.{name}", name
+            )
+    prompt, at = values["promptField"], f"{head} field {cfg.prompt_field!r}"
+    answer = _answer(values["answerField"], f"{head} field {cfg.answer_field!r}")
+    if isinstance(prompt, str):
+        return Example(render_prompt(cfg, prompt, tokenizer), answer, prompt, row)
+    if not isinstance(prompt, list | tuple):
+        raise DataError(
+            f"{at} is {_kind(prompt)}; a prompt is text or a list of {{role, content}} messages",
+            "promptField",
+        )
+    messages = _conversation(list(prompt), at)
+    _check_conversation_settings(cfg, tokenizer, at)
+    if tokenizer is None:  # checked only (preflight): the learner renders with its tokenizer
+        text = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+    else:
+        text = render_messages(cfg, messages, tokenizer)
+    return Example(text, answer, messages, row)
+
+
+def load_examples(
+    cfg: DataConfig,
+    tokenizer: Any | None = None,
+    *,
+    what: str = "data.source",
+    split: str | None = None,
+) -> list[Example]:
+    """Every row of `cfg.source` as an Example (`what`, `split`: for the evaluation set)."""
     fmt = _format_of(cfg)
     if fmt == "builtin":
         if cfg.source != BUILTIN_ADDITION:
-            raise ValueError(f"data.source {cfg.source!r}: the built-in task is {BUILTIN_ADDITION}")
+            raise DataError(f"{what} {cfg.source!r}: the built-in task is {BUILTIN_ADDITION}")
         return addition_examples()
-    out = []
-    for i, row in enumerate(read_rows(cfg)):
-        for key in (cfg.prompt_field, cfg.answer_field):
-            if key not in row:
-                raise ValueError(
-                    f"data.source {cfg.source!r} row {i} has no field {key!r} (fields: "
-                    f"{sorted(row)}); set data.promptField / data.answerField"
-                )
-        prompt = render_prompt(cfg, str(row[cfg.prompt_field]), tokenizer)
-        out.append(Example(prompt, str(row[cfg.answer_field])))
+    out = [
+        example_of(cfg, row, where, tokenizer, what)
+        for where, row in _rows(cfg, split or cfg.split, what)
+    ]
     if not out:
-        raise ValueError(f"data.source {cfg.source!r} holds no rows")
+        raise DataError(f"{what} {cfg.source!r} holds no rows")
     return out
 
 
@@ -108,14 +329,20 @@ def load_eval_examples(cfg: DataConfig, tokenizer: Any | None = None) -> list[Ex
     table the policy has learned, not generalisation). None: a data set of your own without
     an evalSource, which is not evaluated (evaluating on training prompts would flatter it)."""
     if cfg.eval_source:
-        return load_examples(cfg.model_copy(update={"source": cfg.eval_source}), tokenizer)
+        return load_examples(
+            cfg.model_copy(update={"source": cfg.eval_source}),
+            tokenizer,
+            what="data.evalSource",
+            split=cfg.eval_split,
+        )
     if _format_of(cfg) == "builtin":
         return load_examples(cfg, tokenizer)
     return None
 
 
-def fit_prompts(examples: list[Example], tokenizer: Any, limit: int,
-                what: str = "data.source") -> tuple[list[Example], int]:  # fmt: skip
+def fit_prompts(
+    examples: list[Example], tokenizer: Any, limit: int, what: str = "data.source"
+) -> tuple[list[Example], int]:
     """(the examples whose prompt is at most `limit` tokens, how many were left out).
 
     Tokens are counted as the learner sends prompts (no special tokens added). A prompt past
@@ -133,9 +360,15 @@ def fit_prompts(examples: list[Example], tokenizer: Any, limit: int,
             "model.maxModelLen with it) or shorten the prompts"
         )
     if dropped:
-        log.warning("%s: %d of %d prompts are longer than data.maxPromptTokens=%d tokens "
-                    "(the longest has %d) and are left out", what, dropped, len(examples),
-                    limit, max(lengths))  # fmt: skip
+        log.warning(
+            "%s: %d of %d prompts are longer than data.maxPromptTokens=%d tokens "
+            "(the longest has %d) and are left out",
+            what,
+            dropped,
+            len(examples),
+            limit,
+            max(lengths),
+        )
     return kept, dropped
 
 

@@ -68,27 +68,21 @@ def check_reward(spec: GSPOJobSpec) -> list[Problem]:
 def check_data(spec: GSPOJobSpec) -> list[Problem]:
     """Rows are read and checked as the learner will (templates are applied later, with the
     model's tokenizer): the training set, and the held-out evaluation set if one is named
-    (found missing only at the first evaluation, it would end a run hours in)."""
-    from gspo_trainer.data import load_examples
+    (found missing only at the first evaluation, it would end a run hours in). A Hub data
+    set is downloaded here, once, into the cache the learner then reads."""
+    from gspo_trainer.data import DataError, load_eval_examples, load_examples
 
-    sets = [("spec.data.source", spec.data)]
+    sets = [("spec.data.source", lambda: load_examples(spec.data))]
     if spec.data.eval_source:
-        eval_cfg = spec.data.model_copy(update={"source": spec.data.eval_source})
-        sets.append(("spec.data.evalSource", eval_cfg))
-    for where, cfg in sets:
-        src = cfg.source
-        if not src.startswith("builtin:") and not Path(src).exists():
-            return [Problem(where, f"{src!r} does not exist on this node; mount the "
-                            "data set or fix the path")]  # fmt: skip
+        sets.append(("spec.data.evalSource", lambda: load_eval_examples(spec.data)))
+    for where, load in sets:
         try:
-            load_examples(cfg, tokenizer=None)
+            load()
+        except DataError as exc:
+            field = f"spec.data.{exc.field}" if exc.field else where
+            return [Problem(field, str(exc).removeprefix(where.removeprefix("spec.") + " "))]
         except (ValueError, OSError) as exc:
-            message, field = str(exc), where
-            if f"has no field {cfg.answer_field!r}" in message:
-                field = "spec.data.answerField"
-            elif "has no field" in message:
-                field = "spec.data.promptField"
-            return [Problem(field, message.removeprefix("data.source "))]
+            return [Problem(where, str(exc).strip().splitlines()[0])]
     return []
 
 

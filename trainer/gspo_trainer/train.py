@@ -378,10 +378,10 @@ def process_env(spec: GSPOJobSpec, environ: Mapping[str, str], cache: Path,
                 token: str) -> dict[str, str]:  # fmt: skip
     """The environment of the servers and the learner `gspo train` starts: the caller's
     (less any torch.distributed group it runs in), the model cache, the sync token, and
-    HF_HUB_OFFLINE=1 exactly where a cluster's pods get it (`model.hub_offline`): a model
+    HF_HUB_OFFLINE=1 exactly where a cluster's pods get it (`spec.hub_offline`): a model
     named on the Hugging Face Hub downloads as transformers and vLLM would."""
     env = {**own_group_env(environ), "GSPO_CACHE": str(cache), ports.ENV_SYNC_TOKEN: token}
-    if spec.model.hub_offline:
+    if spec.hub_offline:
         env["HF_HUB_OFFLINE"] = "1"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     return env

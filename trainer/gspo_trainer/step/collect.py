@@ -74,14 +74,26 @@ class Collector:
 
     def scored(self, examples: list[Any], completions: list[Completion]) -> list[Scored]:
         """What the reward sees of each completion: its prompt, decoded text, reference
-        answer, whether it ended with EOS, and its length in tokens."""
-        return [
-            Scored(examples[c.prompt_index].prompt,
-                   self.tokenizer.decode(c.token_ids, skip_special_tokens=True),
-                   examples[c.prompt_index].answer, c.finish_reason == "stop",
-                   len(c.token_ids))
-            for c in completions
-        ]  # fmt: skip
+        answer, whether it ended with EOS, its length in tokens, and for TRL's and verl's
+        reward functions its tokens, the prompt as the row had it and the row."""
+        out = []
+        for c in completions:
+            e = examples[c.prompt_index]
+            text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+            finished = c.finish_reason == "stop"
+            out.append(
+                Scored(
+                    e.prompt,
+                    text,
+                    e.answer,
+                    finished,
+                    len(c.token_ids),
+                    c.token_ids,
+                    e.source_prompt,
+                    e.row,
+                )
+            )
+        return out
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
         async with self.fleet_lock:
