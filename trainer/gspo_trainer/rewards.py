@@ -10,6 +10,9 @@ Or several weighted components (spec.reward.functions, TRL's reward_funcs + rewa
 the reward is sum(weight_i x r_i), each component scored (and failing) on its own. Two more
 kinds serve as components: `format` (finished, non-empty, optionally matching a pattern) and
 `length` (a penalty past a target length).
+
+A python function written for TRL or verl runs unchanged with reward.convention trl or verl
+(reward_conventions.py says what each argument is).
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ import logging
 import math
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from gspo_trainer.config import RewardConfig, RewardFunctionConfig
 from gspo_trainer.metrics import REWARD_COMPONENT_PREFIX
@@ -38,6 +42,11 @@ class Scored:
     answer: str
     finished: bool  # the response ended with EOS (not cut at max tokens)
     tokens: int | None = None  # response tokens, read by the length component
+    # For TRL's and verl's functions (reward_conventions.py): the response's token ids, the
+    # prompt as the data set holds it (text or messages) and the data set's row.
+    token_ids: Sequence[int] | None = None
+    source_prompt: str | list[dict[str, Any]] | None = None
+    row: Mapping[str, Any] = field(default_factory=dict)
 
 
 def arithmetic_reward(prompt: str, completion: str, answer: str) -> float:
@@ -130,6 +139,7 @@ class RewardScorer:
     inline: bool = False  # call in this thread: for built-in functions that cannot hang
     on_failure: Callable[[str], None] | None = None
     takes_item: bool = False  # fn(item: Scored), the built-in format and length components
+    batch: bool = False  # fn(items) -> list[float | None], one call per batch (TRL's functions)
     failures: dict[str, int] = field(default_factory=lambda: {"error": 0, "timeout": 0})
 
     def score_components(self, items: Sequence[Scored]) -> tuple[list[float], dict[str, float]]:
@@ -137,6 +147,8 @@ class RewardScorer:
         return self.score(items), {}
 
     def score(self, items: Sequence[Scored]) -> list[float]:
+        if self.batch:
+            return self._score_batch(items)
         scores = [0.0] * len(items)
         if self.inline:
             results: dict[int, float | BaseException] = {}
@@ -155,6 +167,37 @@ class RewardScorer:
             for i, t in threads:
                 t.join(max(0.0, deadline - _now()))
                 self._check(i, results.get(i), scores)
+        return scores
+
+    def _score_batch(self, items: Sequence[Scored]) -> list[float]:
+        """One call for the whole batch in a daemon thread, bounded by timeout_s; a call that
+        fails scores every item 0 (each counted). None, TRL's "does not apply", scores 0."""
+        if not items:
+            return []
+        box: dict[int, Any] = {}
+
+        def run() -> None:
+            try:
+                box[0] = self.fn(items)  # type: ignore[arg-type]
+            except BaseException as exc:
+                box[0] = exc
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        outcome = box.get(0)
+        if outcome is None:
+            message = f"reward call for a batch of {len(items)} ran past {self.timeout_s}s"
+            self._fail("timeout", message, len(items))
+            return [0.0] * len(items)
+        if isinstance(outcome, BaseException):
+            message = f"reward call for a batch of {len(items)} raised {outcome!r}"
+            self._fail("error", message, len(items))
+            return [0.0] * len(items)
+        scores = [0.0] * len(items)
+        for i, value in enumerate(outcome):
+            if value is not None:
+                self._check(i, value, scores)
         return scores
 
     def _check(self, i: int, outcome: float | BaseException | None, scores: list[float]) -> float:
@@ -180,10 +223,11 @@ class RewardScorer:
         except BaseException as exc:
             results[i] = exc
 
-    def _fail(self, reason: str, message: str) -> None:
-        self.failures[reason] += 1
+    def _fail(self, reason: str, message: str, count: int = 1) -> None:
+        self.failures[reason] += count
         if self.on_failure is not None:
-            self.on_failure(reason)
+            for _ in range(count):
+                self.on_failure(reason)
         log.warning("%s; scored 0", message)
 
 
@@ -206,6 +250,9 @@ def build_scorer(
     """The scorer of reward.kind, or of every reward.functions component (the length component
     needs `max_response_tokens`, algorithm.maxResponseTokens)."""
     if cfg.functions is None:
+        if cfg.kind == "python" and cfg.convention != "gspo":
+            kw = {"timeout_s": cfg.timeout_seconds, "on_failure": on_failure}
+            return convention_scorer(reward_function(cfg), cfg.convention, **kw)
         return RewardScorer(
             reward_function(cfg),
             timeout_s=cfg.timeout_seconds,
@@ -240,9 +287,20 @@ def _component_scorer(f: RewardFunctionConfig, timeout_s: float,
 
         return RewardScorer(length, inline=True, takes_item=True, **kw)
     one = RewardConfig(kind=f.kind, function=f.function)
+    if f.kind == "python" and f.convention != "gspo":
+        return convention_scorer(reward_function(one), f.convention, **kw)  # type: ignore[arg-type]
     arithmetic = f.kind == "arithmetic"
     return RewardScorer(reward_function(one), require_finished=f.kind in FINISHED_ONLY,
                         inline=arithmetic, **kw)  # fmt: skip
+
+
+def convention_scorer(fn: Callable[..., Any], convention: str, **kw: Any) -> RewardScorer:
+    """A scorer calling a function written for TRL (once per batch) or verl (per response)."""
+    from gspo_trainer.reward_conventions import trl_batch, verl_item
+
+    if convention == "trl":
+        return RewardScorer(trl_batch(fn), batch=True, **kw)
+    return RewardScorer(verl_item(fn), takes_item=True, **kw)
 
 
 @dataclass(frozen=True)

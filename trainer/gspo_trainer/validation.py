@@ -378,6 +378,9 @@ def _reward_problems(spec: GSPOJobSpec) -> list[tuple[str, str]]:
         elif reward.kind != "python" and fn is not None:
             message = f"is only read when reward.kind is python (it is {reward.kind})"
             out.append(("reward.function", message))
+        if reward.kind != "python" and reward.convention != "gspo":
+            message = f"is only read when reward.kind is python (it is {reward.kind}); remove it"
+            out.append(("reward.convention", message))
         return out
     for name in ("kind", "function"):
         if getattr(reward, name) is not None:
@@ -391,6 +394,9 @@ def _reward_problems(spec: GSPOJobSpec) -> list[tuple[str, str]]:
         seen.add(f.name)
         if f.kind == "python" and not _module_function(f.function):
             out.append((f"{at}.function", f"{f.function or ''!r}: {REWARD_PYTHON_NEEDS}"))
+        if f.kind != "python" and f.convention != "gspo":
+            message = f"is only read when kind is python; remove it (kind is {f.kind})"
+            out.append((f"{at}.convention", message))
         for field, kind in (("function", "python"), ("pattern", "format"),
                             ("targetTokens", "length")):  # fmt: skip
             if f.kind != kind and getattr(f, to_snake(field)) is not None:
