@@ -55,6 +55,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rollout-servers", type=int,
                    help="local rollout servers (default: spec.rollout.replicas)")  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="log lines instead of a bar")
+    p.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", dest="overrides",
+                   help="set any spec field, e.g. --set algorithm.groupSize=8 (a YAML value; "
+                        "repeat it for more; validated like the file)")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -71,6 +74,9 @@ def job_manifest(args: argparse.Namespace) -> dict[str, Any]:
     else:
         manifest = tiny_manifest()
     manifest = copy.deepcopy(manifest)
+    from gspo_trainer.overrides import apply_overrides
+
+    apply_overrides(manifest["spec"], args.overrides)  # OverrideError names the --set
     alg = manifest["spec"].setdefault("algorithm", {})
     if args.max_steps is not None:
         alg["maxSteps"] = args.max_steps
@@ -388,10 +394,15 @@ def process_env(spec: GSPOJobSpec, environ: Mapping[str, str], cache: Path,
 
 
 def main(argv: list[str]) -> int:
+    from gspo_trainer.overrides import OverrideError
     from gspo_trainer.validation import SpecError, parse_spec
 
     args = parse_args(argv)
-    manifest = job_manifest(args)
+    try:
+        manifest = job_manifest(args)
+    except OverrideError as exc:
+        print(f"gspo train: {exc}", file=sys.stderr)
+        return 2
     try:
         spec = parse_spec(manifest["spec"])
     except SpecError as exc:
