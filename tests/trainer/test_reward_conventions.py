@@ -146,3 +146,11 @@ def test_a_component_may_follow_a_convention_and_the_spec_checks_it() -> None:
     spec["reward"] = {"kind": "arithmetic", "convention": "trl"}
     with pytest.raises(SpecError, match=r"spec.reward.convention: is only read when reward.kind"):
         parse_spec(spec)
+
+
+def test_trls_own_accuracy_reward_runs_unchanged() -> None:
+    """trl.rewards.accuracy_reward (math-verify on conversational completions, the data set's
+    solution column), named in the spec as TRL users pass it to reward_funcs."""
+    cfg = RewardConfig(kind="python", function="trl.rewards:accuracy_reward", convention="trl")
+    items = [trl_item("so \\boxed{72}", "72"), trl_item("\\boxed{71}", "72")]
+    assert build_scorer(cfg).score(items) == [1.0, 0.0]

@@ -48,8 +48,12 @@ class DataError(ValueError):
 
 
 def addition_examples() -> list[Example]:
-    """Every "a+b=" with single digits; the answer is the last digit of a+b (100 examples)."""
-    return [Example(f"{a}+{b}=", str((a + b) % 10)) for a in range(10) for b in range(10)]
+    """Every "a+b=" with single digits; the answer is the last digit of a+b (100 examples),
+    each with its row {prompt, answer} (the columns a TRL reward function is given)."""
+    rows = [
+        {"prompt": f"{a}+{b}=", "answer": str((a + b) % 10)} for a in range(10) for b in range(10)
+    ]
+    return [Example(r["prompt"], r["answer"], r["prompt"], r) for r in rows]
 
 
 def _format_of(cfg: DataConfig) -> str:
