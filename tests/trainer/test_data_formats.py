@@ -273,3 +273,35 @@ def test_a_builtin_model_with_a_hub_dataset_may_download_it() -> None:
     assert not parse_spec(spec).hub_offline
     spec["model"]["offline"] = True
     assert parse_spec(spec).hub_offline
+
+
+def test_a_hub_download_carries_hf_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    import datasets
+
+    from gspo_trainer.data import load_hub_dataset
+
+    asked: list[tuple[Any, ...]] = []
+
+    def load_dataset(*args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        asked.append((*args, kwargs))
+        return [{"prompt": "p", "answer": "1"}]
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    load_hub_dataset("org/gated", "main", "train", "data.source", {"HF_TOKEN": "hf_x"})
+    assert asked == [("org/gated", "main", {"split": "train", "token": "hf_x"})]
+
+
+def test_a_saved_dataset_dict_reads_data_split(tmp_path: Path) -> None:
+    import datasets
+
+    rows = {"prompt": ["p"], "answer": ["1"]}
+    splits = {"train": rows, "validation": {"prompt": ["v"], "answer": ["2"]}}
+    datasets.DatasetDict(
+        {k: datasets.Dataset.from_dict(v) for k, v in splits.items()}
+    ).save_to_disk(tmp_path / "saved")
+    cfg = DataConfig(source=str(tmp_path / "saved"), chat_template=False)
+    assert [e.prompt for e in load_examples(cfg)] == ["p"]
+    held = cfg.model_copy(update={"eval_source": cfg.source, "eval_split": "validation"})
+    assert [e.prompt for e in load_eval_examples(held) or []] == ["v"]
+    with pytest.raises(DataError, match=r"'test' is not one of its splits.*set data.split"):
+        load_examples(cfg.model_copy(update={"split": "test"}))

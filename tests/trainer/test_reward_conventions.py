@@ -154,3 +154,23 @@ def test_trls_own_accuracy_reward_runs_unchanged() -> None:
     cfg = RewardConfig(kind="python", function="trl.rewards:accuracy_reward", convention="trl")
     items = [trl_item("so \\boxed{72}", "72"), trl_item("\\boxed{71}", "72")]
     assert build_scorer(cfg).score(items) == [1.0, 0.0]
+
+
+def test_the_collector_hands_a_conversations_row_to_a_trl_function() -> None:
+    """What the learner scores: the example's messages and columns reach the function."""
+    from gspo_trainer.config import AlgorithmConfig, MetricsConfig
+    from gspo_trainer.data import Example
+    from gspo_trainer.rollout.types import Completion
+    from gspo_trainer.step.collect import Collector
+    from gspo_trainer.tiny import build_tokenizer
+
+    CALLS.clear()
+    tok = build_tokenizer()
+    row = {"prompt": conversation("3+4?"), "solution": "7"}
+    example = Example("<|user|>3+4?", "7", row["prompt"], row)
+    ids = tok("7", add_special_tokens=False).input_ids
+    completion = Completion(0, ids, [0.0] * len(ids), "stop", 0)
+    score = scorer("trl_accuracy", "trl")
+    collector = Collector(AlgorithmConfig(), MetricsConfig(), None, tok, score)  # type: ignore[arg-type]
+    assert score.score(collector.scored([example], [completion])) == [1.0]
+    assert CALLS[0]["prompts"] == [row["prompt"]] and CALLS[0]["solution"] == ["7"]
