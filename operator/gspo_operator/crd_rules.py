@@ -45,6 +45,7 @@ from gspo_trainer.validation import (
     GPU_RESOURCE,
     RESERVED_MOUNT_PATHS,
     RESERVED_VOLUMES,
+    REWARD_CONVENTION_PER_ENTRY,
     REWARD_EXCLUSIVE,
     REWARD_EXCLUSIVE_FIX,
     REWARD_NAMES_UNIQUE,
@@ -370,6 +371,23 @@ def _reward_rules() -> list[Rule]:
         ),
         rule(f"!{many} || !has(self.kind)", exclusive, field_path=".kind", reason=FORBIDDEN),
         rule(f"!{many} || !has({fn})", exclusive, field_path=".function", reason=FORBIDDEN),
+        rule(
+            f"{many} || (has(self.kind) && self.kind == 'python') || "
+            "!has(self.convention) || self.convention == 'gspo'",
+            "is only read when reward.kind is python; remove it",
+            message_expression=(
+                "'is only read when reward.kind is python (it is ' + "
+                "(has(self.kind) ? self.kind : 'math') + '); remove it'"
+            ),
+            field_path=".convention",
+            reason=FORBIDDEN,
+        ),
+        rule(
+            f"!{many} || !has(self.convention) || self.convention == 'gspo'",
+            REWARD_CONVENTION_PER_ENTRY,
+            field_path=".convention",
+            reason=FORBIDDEN,
+        ),
     ]
 
 
@@ -388,6 +406,14 @@ def _reward_function_rules() -> list[Rule]:
             field_path=".function",
         )
     ]
+    out.append(
+        rule(
+            "self.kind == 'python' || !has(self.convention) || self.convention == 'gspo'",
+            "is only read when kind is python; remove it",
+            field_path=".convention",
+            reason=FORBIDDEN,
+        )
+    )
     for field, kind in (("function", "python"), ("pattern", "format"), ("targetTokens", "length")):
         out.append(
             rule(

@@ -102,6 +102,13 @@ CROSS_FIELD_CASES = [
     ({"reward": {"kind": "math", "functions": [FORMAT]}}, "spec.reward.kind", "remove reward.kind"),
     ({"reward": {"function": "a:b", "functions": [FORMAT]}}, "spec.reward.function", "replaces"),
     ({"reward": {"functions": [FORMAT, FORMAT]}}, "spec.reward.functions", "used twice"),
+    ({"reward": {"kind": "math", "convention": "trl"}}, "spec.reward.convention", "only read"),
+    ({"reward": {"functions": [FORMAT], "convention": "verl"}}, "spec.reward.convention", "entry"),
+    (
+        {"reward": {"functions": [{**FORMAT, "convention": "trl"}]}},
+        "spec.reward.functions[0].convention",
+        "only read when kind is python",
+    ),
     (
         {"reward": {"functions": [{"name": "f", "kind": "python"}]}},
         "spec.reward.functions[0].function",

@@ -385,6 +385,8 @@ def _reward_problems(spec: GSPOJobSpec) -> list[tuple[str, str]]:
     for name in ("kind", "function"):
         if getattr(reward, name) is not None:
             out.append((f"reward.{name}", f"{REWARD_EXCLUSIVE}; {REWARD_EXCLUSIVE_FIX}"))
+    if reward.convention != "gspo":
+        out.append(("reward.convention", REWARD_CONVENTION_PER_ENTRY))
     seen: set[str] = set()
     max_tokens = spec.algorithm.max_response_tokens
     for i, f in enumerate(reward.functions):
@@ -416,6 +418,10 @@ REWARD_EXCLUSIVE = "reward.functions replaces reward.kind and reward.function"
 REWARD_EXCLUSIVE_FIX = (
     "remove reward.kind and reward.function, or make them an entry of reward.functions "
     "({name, kind, function, weight})"
+)
+REWARD_CONVENTION_PER_ENTRY = (
+    "is only read with reward.function; with reward.functions give each python entry its own "
+    "convention"
 )
 REWARD_NAMES_UNIQUE = "each reward.functions entry needs a name of its own; rename one"
 REWARD_PYTHON_NEEDS = "must be 'module:function' when kind is python"
