@@ -305,3 +305,24 @@ def test_a_saved_dataset_dict_reads_data_split(tmp_path: Path) -> None:
     assert [e.prompt for e in load_eval_examples(held) or []] == ["v"]
     with pytest.raises(DataError, match=r"'test' is not one of its splits.*set data.split"):
         load_examples(cfg.model_copy(update={"split": "test"}))
+
+
+def test_a_dataset_repository_on_disk_is_read_like_the_hub(tmp_path: Path) -> None:
+    """A clone of a Hub dataset repository (its README's configs name each split's files),
+    e.g. git clone https://huggingface.co/datasets/openai/gsm8k onto a volume."""
+    repo = tmp_path / "gsm8k"
+    (repo / "main").mkdir(parents=True)
+    for split in ("train", "test"):
+        rows = [{"question": f"{split} q", "answer": "#### 3"}]
+        write_parquet(repo / "main" / f"{split}-00000-of-00001.parquet", rows)
+    (repo / "README.md").write_text(
+        "---\nconfigs:\n- config_name: main\n  data_files:\n"
+        "  - split: train\n    path: main/train-*\n  - split: test\n    path: main/test-*\n---\n"
+    )
+    cfg = DataConfig(
+        source=str(repo), config="main", split="test", prompt_field="question", chat_template=False
+    )
+    assert [(e.prompt, e.answer) for e in load_examples(cfg)] == [("test q", "#### 3")]
+    with pytest.raises(DataError, match=r"config 'socratic'.*set data.config") as err:
+        load_examples(cfg.model_copy(update={"config": "socratic"}))
+    assert err.value.field == "config"

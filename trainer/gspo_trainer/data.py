@@ -66,15 +66,20 @@ def _format_of(cfg: DataConfig) -> str:
         return "jsonl"
     if src.endswith(".parquet"):
         return "parquet"
-    if Path(src).is_dir():
-        return "hf-dataset"
+    if Path(src).is_dir():  # save_to_disk's, or a dataset repository's files (a clone)
+        saved = any((Path(src) / f).is_file() for f in SAVED_MARKERS)
+        return "hf-dataset" if saved else "hub"
     if not Path(src).exists() and looks_like_hub_name(src):
         return "hub"
     raise DataError(
         f"data.source {src!r}: cannot tell its format; name a .jsonl or .parquet file, a "
-        "directory saved with datasets' save_to_disk, a Hub dataset (owner/name), or set "
-        "data.format"
+        "directory saved with datasets' save_to_disk or holding a dataset repository, a Hub "
+        "dataset (owner/name), or set data.format"
     )
+
+
+# What datasets' save_to_disk writes at the top of a DatasetDict's or a Dataset's directory.
+SAVED_MARKERS = ("dataset_dict.json", "state.json")
 
 
 def _jsonl_rows(src: str, what: str) -> Iterator[tuple[str, Any]]:
@@ -107,7 +112,9 @@ def _pick_split(ds: Any, split: str, what: str) -> Any:
 def load_hub_dataset(
     name: str, config: str | None, split: str, what: str, environ: Mapping[str, str] | None = None
 ) -> Any:
-    """A Hugging Face Hub dataset's split, as datasets.load_dataset reads it: downloaded once
+    """A Hugging Face Hub dataset's split (or a local directory holding a dataset
+    repository's files, its README's configs included), as datasets.load_dataset reads it:
+    downloaded once
     into the datasets cache under HF_HOME (the model cache volume on a cluster), with HF_TOKEN
     for a gated or private one, read from the cache alone with HF_HUB_OFFLINE=1. Errors
     are one line naming the field."""
