@@ -26,12 +26,14 @@ def test_any_field_by_its_path_with_yaml_values() -> None:
         "reward.functions[1]={name: fmt, kind: format, weight: 0.5}",
         "reward.functions[0].weight=2",
         "reward.kind=null",
+        r"learner.labels.app\.kubernetes\.io/part-of=rl",  # a dot in a key, escaped as in Helm
     )
     parsed = parse_spec(spec)
     assert parsed.algorithm.group_size == 4 and parsed.algorithm.temperature == 0.7
     assert parsed.data.system_prompt == "Answer with a number."
     assert parsed.data.chat_template_kwargs == {"enable_thinking": False}
     assert spec["rollout"]["engineArgs"] == {"enforce_eager": True}
+    assert parsed.learner.labels == {"app.kubernetes.io/part-of": "rl"}
     assert [(f.name, f.weight) for f in parsed.reward.functions or []] == [
         ("exact", 2.0),
         ("fmt", 0.5),

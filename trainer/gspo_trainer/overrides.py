@@ -27,17 +27,18 @@ class OverrideError(ValueError):
 
 
 def parse_path(path: str) -> list[str | int]:
-    """ "a.b[0].c" -> ["a", "b", 0, "c"]; a leading "spec." is dropped."""
+    """ "a.b[0].c" -> ["a", "b", 0, "c"]; a leading "spec." is dropped, and a dot inside a
+    key is escaped as Helm's is (learner.labels.app\\.kubernetes\\.io/name)."""
     path = path.removeprefix("spec.")
     parts: list[str | int] = []
-    for segment in path.split("."):
+    for segment in path.replace("\\.", "\0").split("."):
         match = _SEGMENT.fullmatch(segment)
         if match is None:
             raise OverrideError(
                 f"{path!r} is not a field path; write it like "
                 "algorithm.groupSize or reward.functions[0].weight"
             )
-        parts.append(match.group(1))
+        parts.append(match.group(1).replace("\0", "."))
         parts.extend(int(i) for i in re.findall(r"\[(\d+)\]", match.group(2)))
     return parts
 
