@@ -127,7 +127,7 @@ def test_rbac_is_namespaced_by_default() -> None:
     """The release namespace plus watchNamespaces, a Role and a RoleBinding in each, the same
     namespaces in --namespace args, and not one cluster-scoped object."""
     for args, watched in [
-        ((), [NAMESPACE]),
+        ((), [NAMESPACE, "default"]),  # default: where kubectl puts the quick start's job
         (("--set", "watchNamespaces={team-a,team-b}"), [NAMESPACE, "team-a", "team-b"]),
         (("--set", f"watchNamespaces={{team-a,{NAMESPACE}}}"), [NAMESPACE, "team-a"]),
     ]:

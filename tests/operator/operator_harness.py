@@ -218,9 +218,11 @@ async def operator(
     progress_write_s: float = 0.0,
     progress_writes_per_minute: float = 0.0,
     resync_s: float = 600.0,
+    namespaces: tuple[str, ...] = (NS,),
 ) -> AsyncIterator[Context]:
-    """Run the real operator (kopf tasks) against `api` until the block ends. Progress is
-    written at once by default (tests read it); a cluster writes it every minute."""
+    """Run the real operator (kopf tasks) against `api`, watching `namespaces`, until the
+    block ends. Progress is written at once by default (tests read it); a cluster writes it
+    every minute."""
     import kopf
 
     url = api.base_url
@@ -239,7 +241,7 @@ async def operator(
     task = asyncio.create_task(
         serve(
             ctx,
-            namespaces=[NS],
+            namespaces=list(namespaces),
             login=login,
             scanning=False,
             stop_flag=stop,
