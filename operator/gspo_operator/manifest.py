@@ -414,6 +414,30 @@ def _priority_class_problems(spec: GSPOJobSpec, allowed: Sequence[str]) -> list[
     ]
 
 
+def apply_queue_label(spec: GSPOJobSpec, labels: Any) -> tuple[GSPOJobSpec, list[Problem]]:
+    """Kueue's `kueue.x-k8s.io/queue-name` label on the GSPOJob itself, where Kubeflow's and
+    KubeRay's users write it: the job's queue when spec.runPolicy.scheduling.queue is unset
+    (the operator carries it onto the JobSet, the object Kueue admits), refused when the two
+    differ. Kueue knows no GSPOJob, so the label alone would otherwise do nothing."""
+    label = labels.get(names.QUEUE_LABEL) if isinstance(labels, Mapping) else None
+    scheduling = spec.run_policy.scheduling
+    if not label or label == scheduling.queue:
+        return spec, []
+    if scheduling.queue:
+        return spec, [
+            Problem(
+                f"metadata.labels[{names.QUEUE_LABEL}]",
+                f"{label!r} differs from spec.runPolicy.scheduling.queue "
+                f"{scheduling.queue!r}; the job's queue is spec.runPolicy.scheduling.queue: "
+                "remove the label or make the two equal",
+            )
+        ]
+    run_policy = spec.run_policy.model_copy(
+        update={"scheduling": scheduling.model_copy(update={"queue": str(label)})}
+    )
+    return spec.model_copy(update={"run_policy": run_policy}), []
+
+
 def check_job(
     doc: Any,
     policy: ClusterPolicy = ClusterPolicy(),
@@ -449,6 +473,8 @@ def check_job(
         if (why := names.check_job_name(str(name), *replicas)) is not None:
             problems.insert(0, Problem("metadata.name", why))
     if spec is not None:
+        spec, queue_problems = apply_queue_label(spec, metadata.get("labels"))
+        problems.extend(queue_problems)
         problems.extend(check_policy(spec, policy))
         problems.extend(check_gpu_requests(spec))
     if spec is not None and not problems:

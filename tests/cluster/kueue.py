@@ -1,4 +1,5 @@
-"""A stand-in for Kueue (kueue.x-k8s.io/v1beta1) in front of JobSets, for the local cluster.
+"""A stand-in for Kueue (kueue.x-k8s.io v1beta2 and v1beta1) in front of JobSets, for the local
+cluster.
 
 A queued GSPOJob's JobSet carries `kueue.x-k8s.io/queue-name`; on a real cluster Kueue then owns
 its `spec.suspend`. This module does what Kueue v0.13 does to such a JobSet, so the operator
@@ -99,7 +100,13 @@ Obj = dict[str, Any]
 log = logging.getLogger(__name__)
 
 GROUP = "kueue.x-k8s.io"
-API_VERSION = f"{GROUP}/v1beta1"
+# Kueue's versions (config/components/crd/bases at each tag): v0.13 and v0.14 serve v1beta1
+# alone, v0.15 adds v1beta2, v0.16 to v0.19 store v1beta2 and still serve v1beta1 (deprecated,
+# with a warning). The stand-in serves the queue kinds as v1beta2 (what examples/kueue.yaml
+# writes) and Workloads as v1beta1 (what the operator reads, on every release from v0.13);
+# it does not serve the other version of each, nor convert between them.
+API_VERSION = f"{GROUP}/v1beta1"  # Workloads
+QUEUES_API_VERSION = f"{GROUP}/v1beta2"  # LocalQueue, ClusterQueue, ResourceFlavor
 QUEUE_LABEL = f"{GROUP}/queue-name"
 JOB_UID_LABEL = f"{GROUP}/job-uid"
 JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
@@ -107,9 +114,9 @@ JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
 # stand-in lists the kinds it serves (apiserver.CLUSTER_RESOURCES).
 RESOURCES = [
     (GROUP, "v1beta1", "workloads", "Workload", True, True, ["wl"]),
-    (GROUP, "v1beta1", "localqueues", "LocalQueue", True, True, ["queue", "queues", "lq"]),
-    (GROUP, "v1beta1", "clusterqueues", "ClusterQueue", False, True, ["cq"]),
-    (GROUP, "v1beta1", "resourceflavors", "ResourceFlavor", False, False, ["flavor", "rf"]),
+    (GROUP, "v1beta2", "localqueues", "LocalQueue", True, True, ["queue", "queues", "lq"]),
+    (GROUP, "v1beta2", "clusterqueues", "ClusterQueue", False, True, ["cq"]),
+    (GROUP, "v1beta2", "resourceflavors", "ResourceFlavor", False, False, ["flavor", "rf"]),
 ]
 NOT_READY = "Not all pods are ready or succeeded"
 WAITING_FOR_RECOVERY = "At least one pod has failed, waiting for recovery"

@@ -13,7 +13,7 @@
   mount namespace (its volumes at their mount paths, PVCs as shared directories under
   `workdir/pvc`), probes executed against it, graceful deletion with SIGTERM;
 - the operator: the real kopf handlers (`gspo_operator.run.serve`);
-- with `kueue=`, Kueue v0.13's stand-in (`kueue.py`): its kinds, JobSet webhook and controller.
+- with `kueue=`, Kueue's stand-in (`kueue.py`): its kinds, JobSet webhook and controller.
 
 What each piece models and what it does not is in its own docstring. The image field is
 ignored: every container runs this checkout's `gspo` (the venv beside the running Python),

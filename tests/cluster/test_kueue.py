@@ -210,7 +210,7 @@ async def test_a_missing_local_queue_or_flavor_is_named(cluster: Cluster) -> Non
     cluster.api.add(next(d for d in queues() if d["kind"] == "LocalQueue"))
     cluster.api.add(
         {
-            "apiVersion": kueue.API_VERSION,
+            "apiVersion": kueue.QUEUES_API_VERSION,
             "kind": "ClusterQueue",
             "metadata": {"name": "other"},
             "spec": {},

@@ -34,15 +34,19 @@ def queues(*resources: tuple[str, Any]) -> list[dict]:
         ],
     }
     return [
-        {"apiVersion": kueue.API_VERSION, "kind": "ResourceFlavor", "metadata": {"name": flavor}},
         {
-            "apiVersion": kueue.API_VERSION,
+            "apiVersion": kueue.QUEUES_API_VERSION,
+            "kind": "ResourceFlavor",
+            "metadata": {"name": flavor},
+        },
+        {
+            "apiVersion": kueue.QUEUES_API_VERSION,
             "kind": "ClusterQueue",
             "metadata": {"name": "cq"},
             "spec": {"namespaceSelector": {}, "resourceGroups": [group]},
         },
         {
-            "apiVersion": kueue.API_VERSION,
+            "apiVersion": kueue.QUEUES_API_VERSION,
             "kind": "LocalQueue",
             "metadata": {"name": QUEUE, "namespace": NS},
             "spec": {"clusterQueue": "cq"},
