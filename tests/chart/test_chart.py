@@ -24,7 +24,7 @@ VALUES_FILES = sorted((CHART / "ci").glob("*.yaml"))
 HELM = REPO / ".tools" / "helm" / "helm"
 PROMTOOL = REPO / ".tools" / "prometheus" / "usr" / "bin" / "promtool"
 RUNBOOKS = REPO / "docs" / "runbooks.md"
-KUBE_VERSIONS = ("1.29.0", "1.32.0")
+KUBE_VERSIONS = ("1.30.0", "1.32.0")  # the chart's floor (kubeVersion) and a later one
 # Kinds of the Prometheus Operator: CRDs that kubernetes-validate has no schema for.
 MONITORING_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 RELEASE, NAMESPACE = "gspo-operator", "gspo-system"
