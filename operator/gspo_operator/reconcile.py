@@ -506,7 +506,13 @@ async def _observe(
         observed = status.Observed(jobset=js, pods=pods, progress=progress, **queued)
     elif js is not None and _starting(js, learners):
         claim = await _observe_claim(ctx, ns, render.checkpoint_claim_name(name, spec))
-        observed = status.Observed(jobset=js, pods=pods, claim=claim, **queued)
+        refused = ""
+        if len(learners) < spec.learner.replicas:
+            job = names.child_job(name, names.LEARNER, 0)
+            refused = status.failed_create(job, await ctx.kube.events_of(ns, "Job", job))
+        observed = status.Observed(
+            jobset=js, pods=pods, claim=claim, failed_create=refused, **queued
+        )
     return observed
 
 

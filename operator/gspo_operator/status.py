@@ -189,6 +189,19 @@ class ClaimView:
         )
 
 
+def failed_create(job: str, events: Iterable[Mapping[str, Any]]) -> str:
+    """Why the Job controller cannot create a Job's pods: its newest FailedCreate Warning
+    ("Error creating: pods \"x-\" is forbidden: no PriorityClass with name p was found", an
+    exceeded quota, a webhook's refusal), as "Job <job>: <message>", or "". A Job keeps no
+    condition for it (kubernetes pkg/controller/controller_utils.go records only this Event),
+    so a pod that cannot be created would otherwise read as a pod not yet running."""
+    refusals = [
+        e for e in events if (e.get("type"), e.get("reason")) == ("Warning", "FailedCreate")
+    ]
+    newest = max(refusals, key=_event_time, default=None)
+    return f"Job {job}: {newest.get('message')}" if newest else ""
+
+
 def _event_time(event: Mapping[str, Any]) -> str:
     """RFC 3339 stamps of one format compare as strings; eventTime is the events.k8s.io field."""
     return str(event.get("lastTimestamp") or event.get("eventTime") or "")
@@ -205,6 +218,8 @@ class Observed:
     workload: WorkloadView | None = None
     workload_error: str = ""
     claim: ClaimView | None = None  # the checkpoint claim, read only while it may be why
+    # failed_create() of the learner Job, read only while it has fewer pods than replicas
+    failed_create: str = ""
 
     def learners(self, attempt: int) -> list[PodView]:
         return [
@@ -357,6 +372,11 @@ def compute(
         message = f"waiting for the learner group (restart {restarts}) to run again"
         st.phase("Restarting", "Warning", "Restarting", message, event=False)
         st.condition("Running", False, "Restarting", message)
+    elif observed.failed_create and len(current) < replicas:
+        # The pods do not exist: the API server refuses them, and the Job controller says why.
+        message = f"{len(current)}/{replicas} learner pods created; {observed.failed_create}"
+        st.phase("Pending", "Warning", "FailedCreate", message)
+        st.condition("Running", False, "FailedCreate", message)
     elif (claim := observed.claim) is not None and claim.phase != "Bound" and claim.warning:
         # The pods cannot start before their claim binds; the provisioner says why it does not.
         message = f"checkpoint claim {claim.name} is {claim.phase}: {claim.warning}"

@@ -14,7 +14,15 @@ semantics) with what the local cluster needs beyond it:
   defaulted and validated as custom resources (kmock_apiserver.py: every write, the
   request's fieldValidation), before the admission hooks below;
 - admission: `admit` hooks (the JobSet webhook, the API server's own pod checks) run on
-  every create and may refuse it with a 422 (Invalid) or 403 (Forbidden) carrying their message.
+  every create and may refuse it with a 422 (Invalid), or a 403 (Forbidden) when the message
+  is a `Forbidden`, carrying their message;
+- the Priority admission plugin (kubernetes plugin/pkg/admission/priority/admission.go, on by
+  default): a pod naming a priorityClassName that is neither a system class
+  (system-cluster-critical, system-node-critical) nor a stored scheduling.k8s.io/v1
+  PriorityClass is refused 403 `pods "<name>" is forbidden: no PriorityClass with name <n> was
+  found`, <name> being the generateName when the pod has one (apiserver pkg/admission/errors.go
+  extractResourceName: names are generated after admission). Not modelled: spec.priority
+  resolution, the global default class, preemptionPolicy.
 
 Not modelled: resourceVersion preconditions on patches (a PUT's are, by ApiServer),
 strategic-merge patches, server-side apply, finalizers on pods, field managers, quota.
@@ -40,8 +48,15 @@ CLUSTER_RESOURCES = [
     # Storage (storage.StorageController provisions claims on these).
     ("storage.k8s.io", "v1", "storageclasses", "StorageClass", False, False, ["sc"]),
     ("", "v1", "persistentvolumes", "PersistentVolume", False, True, ["pv"]),
+    ("scheduling.k8s.io", "v1", "priorityclasses", "PriorityClass", False, False, ["pc"]),
 ]
+SYSTEM_PRIORITY_CLASSES = {"system-cluster-critical", "system-node-critical"}
 DEFAULT_GRACE_S = 30
+
+
+class Forbidden(str):
+    """An admission hook's message that refuses with 403 Forbidden instead of 422 Invalid."""
+
 
 # An admission hook: the object being created -> None (admitted) or an error message.
 Admit = Callable[[Obj], "str | None"]
@@ -81,11 +96,28 @@ class ClusterApiServer(ApiServer):
             for k, v in obj.pop("stringData").items():
                 data[k] = base64.b64encode(str(v).encode()).decode()
             obj["data"] = data
-        for admit in self.admission:
+        for admit in [*self.admission, self._admit_priority]:
             message = admit(obj)
+            if isinstance(message, Forbidden):
+                raise kmock.KubernetesError(status=403, reason="Forbidden", message=message)
             if message:
                 raise kmock.KubernetesError(status=422, reason="Invalid", message=message)
         return super()._store_new(key, namespace, obj)
+
+    def _admit_priority(self, obj: Obj) -> str | None:
+        """The Priority admission plugin's refusal of a pod whose class does not exist."""
+        if obj.get("kind") != "Pod" or "PriorityClass" in self.without:
+            return None
+        wanted = (obj.get("spec") or {}).get("priorityClassName")
+        if not wanted or wanted in SYSTEM_PRIORITY_CLASSES:
+            return None
+        if self.get("PriorityClass", "", wanted) is not None:
+            return None
+        meta = obj.get("metadata") or {}
+        name = meta.get("generateName") or meta.get("name") or "Unknown"
+        return Forbidden(
+            f'pods "{name}" is forbidden: no PriorityClass with name {wanted} was found'
+        )
 
     def _delete(self, key: Key, namespace: str, name: str, options: Obj | None = None) -> Obj:
         obj = self.objects.get((key, namespace, name))

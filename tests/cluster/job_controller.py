@@ -65,6 +65,11 @@ Implemented (a level-triggered loop that re-reads every Job and its pods each ~0
   with a podFailurePolicy, completions required for Indexed, job names that make too long a
   job-name label value, malformed podFailurePolicy rules.
 
+- A pod the API server refuses (admission: a missing PriorityClass, a quota) is retried on the
+  next pass and recorded as the real RealPodControl.createPods does (pkg/controller/
+  controller_utils.go): a Warning Event on the Job, reason FailedCreate, message
+  "Error creating: <the API server's error>", source job-controller; the real event
+  recorder's aggregation of repeats into `count` is not modelled (one Event per message).
 - The pod-failure back-off before pods are created again (backoff.py): 10 s doubling per pod
   failure since the Job's last success, capped at 10 minutes, times `time_scale` (TIME_SCALE by
   default, 0.05: 0.5 s to 30 s), on the injectable `clock`.
@@ -499,6 +504,7 @@ class JobController(Reconciler):
         # By Job uid (the real store keys it by namespace/name and drops it when a sync finds
         # the Job gone, which it does before JobSet can recreate a Job under the same name).
         self._backoff: dict[str, PodFailureRecord] = {}
+        self._failed_creates: set[tuple[str, str]] = set()  # (Job uid, Event message)
 
     async def sync_all(self) -> None:
         """One pass over all Jobs; what is tracked for Jobs that are gone is dropped."""
@@ -835,6 +841,38 @@ class JobController(Reconciler):
             await self.api.create(pod)
         except kmock.KubernetesError as exc:  # refused by admission: retried next pass
             log.warning("creating a pod for Job %s/%s: %s", ns, name, exc)
+            self._failed_create(job, str(exc.message or exc))
+
+    def _failed_create(self, job: Obj, error: str) -> None:
+        """The FailedCreate Warning Event on the Job, once per message."""
+        meta = job["metadata"]
+        message = f"Error creating: {error}"
+        if (meta["uid"], message) in self._failed_creates:
+            return
+        self._failed_creates.add((meta["uid"], message))
+        now = now_rfc3339()
+        self.api.add(
+            {
+                "apiVersion": "v1",
+                "kind": "Event",
+                "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+                "involvedObject": {
+                    "apiVersion": "batch/v1",
+                    "kind": "Job",
+                    "namespace": meta["namespace"],
+                    "name": meta["name"],
+                    "uid": meta["uid"],
+                },
+                "type": "Warning",
+                "reason": "FailedCreate",
+                "message": message,
+                "source": {"component": "job-controller"},
+                "reportingComponent": "job-controller",
+                "firstTimestamp": now,
+                "lastTimestamp": now,
+                "count": 1,
+            }
+        )
 
 
 def _only_replace_failed(spec: Obj) -> bool:

@@ -25,6 +25,7 @@ from apiserver import ClusterApiServer
 from job_controller import JobController, admit_job
 from jobset_controller import JobSetController
 from jobset_webhook import admit
+from operator_harness import flagship_priority_class
 
 from gspo_operator import render
 from gspo_operator.manifest import ClusterPolicy
@@ -102,6 +103,7 @@ async def cluster() -> AsyncIterator[Cluster]:
         admission=[admit, admit_job, kueue.admit], extra_resources=kueue.RESOURCES
     )
     async with server:
+        server.add(flagship_priority_class())
         yield Cluster(server)
 
 

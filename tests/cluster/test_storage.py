@@ -16,7 +16,14 @@ import pytest
 import yaml
 from apiserver import ClusterApiServer
 from checkout import REPO
-from operator_harness import NS, _keep_running, api_server, eventually, operator
+from operator_harness import (
+    NS,
+    _keep_running,
+    api_server,
+    eventually,
+    flagship_priority_class,
+    operator,
+)
 from storage import EKS_CLASSES, GKE_CLASSES, StorageController
 
 Obj = dict[str, Any]
@@ -124,6 +131,7 @@ async def gke_cluster() -> AsyncIterator[ClusterApiServer]:
     async with api_server() as server:
         for sc in GKE_CLASSES:
             server.add(copy.deepcopy(sc))
+        server.add(flagship_priority_class())
         stop = asyncio.Event()
         storage = StorageController(server)
         task = asyncio.create_task(_keep_running(storage, stop))

@@ -14,7 +14,9 @@ from typing import Any
 import aiohttp.web
 import kmock
 import pytest
+import yaml
 from apiserver import ClusterApiServer
+from checkout import REPO
 from job_controller import JobController, admit_job
 from jobset_controller import JobSetController
 from jobset_webhook import admit
@@ -25,6 +27,13 @@ from gspo_operator.run import serve
 from gspo_trainer.progress import LearnerProgress
 
 NS = "default"
+
+
+def flagship_priority_class() -> dict:
+    """The PriorityClass examples/gspojob.yaml's pods name, from the prerequisites shipped
+    beside it: without it the API server refuses every pod of the flagship job."""
+    docs = yaml.safe_load_all((REPO / "examples" / "gspojob-prerequisites.yaml").read_text())
+    return next(d for d in docs if d and d["kind"] == "PriorityClass")
 
 
 def free_port() -> int:

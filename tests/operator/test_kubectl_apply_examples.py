@@ -84,6 +84,7 @@ async def test_the_flagship_examples_volumes_reach_its_pods(api, run_operator, t
     mounts = example["spec"]["learner"]["volumeMounts"]
     kubectl = Kubectl(api.base_url, tmp_path)
     async with run_operator(api, interval_s=0.3):
+        await kubectl("apply", "-f", "examples/gspojob-prerequisites.yaml")
         await kubectl("apply", "-f", "examples/gspojob.yaml")
         learners = await eventually(
             lambda: (
@@ -103,3 +104,39 @@ async def test_the_flagship_examples_volumes_reach_its_pods(api, run_operator, t
                     for m in container["volumeMounts"]
                 ), (pod["metadata"]["name"], mount)
         assert api.get("Pod", NS, learners[0]["metadata"]["name"]) is not None
+
+
+async def test_a_pod_the_api_server_refuses_is_in_the_job_status(
+    api, run_operator, tmp_path
+) -> None:
+    """The flagship example applied before its prerequisites: the API server's Priority
+    admission refuses every pod (no PriorityClass training-high), the Job controller records
+    FailedCreate on the learner Job, and the GSPOJob's status quotes it instead of "0/2 learner
+    pods running". Applying examples/gspojob-prerequisites.yaml lets the pods be created."""
+    kubectl = Kubectl(api.base_url, tmp_path)
+    name = "qwen3-30b-a3b-math"
+
+    def running_condition() -> dict[str, Any]:
+        job = api.get("GSPOJob", NS, name) or {}
+        conditions = (job.get("status") or {}).get("conditions") or []
+        return next((c for c in conditions if c["type"] == "Running"), {})
+
+    async with run_operator(api, interval_s=0.3):
+        await kubectl("apply", "-f", "examples/gspojob.yaml")
+        refused = await eventually(
+            lambda: running_condition().get("reason") == "FailedCreate" and running_condition(),
+            what="the FailedCreate reason in the job's status",
+        )
+        assert refused["message"].startswith("0/2 learner pods created; Job qwen3-30b-a3b-math-")
+        assert (
+            'Error creating: pods "qwen3-30b-a3b-math-learner-0-0-" is forbidden: '
+            "no PriorityClass with name training-high was found" in refused["message"]
+        ), refused
+        described = await kubectl("describe", "gspojob", name)
+        assert "no PriorityClass with name training-high was found" in described
+        await kubectl("apply", "-f", "examples/gspojob-prerequisites.yaml")
+        await eventually(lambda: len(pods_of(api, "learner")) == 2, what="the learner pods")
+        await eventually(
+            lambda: running_condition().get("reason") != "FailedCreate",
+            what="the FailedCreate reason to go once the pods exist",
+        )

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from kubectl import KUBECTL, Kubectl
-from operator_harness import NS, eventually, kubelet
+from operator_harness import NS, eventually, flagship_priority_class, kubelet
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = "qwen3-30b-a3b-math"
@@ -21,6 +21,7 @@ pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installe
 
 async def test_kubectl_apply_get_wait_describe_delete(api, run_operator, tmp_path) -> None:
     kubectl = Kubectl(api.base_url, tmp_path)
+    api.add(flagship_priority_class())  # examples/gspojob-prerequisites.yaml
     async with run_operator(api, interval_s=0.3):
         out = await kubectl("apply", "--validate=false", "-f", "examples/gspojob.yaml")
         assert f"gspojob.gspo.dev/{JOB} created" in out

@@ -485,3 +485,20 @@ def test_a_claim_that_cannot_bind_shows_the_provisioners_reason() -> None:
     quiet = status.ClaimView.from_claim(pvc, events[:1])
     out = step(spec(), Observed(jobset=js(), pods=pods("Pending"), claim=quiet), None)
     assert cond(out.status, "Running")["reason"] == "PodsPending"
+
+
+def test_failed_create_quotes_the_newest_refusal_of_the_job() -> None:
+    def event(type_: str, reason: str, message: str, at: str) -> dict:
+        return {"type": type_, "reason": reason, "message": message, "lastTimestamp": at}
+
+    events = [
+        event("Warning", "FailedCreate", "Error creating: exceeded quota", "2026-01-01T00:00:01Z"),
+        event(
+            "Warning", "FailedCreate", "Error creating: no PriorityClass", "2026-01-01T00:00:02Z"
+        ),
+        event("Normal", "SuccessfulCreate", "Created pod: j-learner-0-0-x", "2026-01-01T00:00:03Z"),
+    ]
+    assert status.failed_create("j-learner-0", events) == (
+        "Job j-learner-0: Error creating: no PriorityClass"
+    )
+    assert status.failed_create("j-learner-0", events[2:]) == ""
