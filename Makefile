@@ -20,7 +20,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml docker/versions.env | sha
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_CPU := torch==$(TORCH_VERSION)+cpu
 
-.PHONY: venv tools test lint fast train cluster crd clean images push-images
+.PHONY: venv tools test lint fast train cluster crd clean images push-images check-images
 
 venv: $(STAMP)
 
@@ -108,6 +108,11 @@ image-%:
 
 push-image-%: image-%
 	$(DOCKER) push $(REGISTRY)/gspo-$*:$(TAG)
+
+# Without Docker: each Dockerfile's pip install resolved by pip --dry-run against PyPI, with its
+# own requirements, versions.env's pins and this project's wheel (needs PyPI; a few minutes).
+check-images: venv
+	GSPO_NETWORK_TESTS=1 $(BIN)/python -m pytest tests/chart/test_image_resolve.py -q
 
 crd: venv
 	$(BIN)/gspo crd --write charts/gspo-operator/files/gspo.dev_gspojobs.yaml
