@@ -106,13 +106,16 @@ RANKS_STOP_SECONDS = ports.LEARNER_GRACE_SECONDS - 60
 
 
 def group_command(argv: list[str]) -> list[str]:
-    """torch.distributed.run starting this command once per process of the learner group."""
+    """torch.distributed.run starting this command once per process of the learner group,
+    its rendezvous store listening on this pod's address only (`gspo_trainer.rendezvous`)."""
     nnodes, node_rank, nproc = _group_size()
+    master_addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    master_port = os.environ.get("MASTER_PORT", str(ports.RENDEZVOUS_PORT))
     return [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--nproc-per-node={nproc}",
-        f"--master-addr={os.environ.get('MASTER_ADDR', '127.0.0.1')}",
-        f"--master-port={os.environ.get('MASTER_PORT', str(ports.RENDEZVOUS_PORT))}",
+        sys.executable, "-m", "gspo_trainer.rendezvous",
+        f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+        f"--rdzv-backend={ports.RENDEZVOUS_BACKEND}",
+        f"--rdzv-endpoint={master_addr}:{master_port}", f"--rdzv-conf=rank={node_rank}",
         f"--shutdown-timeout={RANKS_STOP_SECONDS}",
         "-m", "gspo_operator.cli", "learner", *argv,
     ]  # fmt: skip

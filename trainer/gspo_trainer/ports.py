@@ -5,6 +5,8 @@ One place, so the operator never guesses what the learner or the rollout server 
 
 ROLLOUT_HTTP_PORT = 8000  # rollout server: generation, health, control, /metrics
 RENDEZVOUS_PORT = 29500  # torch.distributed rendezvous of the learner group (MASTER_PORT)
+# The learner group's rendezvous backend: torch's static one, store bound (rendezvous.py).
+RENDEZVOUS_BACKEND = "gspo-static"
 WEIGHT_SYNC_PORT = 29600  # torch.distributed group of learner rank 0 and the rollout workers
 LEARNER_METRICS_PORT = 9090  # learner /metrics and /progress (spec.metrics.port overrides)
 # Every learner pod answers this on the metrics port (its readiness probe); rank 0 also

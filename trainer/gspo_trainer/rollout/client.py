@@ -431,7 +431,7 @@ class RolloutClient:
         assert opts is not None
         if self._store is None:
             self._store = await asyncio.to_thread(
-                weight_sync.connect_store, "0.0.0.0", opts.master_port, is_master=True,
+                weight_sync.connect_store, opts.master_addr, opts.master_port, is_master=True,
                 timeout_s=opts.timeout_s,
             )  # fmt: skip
         self._generation += 1

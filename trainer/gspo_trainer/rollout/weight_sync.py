@@ -406,7 +406,12 @@ class SyncGroup:
 
 
 def connect_store(host: str, port: int, *, is_master: bool, timeout_s: float) -> Any:
-    """The TCPStore rendezvous; rank 0 hosts it and can keep it for many groups."""
+    """The TCPStore rendezvous; rank 0 hosts it, listening on `host` only, and can keep it
+    for many groups."""
+    if is_master:
+        from gspo_trainer.bound_store import serve_store
+
+        return serve_store(host, port, world_size=None, timeout=timedelta(seconds=timeout_s))
     torch = torch_module()
     return torch.distributed.TCPStore(
         host,
