@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import errno
 import json
 import os
 import secrets
@@ -362,6 +363,25 @@ def _gpu_count() -> int:
 ROLLOUT_TOKEN_FILE = "rollout-token"
 
 
+def write_token_file(path: Path, token: str) -> None:
+    """The servers' token, readable by its owner only, in a file of its own.
+
+    A file already there is truncated and made 0600 (opening with a mode sets it only on a
+    new file); a symbolic link is refused, not followed: it could point the token, or the
+    truncation, at any file the user can write.
+    """
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise RuntimeError(f"{path} is a symbolic link; remove it (the rollout token is "
+                               "written to a regular file only)") from exc  # fmt: skip
+        raise RuntimeError(f"cannot write the rollout token to {path}: {exc}") from exc
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, 0o600)
+        f.write(token + "\n")
+
+
 def server_env(env: dict[str, str], placement: CpuPlacement | GpuPlacement | None,
                index: int) -> dict[str, str]:  # fmt: skip
     """A rollout server's environment: its cores or its GPUs when `gspo train` placed them."""
@@ -479,8 +499,7 @@ def main(argv: list[str]) -> int:
         # The servers answer anyone with the run's token, OpenAI's API included: leave it
         # where its owner (only) can read it, to talk to the policy while it trains.
         token_file = out / ROLLOUT_TOKEN_FILE
-        token_file.touch(mode=0o600)
-        token_file.write_text(token + "\n")
+        write_token_file(token_file, token)
         print(f"Rollout servers (vLLM's OpenAI API, token in {token_file}): "
               f"{', '.join(url for _, url in servers)}", flush=True)  # fmt: skip
         learner_env = {

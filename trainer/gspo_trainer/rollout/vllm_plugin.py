@@ -18,12 +18,15 @@ mode off:
     POST /control/sync/load    {"name": "v00000007", "version": 7}: load that version from
                                $GSPO_WEIGHTS_DIR (weightSync.method filesystem)
 
-Two middlewares wrap vLLM's app. The gate admits each generation request (completions, chat,
-the token-in generate route, responses) whole under one policy version, holds new ones while
-a sync runs, answers 503 before the first sync, and stamps every response with the version
-that produced it (header `x-gspo-policy-version`). The token check asks for the job's token
-($GSPO_SYNC_TOKEN, also vLLM's --api-key) on every route but /health, /ready, /metrics, /ping
-and /version: vLLM's --api-key guards only /v1, leaving /tokenize, /invocations, ... open.
+Two middlewares wrap vLLM's app. The gate admits each generation request whole under one
+policy version, holds new ones while a sync runs, answers 503 before the first sync, and
+stamps every response with the version that produced it (header `x-gspo-policy-version`).
+Every route is a generation route but those `NON_GENERATION_ROUTES` lists (probes, metrics,
+tokenization, model listing, control): a route a later vLLM adds is gated until it is listed
+here. A websocket can carry generations across a sync, so one to a gated route is refused.
+The token check asks for the job's token ($GSPO_SYNC_TOKEN, also vLLM's --api-key) on every
+route, websockets included, but /health, /ready, /metrics, /ping and /version: vLLM's
+--api-key guards only /v1, leaving /tokenize, /invocations, ... open.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import hmac
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +52,36 @@ from gspo_trainer.rollout.control import (
 
 log = logging.getLogger("gspo.rollout")
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate",
-                    "/v1/responses")  # fmt: skip
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/ping", "/version"})
 CONTROL_PREFIX = "/control/"
+# The routes of vLLM 0.32's server (generate task) that generate nothing, so answer outside
+# the policy-version gate; `{name}` is one path segment. Every other route is gated.
+NON_GENERATION_ROUTES = (
+    *sorted(OPEN_PATHS),
+    CONTROL_PREFIX + "{action}",
+    CONTROL_PREFIX + "sync/{action}",
+    "/load",  # the server's load, for routers
+    "/kv_event_sources",
+    "/tokenize",
+    "/detokenize",
+    "/v1/messages/count_tokens",
+    "/v1/models",
+    "/v1/chat/completions/render",  # a request as prompt tokens, without generating
+    "/v1/messages/render",
+    "/v1/completions/render",
+    "/v1/responses/render",
+    "/v1/chat/completions/derender",
+    "/v1/completions/derender",
+    "/v1/responses/{response_id}",  # a stored response, read back
+    "/v1/responses/{response_id}/cancel",
+    "/inference/v1/abort_requests",  # must reach the engine while a sync holds the gate
+    "/scale_elastic_ep",
+    "/is_scaling_elastic_ep",
+    "/openapi.json",
+    "/docs",
+    "/docs/oauth2-redirect",
+    "/redoc",
+)
 ADMIT_TIMEOUT_S = 600.0  # how long a generation waits for a sync in progress
 
 
@@ -192,15 +222,18 @@ class TokenMiddleware:
         self.app, self.plugin = app, plugin
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope.get("method") == "OPTIONS":
+        kind = scope["type"]
+        if kind not in ("http", "websocket") or scope.get("method") == "OPTIONS":
             return await self.app(scope, receive, send)
-        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        path = _route_path(scope)
         token = self.plugin.token
         if path not in OPEN_PATHS:
             if token is None and path.startswith(CONTROL_PREFIX):
                 return await _send_json(send, 403, {"error": "control routes are disabled: "
                                                     f"set ${ports.ENV_SYNC_TOKEN}"})  # fmt: skip
             if token is not None and not _authorized(scope, token):
+                if kind == "websocket":
+                    return await _refuse_websocket(send, "missing or wrong bearer token")
                 return await _send_json(send, 401, {"error": "missing or wrong bearer token"},
                                         ((b"www-authenticate", b"Bearer"),))  # fmt: skip
         await self.app(scope, receive, send)
@@ -214,9 +247,10 @@ class GateMiddleware:
         self.app, self.plugin = app, plugin
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        path = scope.get("path", "") if scope["type"] == "http" else ""
-        if not path.startswith(GENERATION_PATHS):
+        if scope["type"] not in ("http", "websocket") or not is_generation(_route_path(scope)):
             return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            return await _refuse_websocket(send, "generation is served over HTTP only")
         state = self.plugin.state
         if state.policy_version is None:
             return await _send_json(send, 503, {"error": "not synced: waiting for the "
@@ -244,6 +278,28 @@ class GateMiddleware:
         except TimeoutError:
             await _send_json(send, 503, {"error": f"paused for a weight sync for over "
                                          f"{ADMIT_TIMEOUT_S:.0f} s"})  # fmt: skip
+
+
+def _route_pattern(template: str) -> re.Pattern[str]:
+    return re.compile(re.sub(r"\\\{[^/]*?\\\}", "[^/]+", re.escape(template)))
+
+
+_NON_GENERATION = tuple(_route_pattern(t) for t in NON_GENERATION_ROUTES)
+
+
+def is_generation(path: str) -> bool:
+    """Whether a request to `path` goes through the gate: every route but those listed."""
+    return not any(p.fullmatch(path) for p in _NON_GENERATION)
+
+
+def _route_path(scope: Any) -> str:
+    """The path the app routes on (vLLM's --root-path removed)."""
+    return str(scope.get("path", "")).removeprefix(scope.get("root_path", ""))
+
+
+async def _refuse_websocket(send: Any, reason: str) -> None:
+    """Close a websocket before accepting it: the client gets HTTP 403 (ASGI spec)."""
+    await send({"type": "websocket.close", "code": 1008, "reason": reason})
 
 
 def _authorized(scope: Any, token: str) -> bool:
