@@ -205,8 +205,9 @@ def render_checkpoint_claim(ctx: _Ctx) -> Obj:
 def failure_rules(spec: GSPOJobSpec) -> list[Obj]:
     """JobSet failurePolicy rules, first match wins (see docs/operator.md).
 
-    The learner Job has backoffLimit 0 and a podFailurePolicy that fails it on exit code 2
-    and on disruption; JobSet tells the cases apart by the Job's failure reason and message.
+    The learner Job has backoffLimit 0 and a podFailurePolicy that fails it on exit code 2,
+    on disruption and on exit code 143 (stopped after its final checkpoint); JobSet tells the
+    cases apart by the Job's failure reason and message.
     """
     learner, rollout = [names.LEARNER], [names.ROLLOUT]
     restart = "RestartJob" if spec.run_policy.restart_scope == "learner" else "RestartJobSet"
