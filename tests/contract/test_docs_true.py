@@ -208,3 +208,17 @@ def test_the_captured_kubectl_describe_shows_the_whole_spec_of_the_example() -> 
         if isinstance(fields, dict):
             title = re.sub(r"(?<!^)([A-Z])", r" \1", section).title()
             assert set(fields) <= shown.get(title, set()), (section, set(fields) - shown[title])
+
+
+def test_the_operators_failover_time_is_stated_one_way() -> None:
+    """Where the docs say how soon a standby operator takes over from a dead leader, they
+    give docs/operator.md's range, which starts at the lease duration."""
+    from gspo_operator.leader import Timing
+
+    operator_md = " ".join((REPO / "docs" / "operator.md").read_text().split())
+    (stated,) = re.findall(r"is replaced within [^:]*: about (\d+ to \d+ s)", operator_md)
+    assert stated.startswith(f"{Timing().lease_duration_s:.0f} to ")
+    for path in ("README.md", "charts/gspo-operator/README.md", "charts/gspo-operator/values.yaml"):
+        text = " ".join((REPO / path).read_text().replace("#", " ").split())
+        claims = re.findall(r"tak\w+ over within ([^,]*?)(?: of its death| if it dies)", text)
+        assert claims == [stated], (path, claims)
