@@ -9,8 +9,8 @@ import asyncio
 import functools
 from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
-import pytest
 from prometheus_client import CollectorRegistry
 
 from gspo_trainer import ports
@@ -32,26 +32,24 @@ TOKEN = "t0ken"
 
 @functools.cache
 def vllm_routes() -> tuple[tuple[str, str], ...]:
-    """(type, path) of each route of vLLM's app for the generate task, path parameters
-    filled in, the gspo plugin's routes included."""
+    """(type, path) of each route of vLLM's app for the generate task and of the gspo
+    plugin's router, path parameters filled in."""
     from starlette.routing import Mount, Route, WebSocketRoute
     from vllm.entrypoints.launchers.app import build_app
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from gspo_trainer.rollout.serve_command import PLUGIN_NAME
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_PLUGINS", PLUGIN_NAME)
-        args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "m"])
-        app = build_app(args, ("generate",))
-    found = []
-    for route in app.routes:
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "m"])
+    with mock.patch.object(vllm_plugin, "_default_registry", CollectorRegistry):
+        plugin_routes = vllm_plugin.GSPOEndpoints()._router().routes
+    routes = [*build_app(args, ("generate",)).routes, *plugin_routes]
+    found = set()
+    for route in routes:
         if isinstance(route, (Route, Mount, WebSocketRoute)):
             kind = "websocket" if isinstance(route, WebSocketRoute) else "http"
             path = route.path_format if not isinstance(route, Mount) else route.path
-            found.append((kind, path.format_map({k: "x1" for k in route.param_convertors})))
-    return tuple(found)
+            found.add((kind, path.format_map({k: "x1" for k in route.param_convertors})))
+    return tuple(sorted(found))
 
 
 def plugin(version: int | None, token: str | None = TOKEN) -> Any:
