@@ -110,6 +110,15 @@ def test_a_server_serves_nothing_until_the_learner_syncs_it(server: Any) -> None
     assert call(url + "/ready", token=None)[0] == 503
     status, _, body = complete(url)
     assert status == 503 and "not synced" in body["error"]
+    # vLLM's other generation routes wait for the weights too (Anthropic's, SageMaker's).
+    messages = {"model": NAME, "max_tokens": 2, "messages": [{"role": "user", "content": "1"}]}
+    for path, request in (
+        ("/v1/messages", messages),
+        ("/invocations", messages),
+        ("/generative_scoring", {"model": NAME}),
+    ):
+        assert call(url + path, request)[0] == 503, path
+    assert call(url + "/tokenize", {"model": NAME, "prompt": "1+2"})[0] == 200
 
 
 def test_the_token_guards_every_route_but_the_probes_and_metrics(server: Any) -> None:
