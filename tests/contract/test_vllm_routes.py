@@ -100,7 +100,7 @@ def test_every_route_that_generates_waits_for_the_learners_weights() -> None:
     assert passed == {p for _, p in vllm_routes() if not vllm_plugin.is_generation(p)}
     # What the gate lets through is listed by name, and the list names no stale route.
     for template in vllm_plugin.NON_GENERATION_ROUTES:
-        assert any(vllm_plugin._route_pattern(template).fullmatch(p) for p in passed), template
+        assert any(vllm_plugin.route_pattern(template).fullmatch(p) for p in passed), template
 
 
 def test_a_route_vllm_adds_later_is_gated_by_default() -> None:

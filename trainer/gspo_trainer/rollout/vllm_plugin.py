@@ -280,11 +280,13 @@ class GateMiddleware:
                                          f"{ADMIT_TIMEOUT_S:.0f} s"})  # fmt: skip
 
 
-def _route_pattern(template: str) -> re.Pattern[str]:
+def route_pattern(template: str) -> re.Pattern[str]:
+    """The paths a route template matches: its text, each `{name}` (escaped `\\{name\\}` by
+    re.escape) one path segment."""
     return re.compile(re.sub(r"\\\{[^/]*?\\\}", "[^/]+", re.escape(template)))
 
 
-_NON_GENERATION = tuple(_route_pattern(t) for t in NON_GENERATION_ROUTES)
+_NON_GENERATION = tuple(route_pattern(t) for t in NON_GENERATION_ROUTES)
 
 
 def is_generation(path: str) -> bool:
