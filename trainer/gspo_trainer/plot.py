@@ -3,22 +3,20 @@ and the collapse signals (entropy, zero-advantage share)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 
 def read_history(path: str | Path) -> list[dict[str, float]]:
-    """The learner's history.jsonl; a step logged twice (a resumed run) keeps its last line."""
+    """The learner's history.jsonl; a step logged twice (a resumed run) keeps its last line,
+    a line a killed learner left undecodable is skipped (jsonl.read_records)."""
+    from gspo_trainer.jsonl import read_records
+
     by_step: dict[int, dict[str, float]] = {}
-    p = Path(path)
-    if not p.exists():
-        return []
-    for line in p.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            record = json.loads(line)
-            by_step[int(record["step"])] = record
+    for record in read_records(Path(path)):
+        if isinstance(record.get("step"), int):
+            by_step[record["step"]] = record
     return [by_step[s] for s in sorted(by_step)]
 
 

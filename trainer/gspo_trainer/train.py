@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from gspo_trainer import ports
+from gspo_trainer import output_dir, ports
 from gspo_trainer.jobs import tiny_manifest
 
 if TYPE_CHECKING:
@@ -62,18 +62,46 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+class JobFileError(ValueError):
+    """The job file cannot be read as a GSPOJob (one line naming the file and what is wrong)."""
+
+
+def read_job_file(path: str) -> dict[str, Any]:
+    """The GSPOJob manifest in `path` (a bare spec is wrapped in one), or JobFileError."""
+    import yaml
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise JobFileError(f"{path}: cannot read the job file ({why})") from exc
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise JobFileError(f"{path}: not valid YAML{where}: {problem}") from exc
+    # A file may hold other objects beside the job (a claim, a Secret): take the job.
+    maps = [d for d in docs if isinstance(d, dict)]
+    jobs = [d for d in maps if d.get("kind", "GSPOJob") == "GSPOJob"]
+    if not jobs:
+        got = "nothing" if not docs else "a " + type(docs[0]).__name__ if not maps else "no GSPOJob"
+        raise JobFileError(
+            f"{path}: holds {got}, not a GSPOJob manifest (kind: GSPOJob with a spec mapping) "
+            "or a bare spec"
+        )
+    raw = jobs[0]
+    manifest = raw if "spec" in raw else {"kind": "GSPOJob", "spec": raw}
+    if not isinstance(manifest["spec"], dict):
+        got = type(manifest["spec"]).__name__
+        raise JobFileError(f"{path}: spec must be a mapping of the job's sections, got {got}")
+    return manifest
+
+
 def job_manifest(args: argparse.Namespace) -> dict[str, Any]:
     """The manifest to run: the file given, or the embedded default, with CLI overrides."""
-    if args.config:
-        import yaml
-
-        docs = [d for d in yaml.safe_load_all(Path(args.config).read_text(encoding="utf-8")) if d]
-        # A file may hold other objects beside the job (a claim, a Secret): take the job.
-        jobs = [d for d in docs if isinstance(d, dict) and d.get("kind", "GSPOJob") == "GSPOJob"]
-        raw = jobs[0] if jobs else (docs[0] if docs else {})
-        manifest = raw if "spec" in raw else {"kind": "GSPOJob", "spec": raw}
-    else:
-        manifest = tiny_manifest()
+    manifest = read_job_file(args.config) if args.config else tiny_manifest()
     manifest = copy.deepcopy(manifest)
     from gspo_trainer.overrides import apply_overrides
 
@@ -109,6 +137,7 @@ class Proc:
     name: str
     popen: subprocess.Popen[bytes]
     log: Path
+    log_start: int = 0  # where this attempt's lines begin in `log` (earlier ones above)
 
     def stop(self, timeout_s: float = 60) -> int:
         if self.popen.poll() is None:
@@ -121,22 +150,29 @@ class Proc:
         return int(self.popen.returncode)
 
     def tail(self, chars: int = 3000) -> str:
-        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+        """The end of this attempt's log (not an earlier attempt's)."""
+        if not self.log.exists():
+            return ""
+        with open(self.log, "rb") as f:
+            f.seek(max(self.log_start, f.seek(0, os.SEEK_END) - chars))
+            return f.read().decode(errors="replace")
 
 
 def spawn(name: str, args: list[str], env: dict[str, str], log: Path,
           cpus: list[int] | None = None) -> Proc:  # fmt: skip
-    """`gspo ARGS` in its own session, logging to `log`; on `cpus` only when given (set in
-    the child before it runs anything, so every thread and process it starts inherits it)."""
+    """`gspo ARGS` in its own session, appending to `log` after a header (a resumed run keeps
+    the previous attempt's log); on `cpus` only when given (set in the child before it runs
+    anything, so every thread and process it starts inherits it)."""
     repo = Path(__file__).resolve().parents[2]
     paths = [str(repo / "operator"), str(repo / "trainer"), env.get("PYTHONPATH", "")]
     env = {**env, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-    with open(log, "wb") as f:
+    f, start = output_dir.open_log(log, name)
+    with f:
         cmd = [sys.executable, "-m", "gspo_operator.cli", *args]
         popen = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
                                  start_new_session=True, preexec_fn=pin)  # fmt: skip
-    return Proc(name, popen, log)
+    return Proc(name, popen, log, start)
 
 
 @dataclass(frozen=True)
@@ -236,6 +272,7 @@ class ProgressView:
     def __init__(self, history: Path, max_steps: int, bar: bool, out: TextIO) -> None:
         self.history, self.max_steps, self.out = history, max_steps, out
         self.offset = 0
+        self.lines_read = 0  # complete lines consumed, to name a skipped one
         self.records: list[dict[str, float]] = []
         self.last_eval: dict[str, float] | None = None
         self.bar = None
@@ -251,9 +288,12 @@ class ProgressView:
         with open(self.history, encoding="utf-8") as f:
             f.seek(self.offset)
             chunk = f.read()
-        lines = chunk.split("\n")
-        self.offset += len(chunk) - len(lines[-1])
-        new = [json.loads(line) for line in lines[:-1] if line.strip()]
+        lines = chunk.split("\n")  # the last is partial (being written) or empty
+        self.offset += len(chunk.encode()) - len(lines[-1].encode())
+        from gspo_trainer.jsonl import decode_lines
+
+        new = decode_lines(lines[:-1], str(self.history), first_line=self.lines_read + 1)
+        self.lines_read += len(lines) - 1
         for r in new:
             self.show(r)
         if new and self.bar is not None:
@@ -420,11 +460,10 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
         manifest = job_manifest(args)
-    except OverrideError as exc:
+        spec = parse_spec(manifest["spec"])
+    except (JobFileError, OverrideError) as exc:
         print(f"gspo train: {exc}", file=sys.stderr)
         return 2
-    try:
-        spec = parse_spec(manifest["spec"])
     except SpecError as exc:
         for problem in exc.problems:
             print(f"gspo train: {problem}", file=sys.stderr)
@@ -437,8 +476,29 @@ def main(argv: list[str]) -> int:
         except PlacementError as exc:
             print(f"gspo train: {exc}", file=sys.stderr)
             return 2
+    # The learner's own checks (model, data rows, reward, hardware), before any server starts:
+    # a bad row or reward is one line and exit 2 in seconds, not after the servers loaded.
+    from gspo_trainer.preflight import preflight
+
+    problems = preflight(spec, gpus=_gpu_count() if gpus is not None else 0)
+    for problem in problems:
+        print(f"gspo train: {problem}", file=sys.stderr)
+    if problems:
+        return 2
     out = Path(args.output_dir).resolve()
-    (out / "logs").mkdir(parents=True, exist_ok=True)
+    try:
+        output_dir.prepare(out)
+        run_lock = output_dir.lock(out)  # held until this process exits
+    except output_dir.OutputDirError as exc:
+        print(f"gspo train: {exc}", file=sys.stderr)
+        return 2
+    with run_lock:
+        return run(args, manifest, spec, out, gpus, n_servers)
+
+
+def run(args: argparse.Namespace, manifest: dict[str, Any], spec: GSPOJobSpec, out: Path,
+        gpus: GpuPlacement | None, n_servers: int) -> int:  # fmt: skip
+    """The run itself, holding the output directory's lock: servers, learner, summary."""
     cache = out / "models"
     model = spec.model.name
     if model.startswith("builtin:"):

@@ -4,12 +4,12 @@ log line. Rank-local numbers are averaged over the ranks (maxima: their largest)
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
 from typing import Any
 
+from gspo_trainer.jsonl import append_record
 from gspo_trainer.learner_state import LearnerState
 from gspo_trainer.metrics import LearnerMetrics
 from gspo_trainer.ranks import Ranks
@@ -69,8 +69,7 @@ class StepReport:
                   **{f"{k}_seconds": v for k, v in seconds.items() if k != "step"}}  # fmt: skip
         self.state.history.append(record)
         if self.history_path is not None:
-            with open(self.history_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
+            append_record(self.history_path, record)
         self.trackers.log(step, record)
         mismatch, mean_drift = stats.get("logprob_mismatch"), stats.get("routing_drift")
         log.info(
