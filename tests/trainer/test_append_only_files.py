@@ -38,9 +38,11 @@ def test_the_learner_cuts_a_partial_last_line_before_appending(tmp_path: Path) -
 
     history = tmp_path / "history.jsonl"
     killed_mid_write(history)
-    metrics = SimpleNamespace(observe_step=lambda step, stats: None,
-                              tokens=SimpleNamespace(inc=lambda n: None),
-                              observe_seconds=lambda phase, value: None)  # fmt: skip
+    metrics = SimpleNamespace(
+        observe_step=lambda step, stats: None,
+        tokens=SimpleNamespace(inc=lambda n: None),
+        observe_seconds=lambda phase, value: None,
+    )
     trackers = SimpleNamespace(log=lambda step, record: None)
     report = StepReport(metrics, LearnerState(), trackers, history)  # type: ignore[arg-type]
     report.record(3, dict(RECORD), {"step": 1.0}, 10.0, None, None)

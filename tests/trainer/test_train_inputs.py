@@ -80,11 +80,11 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
         "a null prompt": (
             [data_job({"prompt": None, "answer": "1"}), *out],
             ["jsonl' line 2 field 'prompt' is null"],
-        ),  # fmt: skip
+        ),
         "a null answer": (
             [data_job({"prompt": "x", "answer": None}), *out],
             ["jsonl' line 2 field 'answer' is null"],
-        ),  # fmt: skip
+        ),
         "model dir without config.json": (
             [str(job_with(tmp, model={"name": str(no_config)})), *out],
             ["spec.model.name", "no config.json"],
@@ -92,11 +92,21 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
     }
 
 
-@pytest.mark.parametrize("name", [
-    "missing job file", "broken YAML", "a list", "spec: 5", "output dir is a file",
-    "output dir not writable", "a scalar row", "a null prompt", "a null answer",
-    "model dir without config.json",
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name",
+    [
+        "missing job file",
+        "broken YAML",
+        "a list",
+        "spec: 5",
+        "output dir is a file",
+        "output dir not writable",
+        "a scalar row",
+        "a null prompt",
+        "a null answer",
+        "model dir without config.json",
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2_before_anything_starts(
     name: str, tmp_path: Path, no_spawn: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -140,11 +150,18 @@ def test_the_run_lock_goes_with_its_holder_however_it_ends(tmp_path: Path) -> No
     out = tmp_path / "out"
     output_dir.prepare(out)
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from gspo_trainer import output_dir; from pathlib "
-         f"import Path; f = output_dir.lock(Path({str(out)!r})); print('held', flush=True); "
-         "sys.stdin.read()"],  # fmt: skip
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ}, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import sys; from gspo_trainer import output_dir; from pathlib "
+            f"import Path; f = output_dir.lock(Path({str(out)!r})); print('held', flush=True); "
+            "sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**os.environ},
+        text=True,
+    )
     assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
     with pytest.raises(output_dir.OutputDirError, match=f"pid {holder.pid}"):
         output_dir.lock(out)
