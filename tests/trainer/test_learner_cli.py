@@ -175,3 +175,44 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def test_a_config_error_found_while_running_exits_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found after preflight (prompts too long for the model once tokenized, a row the
+    learner reads later): the code JobSet's failure policy does not retry, not 1."""
+    from gspo_trainer import learner_cli
+    from gspo_trainer.validation import ConfigError
+
+    async def refuses(args, spec):  # type: ignore[no-untyped-def]
+        raise ConfigError("data.source: all 3 prompts are longer than data.maxPromptTokens=8")
+
+    monkeypatch.setattr(learner_cli, "run", refuses)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(tiny_manifest()))
+    assert main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "gspo learner: data.source: all 3 prompts are longer than data.maxPromptTokens=8"
+
+
+def test_a_rank_that_refuses_its_config_makes_its_group_exit_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """torch.distributed.run turns a rank's exit 2 into 1; the rank's message, left in the
+    file the launcher names, makes the launcher exit 2 with it."""
+    import sys
+
+    from gspo_trainer import learner_cli, ports
+
+    rank = (
+        "import os, sys; os.environ['TORCHELASTIC_RUN_ID'] = 'x'; "
+        "from gspo_trainer.learner_cli import refuse; "
+        "refuse(\"data.source 'd.jsonl' row 3 is 5, not an object\"); sys.exit(1)"
+    )
+    from checkout import checkout_env
+
+    monkeypatch.setenv("PYTHONPATH", checkout_env()["PYTHONPATH"])  # this checkout's code
+    monkeypatch.setattr(learner_cli, "group_command", lambda argv: [sys.executable, "-c", rank])
+    assert learner_cli.launch_group([]) == ports.INVALID_CONFIG_EXIT_CODE == 2
+    assert capsys.readouterr().err.strip().endswith("row 3 is 5, not an object")

@@ -363,6 +363,15 @@ class RewardConfig(Section):
     timeout_seconds: float = Field(
         10.0, gt=0, description="A reward call that takes longer scores 0 and is counted."
     )
+    max_failed_steps: int = Field(
+        3,
+        ge=0,
+        description=(
+            "Stop the run (exit 1) once every reward call failed (raised, timed out, or "
+            "returned NaN, inf or a value past float32) in this many steps in a row: all-zero "
+            "rewards train nothing. 0: never stop."
+        ),
+    )
 
     @model_validator(mode="after")
     def _fill_kind_default(self) -> RewardConfig:

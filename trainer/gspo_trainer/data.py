@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gspo_trainer.config import DataConfig, looks_like_hub_name
+from gspo_trainer.validation import ConfigError
 
 BUILTIN_ADDITION = "builtin:addition"
 log = logging.getLogger("gspo.data")
@@ -38,9 +39,10 @@ class Example:
     row: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
-class DataError(ValueError):
+class DataError(ConfigError):
     """A data set the reader cannot use; `field` is the DataConfig field to fix (camelCase),
-    or None for the source itself."""
+    or None for the source itself. A configuration error: the learner exits 2 on it, which
+    JobSet does not retry."""
 
     def __init__(self, message: str, field: str | None = None) -> None:
         super().__init__(message)

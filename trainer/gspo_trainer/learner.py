@@ -116,7 +116,8 @@ class Learner:
         )
         refused = self.metrics.prompts_dropped.labels("train").inc
         self.collector = Collector(spec.algorithm, spec.metrics, rollout, self.tokenizer,  # type: ignore[arg-type]
-                                   scorer, on_refused=refused)  # fmt: skip
+                                   scorer, on_refused=refused,
+                                   max_failed_steps=spec.reward.max_failed_steps)  # fmt: skip
         self.run_ahead = RunAhead(self.collector)
         self.weights = WeightSync(self.engine, rollout, self.collector.fleet_lock,  # type: ignore[arg-type]
                                   self.ranks, self.metrics, self.state)  # fmt: skip
@@ -337,6 +338,7 @@ class Learner:
             response_length=float(packed.lengths.mean()),
             tokens_per_second=float(packed.lengths.sum()) / seconds["step"],
             staleness=float(step - 1 - rollouts.policy_version),
+            reward_failure_fraction=rollouts.reward_failure_fraction,
         )
         stats.update(rollouts.reward_components)
         if rollouts.texts is not None:  # samples.py; trackers read stats["samples"]

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from typing import Any
 from gspo_trainer import ports
 from gspo_trainer.config import GSPOJobSpec
 from gspo_trainer.trackers import ENV_TRACKER_DIR
+from gspo_trainer.validation import ConfigError
 
 log = logging.getLogger("gspo.learner")
 
@@ -92,6 +94,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         f"${ENV_TRACKER_DIR})",
     )
     return p.parse_args(argv)
+
+
+def refuse(message: str) -> int:
+    """Report a configuration error found while running (one line on stderr, and for a rank
+    of a group in the file its launcher reads); the exit code JobSet does not retry."""
+    print(f"gspo learner: {message}", file=sys.stderr, flush=True)
+    where = os.environ.get(ports.ENV_CONFIG_ERROR_FILE)
+    if where and "TORCHELASTIC_RUN_ID" in os.environ:
+        with contextlib.suppress(OSError):
+            Path(where).write_text(message + "\n")
+    return ports.INVALID_CONFIG_EXIT_CODE
 
 
 def _group_size() -> tuple[int, int, int]:
@@ -156,7 +169,11 @@ def launch_group(argv: list[str]) -> int:
     launcher runs in its own session so a terminal's Ctrl-C or a process-group kill reaches
     only this process, and it is stopped in turn if this process dies.
     """
-    proc = subprocess.Popen(group_command(argv), start_new_session=True,
+    import tempfile
+
+    errors = Path(tempfile.mkdtemp(prefix="gspo-learner-")) / "config-error"
+    env = {**os.environ, ports.ENV_CONFIG_ERROR_FILE: str(errors)}
+    proc = subprocess.Popen(group_command(argv), start_new_session=True, env=env,
                             preexec_fn=_die_with_parent)  # fmt: skip
     signalled = False
 
@@ -173,6 +190,11 @@ def launch_group(argv: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
     code = proc.wait()
+    refused = errors.read_text().strip() if errors.exists() else ""
+    shutil.rmtree(errors.parent, ignore_errors=True)
+    if refused:  # a rank refused its configuration: torch.distributed.run says 1
+        print(f"gspo learner: {refused}", file=sys.stderr, flush=True)
+        return ports.INVALID_CONFIG_EXIT_CODE
     # Ranks that stopped on request exit 0 (torch.distributed.run turns any other code into
     # 1); whether they finished or stopped early is told by whether a signal was passed on.
     if code == 0 and signalled and not _finished(argv):
@@ -195,10 +217,10 @@ def build_rollout(args: argparse.Namespace, spec: GSPOJobSpec) -> Any:
     from gspo_trainer.rollout.discovery import FleetDiscovery, resolve_urls
 
     if not args.rollout_urls:
-        raise ValueError(f"no rollout servers: set ${ports.ENV_ROLLOUT_URLS} or --rollout-urls")
+        raise ConfigError(f"no rollout servers: set ${ports.ENV_ROLLOUT_URLS} or --rollout-urls")
     urls = resolve_urls(args.rollout_urls)
     if not urls:
-        raise ValueError(f"${ports.ENV_ROLLOUT_URLS}={args.rollout_urls!r} resolved to nothing")
+        raise ConfigError(f"${ports.ENV_ROLLOUT_URLS}={args.rollout_urls!r} resolved to nothing")
     sync = SyncOptions(
         master_addr=os.environ.get(ports.ENV_POD_IP, "127.0.0.1"),
         master_port=args.weight_sync_port,
@@ -217,6 +239,7 @@ async def run(args: argparse.Namespace, spec: GSPOJobSpec) -> int:
     from gspo_trainer.learner import Learner
     from gspo_trainer.metrics import LearnerMetrics
     from gspo_trainer.progress import LearnerProgress
+    from gspo_trainer.rewards import RewardFailed
     from gspo_trainer.status_server import serve_status
 
     rank = int(os.environ.get("RANK", "0"))
@@ -263,6 +286,13 @@ async def run(args: argparse.Namespace, spec: GSPOJobSpec) -> int:
         signal.signal(sig, request_stop)
     try:
         code = await learner.run()
+    except ConfigError as exc:  # found once training read its inputs: not worth a restart
+        learner.state.phase, learner.state.message = "Failed", str(exc)
+        code = refuse(str(exc))
+    except RewardFailed as exc:
+        learner.state.phase, learner.state.message = "Failed", str(exc)
+        log.error("The learner stopped: %s", exc)
+        code = 1
     except Exception as exc:
         learner.state.phase, learner.state.message = "Failed", f"{type(exc).__name__}: {exc}"
         log.exception("The learner failed")
@@ -314,6 +344,8 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         code = asyncio.run(run(args, spec))
+    except ConfigError as exc:
+        code = refuse(str(exc))
     except ValueError as exc:
         print(f"gspo learner: {exc}", file=sys.stderr)
         return 1

@@ -23,6 +23,11 @@ from gspo_trainer.config import TrackerName
 STEP_GAUGES: dict[str, tuple[str, str]] = {
     "reward_mean": ("gspo_reward_mean", "Mean reward of the last step's responses."),
     "reward_std": ("gspo_reward_std", "Standard deviation of the last step's rewards."),
+    "reward_failure_fraction": (
+        "gspo_reward_failure_fraction",
+        "Share of the last step's reward calls that failed and scored 0 (by reason: "
+        "gspo_reward_failures_total).",
+    ),
     "loss": ("gspo_loss", "Policy loss of the last step (mean over mini-batches)."),
     "clip_fraction": (
         "gspo_clip_fraction",

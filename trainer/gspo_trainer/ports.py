@@ -35,6 +35,14 @@ ROLLOUT_STARTUP_SECONDS = 1800
 # container runtime reports a process that SIGTERM ended; the learner Job's podFailurePolicy
 # sends it to JobSet as a disruption (restart from that checkpoint, not counted).
 LEARNER_STOPPED_EXIT_CODE = 143
+# A learner that cannot run as configured (a bad spec, data row or reward function; a model
+# or GPUs not there) exits with this code, found before or during training: the learner Job's
+# podFailurePolicy fails it and JobSet fails the job at once (LearnerInvalidConfig), where
+# any other failure would be restarted up to runPolicy.backoffLimit times.
+INVALID_CONFIG_EXIT_CODE = 2
+# Where a rank of a learner group writes the configuration error it stops on, so the group's
+# launcher (which torch.distributed.run's exit 1 would hide it from) exits with it too.
+ENV_CONFIG_ERROR_FILE = "GSPO_CONFIG_ERROR_FILE"
 LEARNER_COMMAND = ("gspo", "learner")
 ROLLOUT_COMMAND = ("gspo", "rollout-server")
 OPERATOR_COMMAND = ("gspo", "operator")

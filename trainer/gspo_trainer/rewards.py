@@ -3,8 +3,10 @@
 Three kinds (spec.reward.kind): `arithmetic`, the built-in toy task (the exact answer, then
 EOS); `math`, answers checked with math-verify (boxed or final answers against the dataset's
 reference); `python`, any `module:function(prompt, completion, answer) -> float`.
-A call that raises, returns a non-finite value, or runs past `timeout_seconds` scores 0 and
-is counted by reason ("error", "timeout"); the run goes on.
+A call that raises, returns a value that is not a finite float32 (NaN, inf, or past ±3.4e38,
+which the learner's float32 tensors would turn into inf), or runs past `timeout_seconds`
+scores 0 and is counted by reason ("error", "timeout"), with one warning per batch; the run
+goes on, unless every call of reward.maxFailedSteps steps in a row failed (RewardFailed).
 
 Or several weighted components (spec.reward.functions, TRL's reward_funcs + reward_weights):
 the reward is sum(weight_i x r_i), each component scored (and failing) on its own. Two more
@@ -22,16 +24,31 @@ import logging
 import math
 import re
 import threading
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from gspo_trainer.config import RewardConfig, RewardFunctionConfig
 from gspo_trainer.metrics import REWARD_COMPONENT_PREFIX
+from gspo_trainer.validation import ConfigError
 
 log = logging.getLogger("gspo.rewards")
 
 RewardFn = Callable[[str, str, str], float]
+FLOAT32_MAX = 3.4028234663852886e38  # a larger reward is inf in the learner's float32 tensors
+
+
+class RewardFailed(RuntimeError):
+    """Every reward call failed in reward.maxFailedSteps steps in a row: the function is
+    broken or hangs, and training on all-zero rewards would learn nothing."""
+
+
+def out_of_range(value: float) -> bool:
+    """NaN, inf, or a float64 beyond what float32 holds (it would become inf)."""
+    return not math.isfinite(value) or abs(value) > FLOAT32_MAX
+
+
 ItemFn = Callable[["Scored"], float]  # built-in components that read more than the text
 
 
@@ -107,10 +124,12 @@ def load_function(path: str) -> RewardFn:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"reward.function {path!r}: cannot import {module_name!r}: {exc}") from exc
+        raise ConfigError(
+            f"reward.function {path!r}: cannot import {module_name!r}: {exc}"
+        ) from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"reward.function {path!r}: {module_name} has no function {attr!r}")
+        raise ConfigError(f"reward.function {path!r}: {module_name} has no function {attr!r}")
     return fn
 
 
@@ -120,16 +139,85 @@ def reward_function(cfg: RewardConfig) -> RewardFn:
     if cfg.kind == "math":
         return math_reward
     if cfg.function is None:
-        raise ValueError("reward.function: set 'module:function' for reward.kind python")
+        raise ConfigError("reward.function: set 'module:function' for reward.kind python")
     return load_function(cfg.function)
+
+
+class WorkerPool:
+    """At most `size` daemon threads, for the scorer's whole life, running reward calls.
+
+    A call that runs past its timeout keeps its thread (Python cannot stop it) but is
+    abandoned: its result is dropped and the thread is busy until the call returns. So a
+    reward that hangs holds at most `size` threads, never more, however many steps run; once
+    every thread is held by a call past its timeout, the calls still queued fail at once
+    instead of waiting a timeout each. Daemon threads: a hung call never blocks exit.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.cond = threading.Condition()
+        self.queue: deque[Callable[[], None]] = deque()
+        self.threads: list[threading.Thread] = []
+        self.idle = 0
+        self.running: dict[int, float] = {}  # thread id -> when its current call started
+
+    def submit(self, task: Callable[[], None]) -> None:
+        with self.cond:
+            self.queue.append(task)
+            if self.idle == 0 and len(self.threads) < self.size:
+                t = threading.Thread(target=self._work, name="gspo-reward", daemon=True)
+                self.threads.append(t)
+                t.start()
+            self.cond.notify()
+
+    def drop_queued(self) -> int:
+        """Forget the tasks no thread has started; how many there were."""
+        with self.cond:
+            n = len(self.queue)
+            self.queue.clear()
+            return n
+
+    def _work(self) -> None:
+        while True:
+            with self.cond:
+                self.idle += 1
+                while not self.queue:
+                    self.cond.wait()
+                self.idle -= 1
+                task = self.queue.popleft()
+                self.running[threading.get_ident()] = _now()
+            task()
+            with self.cond:
+                del self.running[threading.get_ident()]
+                self.cond.notify_all()
+
+    def all_hung(self, timeout_s: float, now: float) -> bool:
+        """Whether every thread there may be is running a call started `timeout_s` ago."""
+        hung = sum(1 for t in self.running.values() if now - t >= timeout_s)
+        return hung >= self.size
+
+
+@dataclass
+class BatchOutcome:
+    """What one score() call saw: its calls, and those that failed by reason."""
+
+    calls: int = 0
+    failed: dict[str, int] = field(default_factory=lambda: {"error": 0, "timeout": 0})
+    first: str = ""  # the first failure's message, for the batch's one warning
+
+    @property
+    def failed_total(self) -> int:
+        return sum(self.failed.values())
 
 
 @dataclass
 class RewardScorer:
-    """Scores a batch in daemon threads, each call bounded by `timeout_s`.
+    """Scores a batch on a bounded pool of daemon threads (WorkerPool), each call bounded
+    by `timeout_s` from when it starts.
 
-    Daemon threads, so a call that never returns is abandoned without blocking exit.
-    `failures` counts zero scores by reason since the scorer was made.
+    A hung reward costs one timeout per batch, not one per `parallel` items, and holds at
+    most `parallel` threads for the run. `failures` counts zero scores by reason since the
+    scorer was made; `last` is the latest batch's outcome, logged as one warning.
     """
 
     fn: RewardFn | ItemFn
@@ -141,32 +229,36 @@ class RewardScorer:
     takes_item: bool = False  # fn(item: Scored), the built-in format and length components
     batch: bool = False  # fn(items) -> list[float | None], one call per batch (TRL's functions)
     failures: dict[str, int] = field(default_factory=lambda: {"error": 0, "timeout": 0})
+    last: BatchOutcome = field(default_factory=BatchOutcome)
+    pool: WorkerPool | None = None
 
     def score_components(self, items: Sequence[Scored]) -> tuple[list[float], dict[str, float]]:
         """The scores, and no components (a single reward function)."""
         return self.score(items), {}
 
     def score(self, items: Sequence[Scored]) -> list[float]:
+        self.last = BatchOutcome(calls=len(items))
         if self.batch:
-            return self._score_batch(items)
+            return self._warned(self._score_batch(items))
         scores = [0.0] * len(items)
+        results: dict[int, float | BaseException] = {}
         if self.inline:
-            results: dict[int, float | BaseException] = {}
             for i, item in enumerate(items):
                 self._call(item, i, results)
-            return [self._check(i, results.get(i), scores) for i in range(len(items))]
-        for start in range(0, len(items), self.parallel):
-            chunk = range(start, min(start + self.parallel, len(items)))
-            results: dict[int, float | BaseException] = {}
-            threads = []
-            for i in chunk:
-                t = threading.Thread(target=self._call, args=(items[i], i, results), daemon=True)
-                t.start()
-                threads.append((i, t))
-            deadline = _now() + self.timeout_s
-            for i, t in threads:
-                t.join(max(0.0, deadline - _now()))
-                self._check(i, results.get(i), scores)
+            outcomes: dict[int, float | BaseException | None] = dict(results)
+        else:
+            outcomes = self._run_pooled(items, results)
+        for i in range(len(items)):
+            self._check(i, outcomes.get(i), scores)
+        return self._warned(scores)
+
+    def _warned(self, scores: list[float]) -> list[float]:
+        """`scores`, after one warning for the batch's failures, if any."""
+        if self.last.failed_total:
+            reasons = ", ".join(f"{n} {r}" for r, n in self.last.failed.items() if n)
+            log.warning("Reward: %d of %d calls failed (%s) and scored 0; first: %s",
+                        self.last.failed_total, self.last.calls, reasons,
+                        self.last.first)  # fmt: skip
         return scores
 
     def _score_batch(self, items: Sequence[Scored]) -> list[float]:
@@ -200,13 +292,61 @@ class RewardScorer:
                 self._check(i, value, scores)
         return scores
 
+    def _run_pooled(self, items: Sequence[Scored], results: dict[int, float | BaseException]
+                    ) -> dict[int, float | BaseException | None]:  # fmt: skip
+        """Every item's outcome (None: timed out), waiting at most `timeout_s` past the start
+        of each call, and not at all for calls no free thread can take."""
+        if self.pool is None:
+            self.pool = WorkerPool(self.parallel)
+        pool, cond = self.pool, self.pool.cond
+        started: dict[int, float] = {}
+        final: dict[int, float | BaseException | None] = {}
+
+        def task(i: int) -> Callable[[], None]:
+            def run() -> None:
+                with cond:
+                    if i in final:  # the batch gave up on it before a thread took it
+                        return
+                    started[i] = _now()
+                own: dict[int, float | BaseException] = {}
+                self._call(items[i], i, own)
+                with cond:
+                    if i not in final:  # not abandoned after its timeout
+                        final[i] = results[i] = own[i]
+
+            return run
+
+        with cond:
+            for i in range(len(items)):
+                pool.submit(task(i))
+            while len(final) < len(items):
+                now = _now()
+                late = [
+                    i for i, t in started.items() if i not in final and now - t >= self.timeout_s
+                ]
+                for i in late:
+                    final[i] = None
+                if pool.all_hung(self.timeout_s, now):  # nothing will take the rest
+                    pool.drop_queued()
+                    for i in range(len(items)):
+                        final.setdefault(i, None)
+                    break
+                if len(final) == len(items):
+                    break
+                starts = [t for i, t in started.items() if i not in final]
+                starts += list(pool.running.values())  # a thread may free up when its call ends
+                wake = min(starts) + self.timeout_s - now if starts else self.timeout_s
+                cond.wait(max(0.001, wake))
+        return final
+
     def _check(self, i: int, outcome: float | BaseException | None, scores: list[float]) -> float:
         if outcome is None:
             self._fail("timeout", f"reward call for item {i} ran past {self.timeout_s}s")
         elif isinstance(outcome, BaseException):
             self._fail("error", f"reward call for item {i} raised {outcome!r}")
-        elif not math.isfinite(outcome):
-            self._fail("error", f"reward call for item {i} returned {outcome}")
+        elif out_of_range(outcome):
+            self._fail("error", f"reward call for item {i} returned {outcome}, not a finite "
+                       "float32")  # fmt: skip
         else:
             scores[i] = outcome
         return scores[i]
@@ -225,10 +365,11 @@ class RewardScorer:
 
     def _fail(self, reason: str, message: str, count: int = 1) -> None:
         self.failures[reason] += count
+        self.last.failed[reason] += count
+        self.last.first = self.last.first or message
         if self.on_failure is not None:
             for _ in range(count):
                 self.on_failure(reason)
-        log.warning("%s; scored 0", message)
 
 
 def _now() -> float:
@@ -276,7 +417,7 @@ def _component_scorer(f: RewardFunctionConfig, timeout_s: float,
                             takes_item=True, **kw)  # fmt: skip
     if f.kind == "length":
         if max_response_tokens is None:
-            raise ValueError(f"reward.functions {f.name!r}: kind length needs the maximum "
+            raise ConfigError(f"reward.functions {f.name!r}: kind length needs the maximum "
                              "response length (algorithm.maxResponseTokens)")  # fmt: skip
         target = f.target_tokens or 0
 
@@ -329,7 +470,23 @@ class WeightedScorer:
             scores = c.scorer.score(items)
             totals = [t + c.weight * s for t, s in zip(totals, scores, strict=True)]
             means[REWARD_COMPONENT_PREFIX + c.name] = sum(scores) / max(1, len(scores))
+        for i, total in enumerate(totals):  # in range alone, weighted sums can still overflow
+            if out_of_range(total):
+                log.warning("Reward of item %d: the weighted sum %s is not a finite float32; "
+                            "scored 0", i, total)  # fmt: skip
+                totals[i] = 0.0
         return totals, means
+
+    @property
+    def last(self) -> BatchOutcome:
+        """The latest batch's calls and failures, over every component."""
+        out = BatchOutcome()
+        for c in self.components:
+            out.calls += c.scorer.last.calls
+            for reason, n in c.scorer.last.failed.items():
+                out.failed[reason] += n
+            out.first = out.first or c.scorer.last.first
+        return out
 
     @property
     def failures(self) -> dict[str, int]:

@@ -310,6 +310,11 @@ class ProgressView:
                 self.bar.write(block, file=self.out)
             else:
                 print(block, file=self.out, flush=True)
+        failed = float(r.get("reward_failure_fraction", 0.0))
+        was_failing = bool(self.records) and self.records[-1].get("reward_failure_fraction", 0.0)
+        if failed > 0 and not was_failing:  # the start of a failing stretch, not every step
+            self.say(f"WARNING: step {int(r['step'])}: {failed:.0%} of the reward calls failed "
+                     "and scored 0 (the learner's log says why)")  # fmt: skip
         self.records.append(r)
         if "eval_accuracy" in r:
             self.last_eval = r
@@ -319,6 +324,13 @@ class ProgressView:
             self.bar.set_postfix_str(text, refresh=False)
         elif int(r["step"]) % 10 == 0 or "eval_accuracy" in r:
             print(f"step {int(r['step'])}/{self.max_steps} {text}", file=self.out, flush=True)
+
+    def say(self, line: str) -> None:
+        """A line above the bar (or among the progress lines)."""
+        if self.bar is not None:
+            self.bar.write(line, file=self.out)
+        else:
+            print(line, file=self.out, flush=True)
 
     def describe(self, r: dict[str, float]) -> str:
         """The step's numbers, each under its history key (the Prometheus metric is gspo_ +
@@ -363,6 +375,11 @@ def summary(out: Path, records: list[dict[str, float]], wall_s: float, code: int
         zero = [r.get("zero_advantage_fraction", 0.0) for r in records[-k:]]
         lines.append(f"  zero_advantage_fraction {sum(zero) / k:.2f} (last {k} steps)")
         lines.append(f"  clip_fraction {records[-1].get('clip_fraction', 0.0):.4f} (last step)")
+        failed = [r.get("reward_failure_fraction", 0.0) for r in records]
+        if any(failed):
+            lines.append(f"  WARNING      reward calls failed in {sum(f > 0 for f in failed)} of "
+                         f"{len(records)} steps (every call in {sum(f == 1 for f in failed)}); "
+                         "see logs/learner.log")  # fmt: skip
     latest = ckpt.latest(out / "checkpoints")
     if latest is not None:
         lines.append(f"  checkpoint   {latest}")

@@ -36,6 +36,12 @@ class SpecError(ValueError):
         super().__init__("; ".join(str(p) for p in problems))
 
 
+class ConfigError(ValueError):
+    """The job cannot run as configured, found by the learner once it reads its inputs (a
+    data row, prompts too long for the model, a reward that does not import): permanent, so
+    the learner exits with ports.INVALID_CONFIG_EXIT_CODE and JobSet does not retry it."""
+
+
 def parse_spec(raw: Any, *, prefix: str = "spec") -> GSPOJobSpec:
     """Validate `raw` (a manifest's spec mapping); raise SpecError naming every bad field."""
     if not isinstance(raw, dict):

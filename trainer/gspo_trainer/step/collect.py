@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from gspo_trainer.config import AlgorithmConfig, MetricsConfig
-from gspo_trainer.rewards import RewardScorer, Scored, WeightedScorer
+from gspo_trainer.rewards import RewardFailed, RewardScorer, Scored, WeightedScorer
 from gspo_trainer.rollout.client import RequestRefused, RolloutError
 from gspo_trainer.rollout.types import Completion, RolloutBatch, SamplingParams, step_seed
 from gspo_trainer.samples import samples_due
@@ -44,13 +44,17 @@ class Rollouts:
     texts: tuple[list[str], list[str]] | None  # (prompts, completions) when samples are due
     policy_version: int  # the oldest version among the servers that sampled them
     seconds: dict[str, float]  # "rollout", "reward"
+    reward_failure_fraction: float = 0.0  # share of the step's reward calls that failed
 
 
 class Collector:
     def __init__(self, alg: AlgorithmConfig, metrics: MetricsConfig, rollout: RolloutSource,
                  tokenizer: Any, scorer: RewardScorer | WeightedScorer,
-                 on_refused: Callable[[], None] = lambda: None) -> None:  # fmt: skip
+                 on_refused: Callable[[], None] = lambda: None,
+                 max_failed_steps: int = 0) -> None:  # fmt: skip
         self.alg, self.metrics = alg, metrics
+        self.max_failed_steps = max_failed_steps  # reward.maxFailedSteps (0: never stop)
+        self.failed_steps = 0  # steps in a row whose every reward call failed
         self.rollout, self.tokenizer, self.scorer = rollout, tokenizer, scorer
         self.on_refused = on_refused  # counts each prompt the servers refused
         self.fleet_lock = asyncio.Lock()  # held by each generation and each weight sync
@@ -127,6 +131,7 @@ class Collector:
         completions = [c for group in batch.groups for c in group]
         scored = self.scored(examples, completions)
         rewards, components = self.scorer.score_components(scored)  # components: reward/<name>
+        failed = self.reward_failures(step)
         due = samples_due(step, self.metrics.samples_every_steps)
         return Rollouts(
             step=step, prompts=prompts,
@@ -136,7 +141,22 @@ class Collector:
             texts=([s.prompt for s in scored], [s.completion for s in scored]) if due else None,
             policy_version=min(c.policy_version for c in completions),
             seconds={"rollout": t1 - t0, "reward": time.perf_counter() - t1},
+            reward_failure_fraction=failed,
         )  # fmt: skip
+
+    def reward_failures(self, step: int) -> float:
+        """The share of the step's reward calls that failed; RewardFailed once every call
+        failed in reward.maxFailedSteps steps in a row."""
+        outcome = self.scorer.last
+        fraction = outcome.failed_total / outcome.calls if outcome.calls else 0.0
+        self.failed_steps = self.failed_steps + 1 if fraction == 1.0 else 0
+        if self.max_failed_steps and self.failed_steps >= self.max_failed_steps:
+            raise RewardFailed(
+                f"every reward call failed in {self.failed_steps} steps in a row (step {step}: "
+                f"{outcome.failed_total} of {outcome.calls}; first: {outcome.first}); fix the "
+                "reward function, or raise reward.maxFailedSteps (0: never stop)"
+            )
+        return fraction
 
     async def evaluate(self, step: int, examples: list[Any]) -> dict[str, float]:
         """The policy the rollout servers hold on the evaluation set, through the same engine
