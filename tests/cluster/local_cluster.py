@@ -40,8 +40,15 @@ from storage import LOCAL_CLASSES, StorageController
 
 from gspo_operator.handlers import Context
 
-# What docker/learner.Dockerfile and docker/rollout.Dockerfile set with ENV.
-IMAGE_ENV = {"PYTHONUNBUFFERED": "1", "DS_BUILD_OPS": "0"}
+# What docker/learner.Dockerfile and docker/rollout.Dockerfile set with ENV, and this
+# checkout's sources first on the path: the venv's editable install may point at another
+# checkout of the project, and the pods must run the code under test.
+REPO = Path(__file__).resolve().parents[2]
+IMAGE_ENV = {
+    "PYTHONUNBUFFERED": "1",
+    "DS_BUILD_OPS": "0",
+    "PYTHONPATH": f"{REPO / 'operator'}:{REPO / 'trainer'}",
+}
 
 
 @dataclass

@@ -256,9 +256,14 @@ async def test_a_job_trains_through_faults_suspend_and_resume_to_succeeded(tmp_p
 
 
 async def test_a_learner_that_refuses_its_config_fails_the_job_at_once(tmp_path) -> None:
+    """A data file with a bad row (a JSON scalar where an object belongs): the learner's
+    preflight names the row and exits 2, and JobSet fails the job on that first exit."""
     async with local_cluster(tmp_path / "cluster") as cluster:
         share_build_cache(cluster)
-        path = manifest(tmp_path, data={"source": "/data/missing/train.jsonl", "format": "jsonl"})
+        rows = BUILD_CACHE / f"bad-rows-{os.getpid()}.jsonl"  # /cache in the learner pods
+        rows.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n5\n")
+        rows.chmod(0o644)
+        path = manifest(tmp_path, data={"source": f"/cache/{rows.name}", "format": "jsonl"})
         await cluster.kubectl("apply", "--validate=false", "-f", str(path))
         out = await cluster.kubectl("wait", "--for=condition=Failed", f"gspojob/{JOB}",
                                     "--timeout=300s", timeout_s=330)  # fmt: skip
@@ -266,7 +271,9 @@ async def test_a_learner_that_refuses_its_config_fails_the_job_at_once(tmp_path)
         failed = cluster.condition(JOB, "Failed")
         assert failed["reason"] == "InvalidConfig", failed
         assert "spec.data.source" in failed["message"], failed
+        assert f"{rows.name}' row 1 is 5, not an object" in failed["message"], failed
         assert cluster.status(JOB)["restarts"] == 0  # exit 2 is not retried
+        rows.unlink()
         cluster.mark("exit 2 -> Failed with the learner's words")
 
 
