@@ -43,6 +43,12 @@ def rows_file(tmp: Path, *rows: object) -> str:
     return str(path)
 
 
+def broken_rows(tmp: Path) -> str:
+    path = tmp / "broken.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "ans\n')
+    return str(path)
+
+
 def bad_job_file(tmp: Path, name: str, text: str) -> str:
     path = tmp / name
     path.write_text(text)
@@ -85,6 +91,10 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
             [data_job({"prompt": "x", "answer": None}), *out],
             ["jsonl' line 2 field 'answer' is null"],
         ),
+        "a line that is not JSON": (
+            [str(job_with(tmp, data={**data, "source": broken_rows(tmp)})), *out],
+            ["broken.jsonl' line 2 is not JSON"],
+        ),
         "model dir without config.json": (
             [str(job_with(tmp, model={"name": str(no_config)})), *out],
             ["spec.model.name", "no config.json"],
@@ -104,6 +114,7 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
         "a scalar row",
         "a null prompt",
         "a null answer",
+        "a line that is not JSON",
         "model dir without config.json",
     ],
 )
