@@ -156,6 +156,8 @@ def test_the_run_lock_goes_with_its_holder_however_it_ends(tmp_path: Path) -> No
     import subprocess
     import sys
 
+    from checkout import checkout_env
+
     from gspo_trainer import output_dir
 
     out = tmp_path / "out"
@@ -170,7 +172,7 @@ def test_the_run_lock_goes_with_its_holder_however_it_ends(tmp_path: Path) -> No
         ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
-        env={**os.environ},
+        env=checkout_env(),
         text=True,
     )
     assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
