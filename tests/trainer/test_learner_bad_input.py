@@ -17,7 +17,7 @@ from gspo_trainer.learner_cli import main
 Spec = dict[str, Any]
 
 
-def _jsonl(path: Path, rows: list[dict[str, Any]]) -> str:
+def _jsonl(path: Path, rows: list[Any]) -> str:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
 
@@ -38,6 +38,14 @@ BAD_INPUTS: dict[str, tuple[Callable[[Spec, Path], None], str]] = {
     "rows without the answer field": (
         lambda s, d: _data(s, _jsonl(d / "na.jsonl", [{"prompt": "1+1=", "solution": "2"}])),
         "spec.data.answerField",
+    ),
+    "a row that is a JSON scalar": (
+        lambda s, d: _data(s, _jsonl(d / "scalar.jsonl", [{"prompt": "1+1=", "answer": "2"}, 5])),
+        "spec.data.source",
+    ),
+    "a row whose prompt is null": (
+        lambda s, d: _data(s, _jsonl(d / "null.jsonl", [{"prompt": None, "answer": "2"}])),
+        "spec.data.source",
     ),
     "reward function does not import": (
         lambda s, d: s.update(reward={"kind": "python", "function": "no_such_module_x:score"}),
