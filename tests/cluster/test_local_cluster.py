@@ -271,7 +271,7 @@ async def test_a_learner_that_refuses_its_config_fails_the_job_at_once(tmp_path)
         failed = cluster.condition(JOB, "Failed")
         assert failed["reason"] == "InvalidConfig", failed
         assert "spec.data.source" in failed["message"], failed
-        assert f"{rows.name}' row 1 is 5, not an object" in failed["message"], failed
+        assert f"{rows.name}' line 2 is a int, not a mapping" in failed["message"], failed
         assert cluster.status(JOB)["restarts"] == 0  # exit 2 is not retried
         rows.unlink()
         cluster.mark("exit 2 -> Failed with the learner's words")

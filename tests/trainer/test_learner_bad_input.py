@@ -45,7 +45,7 @@ BAD_INPUTS: dict[str, tuple[Callable[[Spec, Path], None], str]] = {
     ),
     "a row whose prompt is null": (
         lambda s, d: _data(s, _jsonl(d / "null.jsonl", [{"prompt": None, "answer": "2"}])),
-        "spec.data.source",
+        "spec.data.promptField",
     ),
     "reward function does not import": (
         lambda s, d: s.update(reward={"kind": "python", "function": "no_such_module_x:score"}),

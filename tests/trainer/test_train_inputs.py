@@ -93,7 +93,7 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
         ),
         "a line that is not JSON": (
             [str(job_with(tmp, data={**data, "source": broken_rows(tmp)})), *out],
-            ["broken.jsonl' line 2 is not JSON"],
+            ["broken.jsonl' line 2: not JSON"],
         ),
         "model dir without config.json": (
             [str(job_with(tmp, model={"name": str(no_config)})), *out],
