@@ -46,6 +46,25 @@ def test_a_hung_reward_costs_one_timeout_per_batch_and_a_bounded_pool() -> None:
         release.set()
 
 
+def test_a_hung_batch_reward_holds_no_more_threads_than_its_pool() -> None:
+    """A function called once per batch (TRL's) runs on the same bounded pool."""
+    release = threading.Event()
+
+    def hangs(items: object) -> list[float]:
+        release.wait()
+        return [1.0]
+
+    scorer = RewardScorer(hangs, timeout_s=0.05, parallel=2, batch=True)
+    before = threading.active_count()
+    try:
+        for _ in range(4):
+            assert scorer.score(ITEMS[:3]) == [0.0] * 3
+        assert scorer.failures["timeout"] == 4 * 3
+        assert threading.active_count() - before <= 2  # before: one more thread a batch
+    finally:
+        release.set()
+
+
 def test_a_slow_reward_still_scores_every_item() -> None:
     """Calls queued behind others get their own timeout from when they start."""
 

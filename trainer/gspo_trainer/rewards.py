@@ -27,6 +27,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from gspo_trainer.config import RewardConfig, RewardFunctionConfig
@@ -241,13 +242,10 @@ class RewardScorer:
         if self.batch:
             return self._warned(self._score_batch(items))
         scores = [0.0] * len(items)
-        results: dict[int, float | BaseException] = {}
         if self.inline:
-            for i, item in enumerate(items):
-                self._call(item, i, results)
-            outcomes: dict[int, float | BaseException | None] = dict(results)
+            outcomes: dict[int, Any] = {i: self._outcome(item) for i, item in enumerate(items)}
         else:
-            outcomes = self._run_pooled(items, results)
+            outcomes = self._run_pooled([partial(self._outcome, item) for item in items])
         for i in range(len(items)):
             self._check(i, outcomes.get(i), scores)
         return self._warned(scores)
@@ -262,22 +260,18 @@ class RewardScorer:
         return scores
 
     def _score_batch(self, items: Sequence[Scored]) -> list[float]:
-        """One call for the whole batch in a daemon thread, bounded by timeout_s; a call that
-        fails scores every item 0 (each counted). None, TRL's "does not apply", scores 0."""
+        """One call for the whole batch on the scorer's pool, bounded by timeout_s; a call
+        that fails scores every item 0 (each counted). None, TRL's "does not apply", scores 0."""
         if not items:
             return []
-        box: dict[int, Any] = {}
 
-        def run() -> None:
+        def call() -> Any:
             try:
-                box[0] = self.fn(items)  # type: ignore[arg-type]
+                return self.fn(items)  # type: ignore[arg-type]
             except BaseException as exc:
-                box[0] = exc
+                return exc
 
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
-        thread.join(self.timeout_s)
-        outcome = box.get(0)
+        outcome = self._run_pooled([call]).get(0)
         if outcome is None:
             message = f"reward call for a batch of {len(items)} ran past {self.timeout_s}s"
             self._fail("timeout", message, len(items))
@@ -292,15 +286,15 @@ class RewardScorer:
                 self._check(i, value, scores)
         return scores
 
-    def _run_pooled(self, items: Sequence[Scored], results: dict[int, float | BaseException]
-                    ) -> dict[int, float | BaseException | None]:  # fmt: skip
-        """Every item's outcome (None: timed out), waiting at most `timeout_s` past the start
-        of each call, and not at all for calls no free thread can take."""
+    def _run_pooled(self, calls: Sequence[Callable[[], Any]]) -> dict[int, Any]:
+        """Each call's outcome by index (None: timed out), on the scorer's WorkerPool, waiting
+        at most `timeout_s` past the start of each call, and not at all for calls no free
+        thread can take."""
         if self.pool is None:
             self.pool = WorkerPool(self.parallel)
         pool, cond = self.pool, self.pool.cond
         started: dict[int, float] = {}
-        final: dict[int, float | BaseException | None] = {}
+        final: dict[int, Any] = {}
 
         def task(i: int) -> Callable[[], None]:
             def run() -> None:
@@ -308,18 +302,17 @@ class RewardScorer:
                     if i in final:  # the batch gave up on it before a thread took it
                         return
                     started[i] = _now()
-                own: dict[int, float | BaseException] = {}
-                self._call(items[i], i, own)
+                outcome = calls[i]()
                 with cond:
                     if i not in final:  # not abandoned after its timeout
-                        final[i] = results[i] = own[i]
+                        final[i] = outcome
 
             return run
 
         with cond:
-            for i in range(len(items)):
+            for i in range(len(calls)):
                 pool.submit(task(i))
-            while len(final) < len(items):
+            while len(final) < len(calls):
                 now = _now()
                 late = [
                     i for i, t in started.items() if i not in final and now - t >= self.timeout_s
@@ -328,10 +321,10 @@ class RewardScorer:
                     final[i] = None
                 if pool.all_hung(self.timeout_s, now):  # nothing will take the rest
                     pool.drop_queued()
-                    for i in range(len(items)):
+                    for i in range(len(calls)):
                         final.setdefault(i, None)
                     break
-                if len(final) == len(items):
+                if len(final) == len(calls):
                     break
                 starts = [t for i, t in started.items() if i not in final]
                 starts += list(pool.running.values())  # a thread may free up when its call ends
@@ -351,17 +344,16 @@ class RewardScorer:
             scores[i] = outcome
         return scores[i]
 
-    def _call(self, item: Scored, i: int, results: dict[int, float | BaseException]) -> None:
+    def _outcome(self, item: Scored) -> float | BaseException:
+        """One call's score, or what it raised."""
         if self.require_finished and not item.finished:
-            results[i] = 0.0
-            return
+            return 0.0
         try:
             if self.takes_item:
-                results[i] = float(self.fn(item))  # type: ignore[call-arg,arg-type]
-            else:
-                results[i] = float(self.fn(item.prompt, item.completion, item.answer))
+                return float(self.fn(item))  # type: ignore[call-arg,arg-type]
+            return float(self.fn(item.prompt, item.completion, item.answer))
         except BaseException as exc:
-            results[i] = exc
+            return exc
 
     def _fail(self, reason: str, message: str, count: int = 1) -> None:
         self.failures[reason] += count
