@@ -280,7 +280,7 @@ def looks_like_hub_name(source: str) -> bool:
     )
 
 
-RewardKind = Literal["arithmetic", "math", "python"]
+RewardKind = Literal["arithmetic", "math", "python", "code"]
 RewardConvention = Literal["gspo", "trl", "verl"]
 _CONVENTION = (
     "How function is called (kind python). gspo: fn(prompt, completion, answer) -> float, "
@@ -289,7 +289,78 @@ _CONVENTION = (
     "scores 0). verl: verl's compute_score(data_source, solution_str, ground_truth, "
     "extra_info) -> float or {score: float}, once per response."
 )
-RewardComponentKind = Literal["arithmetic", "math", "python", "format", "length"]
+RewardComponentKind = Literal["arithmetic", "math", "python", "code", "format", "length"]
+
+
+class CodeConfig(Section):
+    """How reward.kind code reads a row's tests and scores a program (code/runner.py)."""
+
+    language: Literal["python"] = Field("python", description="The programs' language.")
+    extract: Literal["last-block", "whole"] = Field(
+        "last-block",
+        description=(
+            "last-block: the response's last fenced code block (the whole response when it "
+            "has none); whole: the whole response (after any </think>)."
+        ),
+    )
+    tests_field: str = Field(
+        "tests",
+        min_length=1,
+        description=(
+            "Row field with stdin/stdout cases, a list of {input, output} (APPS, CodeContests, "
+            "LiveCodeBench), or a JSON string of one. A row without it needs testField."
+        ),
+    )
+    test_field: str = Field(
+        "test",
+        min_length=1,
+        description="Row field with assert-style test code appended to the program (MBPP, "
+        "HumanEval): it runs after the program, then check(<entryPoint>) when it defines check.",
+    )
+    entry_point_field: str = Field(
+        "entry_point", min_length=1, description="Row field naming the function the test checks."
+    )
+    scoring: Literal["fraction", "all"] = Field(
+        "fraction",
+        description="fraction: the share of test cases passed; all: 1 only when every one passes.",
+    )
+    float_tolerance: float | None = Field(
+        None,
+        ge=0,
+        description=(
+            "Output tokens that both parse as numbers match within this absolute or relative "
+            "tolerance (contest judges' 1e-6); unset: tokens must be equal."
+        ),
+    )
+
+
+class SandboxConfig(Section):
+    """Where and how model-written programs run (code/sandbox.py)."""
+
+    isolation: Literal["namespaces", "none"] = Field(
+        "namespaces",
+        description=(
+            "namespaces: each program in its own user, PID, network, mount and IPC namespaces "
+            "(no network, its own directory as the only writable place); refused at start "
+            "where the machine forbids them. none: resource limits, a process group and a "
+            "scrubbed environment only: the program can read what the learner can and reach "
+            "the network. Set it only for trusted models."
+        ),
+    )
+    concurrency: int = Field(4, ge=1, le=256, description="Programs run at once.")
+    timeout_seconds: float = Field(
+        5.0, gt=0, le=600, description="Wall-clock limit per test case (also its CPU limit)."
+    )
+    memory_mib: int = Field(
+        512, ge=64, le=65536, description="Address-space limit per program, MiB."
+    )
+    processes: int = Field(16, ge=1, le=4096, description="Processes and threads per program.")
+    output_bytes: int = Field(
+        1 << 20, ge=1024, le=1 << 30, description="stdout or stderr past this is cut off."
+    )
+    file_bytes: int = Field(
+        16 << 20, ge=0, le=1 << 34, description="Largest file a program may write."
+    )
 
 
 class RewardFunctionConfig(Section):
@@ -305,7 +376,7 @@ class RewardFunctionConfig(Section):
     kind: RewardComponentKind = Field(
         ...,
         description=(
-            "arithmetic, math, python as reward.kind; format: 1 when the response ended with "
+            "arithmetic, math, python, code as reward.kind; format: 1 when the response ended with "
             "EOS, is not empty and (with pattern) fully matches pattern, else 0; length: 0 up "
             "to targetTokens response tokens, then linearly down to -1 at "
             "algorithm.maxResponseTokens."
@@ -344,7 +415,9 @@ class RewardConfig(Section):
         None,
         description=(
             "arithmetic: the built-in toy task; math: boxed/final answers checked with "
-            "math-verify; python: the function named in `function`. math when neither this "
+            "math-verify; python: the function named in `function`; code: the response's "
+            "program run against the row's tests in a sandbox (reward.code, reward.sandbox). "
+            "math when neither this "
             "nor functions is set; not with functions."
         ),
     )
@@ -371,6 +444,14 @@ class RewardConfig(Section):
             "returned NaN, inf or a value past float32) in this many steps in a row: all-zero "
             "rewards train nothing. 0: never stop."
         ),
+    )
+    code: CodeConfig = Field(
+        default_factory=CodeConfig,
+        description="For kind code (or a code component): where the tests are, how to score.",
+    )
+    sandbox: SandboxConfig = Field(
+        default_factory=SandboxConfig,
+        description="For kind code (or a code component): how programs are isolated and limited.",
     )
 
     @model_validator(mode="after")

@@ -79,6 +79,10 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
         "gspo_eval_accuracy",
         "Share of evaluation prompts answered with full reward by greedy decoding.",
     ),
+    "code_pass_rate": (
+        "gspo_code_pass_rate",
+        "Share of the last step's responses whose program passed every test (reward.kind code).",
+    ),
     "eval_mean_at_k": (
         "gspo_eval_mean_at_k",
         "Mean reward of k = groupSize samples per evaluation prompt at the training temperature.",
@@ -87,6 +91,11 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
 
 # A reward.functions component's mean, in the step's stats and history: reward/<name>.
 REWARD_COMPONENT_PREFIX = "reward/"
+
+# reward.kind code: test cases run in the last step, by outcome (code/runner.py's OUTCOMES).
+CODE_TESTS_PREFIX = "code_tests/"
+CODE_OUTCOMES = ("passed", "wrong_answer", "timeout", "memory", "runtime_error",
+                 "compile_error", "sandbox_failure")  # fmt: skip
 
 # Phase timings of one step, in seconds.
 PHASES = ("rollout", "reward", "logprob", "update", "weight_sync", "checkpoint", "step")
@@ -153,6 +162,15 @@ class LearnerMetrics:
             ["name"],
             registry=r,
         )
+        self.code_tests = Counter(
+            "gspo_code_tests",
+            "Test cases the code reward ran, by outcome (history key code_tests/<outcome>, "
+            "a count per step).",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in CODE_OUTCOMES:
+            self.code_tests.labels(outcome)
         self.checkpoint_time = Gauge(
             "gspo_checkpoint_last_success_timestamp_seconds",
             "Unix time of the newest complete checkpoint (0 before the first).",
@@ -196,6 +214,8 @@ class LearnerMetrics:
                 gauge.set(value)
             elif key.startswith(REWARD_COMPONENT_PREFIX):
                 self.reward_component.labels(key.removeprefix(REWARD_COMPONENT_PREFIX)).set(value)
+            elif key.startswith(CODE_TESTS_PREFIX):
+                self.code_tests.labels(key.removeprefix(CODE_TESTS_PREFIX)).inc(value)
         loss = stats.get("loss")
         if loss is not None:
             finite = math.isfinite(loss)

@@ -1,12 +1,19 @@
 """Reward functions, and the scorer that keeps a failing one from stopping a run.
 
-Three kinds (spec.reward.kind): `arithmetic`, the built-in toy task (the exact answer, then
+Four kinds (spec.reward.kind): `arithmetic`, the built-in toy task (the exact answer, then
 EOS); `math`, answers checked with math-verify (boxed or final answers against the dataset's
+<<<<<<< HEAD
 reference); `python`, any `module:function(prompt, completion, answer) -> float`.
 A call that raises, returns a value that is not a finite float32 (NaN, inf, or past ±3.4e38,
 which the learner's float32 tensors would turn into inf), or runs past `timeout_seconds`
 scores 0 and is counted by reason ("error", "timeout"), with one warning per batch; the run
 goes on, unless every call of reward.maxFailedSteps steps in a row failed (RewardFailed).
+=======
+reference); `python`, any `module:function(prompt, completion, answer) -> float`; `code`, the
+response's program run against the row's tests in a sandbox (code/runner.py).
+A call that raises, returns a non-finite value, or runs past `timeout_seconds` scores 0 and
+is counted by reason ("error", "timeout"); the run goes on.
+>>>>>>> 34ce644 (reward.kind code: a response's program (last fenced block or whole) runs against the row's stdin/stdout or assert-style tests in a namespaced, resource-limited sandbox; judged like a contest judge (optional float tolerance), scored as a fraction or all-or-nothing, each test counted by outcome (code_tests/<outcome>, gspo_code_tests_total, code_pass_rate); also a code component in reward.functions)
 
 Or several weighted components (spec.reward.functions, TRL's reward_funcs + reward_weights):
 the reward is sum(weight_i x r_i), each component scored (and failing) on its own. Two more
@@ -383,6 +390,8 @@ def build_scorer(
     """The scorer of reward.kind, or of every reward.functions component (the length component
     needs `max_response_tokens`, algorithm.maxResponseTokens)."""
     if cfg.functions is None:
+        if cfg.kind == "code":
+            return _code_scorer(cfg, on_failure)
         if cfg.kind == "python" and cfg.convention != "gspo":
             kw = {"timeout_s": cfg.timeout_seconds, "on_failure": on_failure}
             return convention_scorer(reward_function(cfg), cfg.convention, **kw)
@@ -395,15 +404,24 @@ def build_scorer(
         )
     return WeightedScorer([
         Component(f.name, f.weight,
-                  _component_scorer(f, cfg.timeout_seconds, on_failure, max_response_tokens))
+                  _component_scorer(f, cfg, on_failure, max_response_tokens))
         for f in cfg.functions
     ])  # fmt: skip
 
 
-def _component_scorer(f: RewardFunctionConfig, timeout_s: float,
+def _code_scorer(cfg: RewardConfig, on_failure: Callable[[str], None] | None) -> Any:
+    """reward.kind code (code/runner.py): programs run in the sandbox reward.sandbox sets."""
+    from gspo_trainer.code.runner import build_code_scorer
+
+    return build_code_scorer(cfg.code, cfg.sandbox, on_failure)
+
+
+def _component_scorer(f: RewardFunctionConfig, cfg: RewardConfig,
                       on_failure: Callable[[str], None] | None,
-                      max_response_tokens: int | None) -> RewardScorer:  # fmt: skip
-    kw = dict(timeout_s=timeout_s, on_failure=on_failure)
+                      max_response_tokens: int | None) -> Any:  # fmt: skip
+    if f.kind == "code":
+        return _code_scorer(cfg, on_failure)
+    kw = dict(timeout_s=cfg.timeout_seconds, on_failure=on_failure)
     if f.kind == "format":
         return RewardScorer(lambda item: format_reward(item, f.pattern), inline=True,
                             takes_item=True, **kw)  # fmt: skip
@@ -440,7 +458,7 @@ def convention_scorer(fn: Callable[..., Any], convention: str, **kw: Any) -> Rew
 class Component:
     name: str
     weight: float
-    scorer: RewardScorer
+    scorer: Any  # RewardScorer, or code.runner.CodeScorer
 
 
 @dataclass
@@ -459,7 +477,8 @@ class WeightedScorer:
         totals = [0.0] * len(items)
         means: dict[str, float] = {}
         for c in self.components:
-            scores = c.scorer.score(items)
+            scores, extra = c.scorer.score_components(items)  # a code component's counts
+            means.update(extra)
             totals = [t + c.weight * s for t, s in zip(totals, scores, strict=True)]
             means[REWARD_COMPONENT_PREFIX + c.name] = sum(scores) / max(1, len(scores))
         for i, total in enumerate(totals):  # in range alone, weighted sums can still overflow

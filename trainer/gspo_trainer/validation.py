@@ -410,6 +410,9 @@ def _reward_problems(spec: GSPOJobSpec) -> list[tuple[str, str]]:
             if f.kind != kind and getattr(f, to_snake(field)) is not None:
                 message = f"is only read when kind is {kind}; remove it (kind is {f.kind})"
                 out.append((f"{at}.{field}", message))
+        if f.kind == "code" and any(g.kind == "code" for g in reward.functions[:i]):
+            message = "a second code component: reward.code and reward.sandbox serve one; remove it"
+            out.append((f"{at}.kind", message))
         if f.target_tokens is not None and f.target_tokens >= max_tokens:
             message = (
                 f"{f.name}: targetTokens {f.target_tokens} is not below "

@@ -1,0 +1,219 @@
+"""reward.kind code: each response's program run against its row's tests, in the sandbox.
+
+Score = the share of test cases passed (reward.code.scoring fraction) or 1 only when all pass
+(all). Every test case run ends in one outcome, counted under one name everywhere (history
+key code_tests/<outcome>, Prometheus gspo_code_tests_total{outcome}):
+
+    passed          the output matched (stdin/stdout) or every assert held
+    wrong_answer    the output differed, an assert failed, or the program exited early
+    timeout         past reward.sandbox.timeoutSeconds of wall clock or CPU
+    memory          past reward.sandbox.memoryMiB (a MemoryError)
+    runtime_error   raised, crashed, or wrote past outputBytes or fileBytes
+    compile_error   not valid Python
+    sandbox_failure the sandbox could not run it, or the row's tests are unreadable: the
+                    reward's fault, not the program's; also counted in
+                    gspo_reward_failures_total{reason="error"} and logged
+
+Test cases of every response in a batch run at once, up to reward.sandbox.concurrency.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, get_args
+
+from gspo_trainer.code.sandbox import LocalSandbox, RunResult
+from gspo_trainer.code.tasks import (
+    BadTests,
+    Case,
+    CodeTask,
+    extract_program,
+    outputs_match,
+    task_from_row,
+)
+from gspo_trainer.config import CodeConfig, SandboxConfig
+from gspo_trainer.metrics import CODE_TESTS_PREFIX
+
+log = logging.getLogger("gspo.rewards.code")
+
+Outcome = Literal[
+    "passed",
+    "wrong_answer",
+    "timeout",
+    "memory",
+    "runtime_error",
+    "compile_error",
+    "sandbox_failure",
+]
+OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)  # == metrics.CODE_OUTCOMES (tested)
+OUTCOME_KEY = CODE_TESTS_PREFIX  # history key code_tests/<outcome>: a count per step
+PASS_RATE_KEY = "code_pass_rate"  # share of responses that passed every test case
+
+# harness.py's exit codes, and the signals the limits send (shell-style 128 + signal).
+COMPILE_ERROR, MEMORY_ERROR, ASSERTION_FAILED = 96, 97, 98
+SIGKILL_EXIT, SIGXCPU_EXIT = 128 + 9, 128 + 24
+PROGRAM, TEST = "program.py", "test.py"
+HARNESS = "harness.py"
+
+
+class Sandbox(Protocol):
+    """Where programs run: LocalSandbox here; the interface leaves room for a remote one."""
+
+    def run(
+        self,
+        files: dict[str, str],
+        argv: list[str],
+        stdin: bytes = b"",
+        env: dict[str, str] | None = None,
+    ) -> RunResult: ...
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    outcome: Outcome
+    detail: str = ""
+
+
+def _harness_source() -> str:
+    from pathlib import Path
+
+    return Path(__file__).with_name(HARNESS).read_text(encoding="utf-8")
+
+
+@dataclass
+class CodeRunner:
+    """Runs one program against one test case of a task (Python)."""
+
+    sandbox: Sandbox
+    cfg: CodeConfig
+    harness: str = field(default_factory=_harness_source)
+
+    def run_case(self, program: str, task: CodeTask, case: Case | None) -> CaseResult:
+        files = {PROGRAM: program, HARNESS: self.harness}
+        argv = ["{python}", "-I", "-S", HARNESS, PROGRAM]
+        env: dict[str, str] = {}
+        if case is None:  # assert-style
+            token = secrets.token_hex(16)
+            files[TEST] = task.test or ""
+            argv += [TEST, task.entry_point or ""]
+            env["GSPO_SANDBOX_DONE"] = token
+        result = self.sandbox.run(files, argv, case.input.encode() if case else b"", env)
+        outcome = classify(result)
+        if outcome != "passed":
+            return CaseResult(
+                outcome, result.failure or result.stderr[-500:].decode(errors="replace")
+            )
+        out = result.stdout.decode(errors="replace")
+        if case is None:
+            ok = out.rstrip().endswith(env["GSPO_SANDBOX_DONE"])
+        else:
+            ok = outputs_match(out, case.output, self.cfg.float_tolerance)
+        return CaseResult("passed" if ok else "wrong_answer")
+
+
+def classify(result: RunResult) -> Outcome:
+    """The outcome of a run from how it ended ("passed" here means: exited cleanly; the
+    output is judged by the caller)."""
+    if result.failure is not None:
+        return "sandbox_failure"
+    if result.timed_out or result.exit_code in (SIGXCPU_EXIT, SIGKILL_EXIT):
+        return "timeout"
+    if result.output_capped:
+        return "runtime_error"
+    return {
+        0: "passed",
+        COMPILE_ERROR: "compile_error",
+        MEMORY_ERROR: "memory",
+        ASSERTION_FAILED: "wrong_answer",
+    }.get(result.exit_code or 0, "runtime_error")
+
+
+@dataclass
+class CodeScorer:
+    """The code reward over a batch (same interface as rewards.RewardScorer)."""
+
+    runner: CodeRunner
+    concurrency: int = 4
+    scoring: str = "fraction"
+    on_failure: Callable[[str], None] | None = None
+    failures: dict[str, int] = field(default_factory=lambda: {"error": 0, "timeout": 0})
+    counts: Counter[str] = field(default_factory=Counter)  # since the scorer was made
+
+    def score(self, items: Sequence[Any]) -> list[float]:
+        return self.score_components(items)[0]
+
+    def score_components(self, items: Sequence[Any]) -> tuple[list[float], dict[str, float]]:
+        """Each item's score, and the batch's code_pass_rate and code_tests/<outcome>."""
+        jobs: list[tuple[int, str, CodeTask, Case | None]] = []
+        results: dict[int, list[CaseResult]] = {i: [] for i in range(len(items))}
+        for i, item in enumerate(items):
+            try:
+                task = task_from_row(getattr(item, "row", None), self.runner.cfg)
+            except BadTests as exc:
+                results[i].append(CaseResult("sandbox_failure", f"unusable tests: {exc}"))
+                continue
+            program = extract_program(item.completion, self.runner.cfg.extract)
+            cases: list[Case | None] = list(task.cases) if task.test is None else [None]
+            jobs += [(i, program, task, case) for case in cases]
+        with ThreadPoolExecutor(self.concurrency, thread_name_prefix="gspo-code") as pool:
+            done = pool.map(lambda job: (job[0], self.runner.run_case(*job[1:])), jobs)
+            for i, result in done:
+                results[i].append(result)
+        scores, batch = [], Counter({outcome: 0 for outcome in OUTCOMES})
+        for i in range(len(items)):
+            outcomes = [r.outcome for r in results[i]]
+            batch.update(outcomes)
+            passed = outcomes.count("passed")
+            full = passed == len(outcomes) > 0
+            scores.append(float(full) if self.scoring == "all" else passed / max(1, len(outcomes)))
+            for r in results[i]:
+                if r.outcome == "sandbox_failure":
+                    self._fail(i, r.detail)
+        self.counts.update(batch)
+        stats = {OUTCOME_KEY + o: float(batch[o]) for o in OUTCOMES}
+        full_marks = sum(
+            1
+            for i in range(len(items))
+            if results[i] and all(r.outcome == "passed" for r in results[i])
+        )
+        stats[PASS_RATE_KEY] = full_marks / max(1, len(items))
+        return scores, stats
+
+    def _fail(self, i: int, detail: str) -> None:
+        self.failures["error"] += 1
+        if self.on_failure is not None:
+            self.on_failure("error")
+        log.warning("Code reward for item %d: sandbox failure (%s); scored 0", i, detail)
+
+
+def build_code_scorer(
+    code: CodeConfig, sandbox: SandboxConfig, on_failure: Callable[[str], None] | None = None
+) -> CodeScorer:
+    """The scorer for reward.kind code. Refuses to start when reward.sandbox.isolation asks
+    for namespaces and this machine forbids them (naming the setting); warns loudly when
+    isolation is off."""
+    local = LocalSandbox(sandbox)
+    why = local.probe()
+    if why is not None:
+        fix = (
+            "allow unprivileged user namespaces (kernel.unprivileged_userns_clone=1, "
+            "user.max_user_namespaces > 0, a seccomp profile that permits unshare), or set "
+            "reward.sandbox.isolation: none to run model-written programs without isolation"
+            if sandbox.isolation == "namespaces"
+            else "check that the learner can start processes"
+        )
+        raise ValueError(
+            f"reward.sandbox.isolation {sandbox.isolation}: a program cannot run here ({why}); "
+            f"{fix}"
+        )
+    if sandbox.isolation == "none":
+        log.warning(
+            "reward.sandbox.isolation is none: model-written programs run with only "
+            "resource limits; they can read what the learner can and reach the network"
+        )
+    return CodeScorer(CodeRunner(local, code), sandbox.concurrency, code.scoring, on_failure)

@@ -1,0 +1,202 @@
+"""The local sandbox: one model-written program, run isolated and limited, in a thread.
+
+Each run gets a private temporary directory (removed after), a fresh session and process
+group, a scrubbed environment (PATH, LANG and the harness's token only: no secret of the job),
+and sandbox_init.py as its first process, which applies the isolation and the resource limits
+(reward.sandbox) before the program starts. The wall-clock limit is enforced here: past it,
+or past the output cap, the whole group is killed (and with namespaces, the program's PID
+namespace dies with it, children included). What cannot be set up is a `sandbox_failure`,
+never blamed on the program.
+
+`probe()` runs a trivial program once at start: reward.sandbox.isolation namespaces refuses
+to train where the machine forbids namespaces, naming the setting that would allow it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from gspo_trainer.config import SandboxConfig
+
+INIT = Path(__file__).with_name("sandbox_init.py")
+OPEN_FILES = 64
+TMP_BYTES = 64 << 20  # the tmpfs root (its /tmp); the program's own directory is on disk
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """How one program run ended. `exit_code` is shell-style (128 + signal when killed)."""
+
+    exit_code: int | None
+    stdout: bytes
+    stderr: bytes
+    seconds: float
+    timed_out: bool = False  # past the wall-clock limit
+    output_capped: bool = False  # stdout or stderr past the cap: killed
+    failure: str | None = None  # the sandbox itself could not run it
+
+
+def python_prefix() -> str:
+    """The install the sandboxed interpreter needs (read-only in its root): the real
+    interpreter's prefix, not the virtual environment's (the program runs without site)."""
+    return str(Path(os.path.realpath(sys.executable)).parent.parent)
+
+
+class LocalSandbox:
+    """Runs programs on this machine under reward.sandbox's isolation and limits."""
+
+    def __init__(self, cfg: SandboxConfig) -> None:
+        self.cfg = cfg
+        self.python = os.path.realpath(sys.executable)
+        self.read_only = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", python_prefix()]
+
+    def run(
+        self,
+        files: dict[str, str],
+        argv: list[str],
+        stdin: bytes = b"",
+        env: dict[str, str] | None = None,
+    ) -> RunResult:
+        """Write `files` into a fresh directory and run `argv` there ("{python}" is the
+        interpreter; paths are relative to the directory)."""
+        box = Path(tempfile.mkdtemp(prefix="gspo-sandbox-"))
+        try:
+            return self._run(box, files, argv, stdin, env or {})
+        except OSError as exc:
+            return RunResult(None, b"", b"", 0.0, failure=f"{type(exc).__name__}: {exc}")
+        finally:
+            shutil.rmtree(box, ignore_errors=True)
+
+    def _run(
+        self, box: Path, files: dict[str, str], argv: list[str], stdin: bytes, env: dict[str, str]
+    ) -> RunResult:
+        cfg, isolated = self.cfg, self.cfg.isolation == "namespaces"
+        work = box / "work"
+        work.mkdir()
+        (box / "root").mkdir()
+        for name, text in files.items():
+            (work / name).write_text(text, encoding="utf-8")
+        if isolated and os.geteuid() == 0:  # the program runs as nobody: let it write here
+            os.chown(box, 65534, 65534)
+            for path in (work, *work.iterdir()):
+                os.chown(path, 65534, 65534)
+        status_r, status_w = os.pipe()
+        plan = {
+            "isolation": cfg.isolation,
+            "workdir": str(work),
+            "root": str(box / "root"),
+            "read_only": self.read_only,
+            "tmp_bytes": TMP_BYTES,
+            "status_fd": status_w,
+            "argv": [self.python if a == "{python}" else a for a in argv],
+            "env": {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp", **env},
+            "cpu_seconds": max(1, round(cfg.timeout_seconds)),
+            "memory_bytes": cfg.memory_mib << 20,
+            "processes": cfg.processes,
+            "file_bytes": cfg.file_bytes,
+            "open_files": OPEN_FILES,
+        }
+        plan_path = box / "plan.json"
+        plan_path.write_text(json.dumps(plan), encoding="utf-8")
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.Popen(
+                [self.python, "-I", "-S", str(INIT), str(plan_path)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env={"PATH": "/usr/bin:/bin"},
+                cwd=box,
+                start_new_session=True,
+                pass_fds=(status_w,),
+            )
+        finally:
+            os.close(status_w)
+        try:
+            out, err, timed_out, capped = self._communicate(proc, stdin)
+            status = _read_all(status_r)
+        finally:
+            os.close(status_r)
+            if proc.returncode is None:
+                _kill_group(proc)
+        seconds = time.monotonic() - t0
+        if status != b"ok":  # "ok fail: <why>" when exec failed; "fail: <why>" before
+            why = status.decode(errors="replace").partition("fail: ")[2] or "did not start"
+            return RunResult(None, out, err, seconds, failure=why)
+        return RunResult(
+            proc.returncode if proc.returncode >= 0 else 128 - proc.returncode,
+            out,
+            err,
+            seconds,
+            timed_out,
+            capped,
+        )
+
+    def _communicate(self, proc: subprocess.Popen, stdin: bytes) -> tuple[bytes, bytes, bool, bool]:
+        """Feed stdin, read stdout/stderr up to the cap, until exit or the wall-clock limit."""
+        cap, deadline = self.cfg.output_bytes, time.monotonic() + self.cfg.timeout_seconds
+        try:
+            proc.stdin.write(stdin)  # type: ignore[union-attr]
+            proc.stdin.close()  # type: ignore[union-attr]
+        except (BrokenPipeError, OSError):
+            pass
+        bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+        timed_out = capped = False
+        with selectors.DefaultSelector() as sel:
+            for stream in bufs:
+                sel.register(stream, selectors.EVENT_READ)  # type: ignore[arg-type]
+            while sel.get_map():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    timed_out = True
+                    break
+                for key, _ in sel.select(left):
+                    chunk = os.read(key.fd, 65536)
+                    buf = bufs[key.fileobj]  # type: ignore[index]
+                    if not chunk:
+                        sel.unregister(key.fileobj)
+                        continue
+                    buf += chunk[: cap + 1 - len(buf)]
+                    if len(buf) > cap:
+                        capped = True
+                if capped:
+                    break
+        _kill_group(proc)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+        for stream in bufs:
+            stream.close()  # type: ignore[union-attr]
+        out, err = (bytes(b[:cap]) for b in bufs.values())
+        return out, err, timed_out, capped
+
+    def probe(self) -> str | None:
+        """None when a program runs under this isolation here, else why not."""
+        result = self.run({"probe.py": "print('ok')"}, ["{python}", "-I", "-S", "probe.py"])
+        if result.failure:
+            return result.failure
+        if result.stdout.strip() != b"ok":
+            return f"a trivial program failed (exit {result.exit_code}): {result.stderr[-300:]!r}"
+        return None
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _read_all(fd: int) -> bytes:
+    out = b""
+    while chunk := os.read(fd, 4096):
+        out += chunk
+    return out

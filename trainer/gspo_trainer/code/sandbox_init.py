@@ -1,0 +1,241 @@
+"""The first process of a sandbox: isolates itself, then runs the program (stdlib only).
+
+Run as `python -I -S sandbox_init.py <plan.json>` by sandbox.py (never imported: it must not
+load the learner's packages into a process the program inherits). With isolation
+"namespaces" it enters new user, mount, PID, network, IPC and UTS namespaces, maps one user
+(the learner's own uid, or nobody when the learner is root), builds a root of its own (the
+program's directory read-write at /work, the Python install and system libraries read-only, a
+fresh /proc, /dev/null and friends, a small /tmp) and pivots into it, so the job's files, its
+token, the network and the host's processes are out of sight. Then it forks the PID
+namespace's init, which forks the program with resource limits, no capabilities and
+no_new_privs, waits for it, and exits with its status: the kernel then kills whatever the
+program left behind in the namespace (children that setsid or sleep past it).
+
+It reports on fd `status_fd` (closed before the program starts): b"ok" once the program is
+about to run, or b"fail: <why>" when isolation could not be set up (sandbox_failure; never
+blamed on the program).
+"""
+
+import ctypes
+import json
+import os
+import resource
+import signal
+import sys
+
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MNT_DETACH = 2
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 38
+SYS_PIVOT_ROOT, SYS_CAPSET = 155, 126  # x86_64
+NOBODY = 65534
+# statvfs flags -> the mount flags a bind remount must keep (a user namespace may not drop
+# the flags of a mount it inherited: the remount fails with EPERM).
+KEPT_FLAGS = {
+    1: MS_RDONLY,
+    2: MS_NOSUID,
+    4: MS_NODEV,
+    8: MS_NOEXEC,
+    1024: 1024,
+    2048: 2048,
+    4096: 1 << 21,
+}
+
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+def check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def mount(src: str | None, dst: str, fstype: str | None, flags: int, data: str | None = None):
+    enc = lambda s: s.encode() if s is not None else None  # noqa: E731
+    check(
+        libc.mount(enc(src), enc(dst), enc(fstype), ctypes.c_ulong(flags), enc(data)),
+        f"mount {dst}",
+    )
+
+
+def write(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def enter_namespaces(uid: int, gid: int) -> None:
+    """New user, mount, PID, network, IPC and UTS namespaces, `uid` mapped to root in them."""
+    flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
+    check(libc.unshare(flags), "unshare")
+    write("/proc/self/setgroups", "deny")
+    write("/proc/self/uid_map", f"0 {uid} 1")
+    write("/proc/self/gid_map", f"0 {gid} 1")
+    os.setresgid(0, 0, 0)
+    os.setresuid(0, 0, 0)
+
+
+def become_nobody() -> None:
+    """A root learner's program runs as nobody: it owns nothing of the host's, and root's
+    groups do not follow it."""
+    os.setgroups([])
+    os.setresgid(NOBODY, NOBODY, NOBODY)
+    os.setresuid(NOBODY, NOBODY, NOBODY)
+    libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # the uid change made /proc/self root's
+
+
+def bind(src: str, dst: str, writable: bool) -> None:
+    if os.path.isdir(src):
+        os.makedirs(dst, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        open(dst, "a").close()
+    mount(src, dst, None, MS_BIND | MS_REC)
+    kept = 0
+    for st, ms in KEPT_FLAGS.items():
+        if os.statvfs(dst).f_flag & st:
+            kept |= ms
+    mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_NOSUID | kept | (0 if writable else MS_RDONLY))
+
+
+def build_root(plan: dict, fresh_proc: bool) -> None:
+    """A root of the program's own, then pivot into it (the host's tree is detached).
+    `fresh_proc`: mount the new PID namespace's /proc now; otherwise bind the host's, for the
+    namespace's init to mount its own over (a user namespace may mount proc only where one is
+    already fully visible)."""
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    root = plan["root"]
+    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, f"size={plan['tmp_bytes']},mode=0755")
+    for path in plan["read_only"]:
+        if os.path.islink(path):
+            os.makedirs(os.path.dirname(root + path), exist_ok=True)
+            os.symlink(os.readlink(path), root + path)
+        elif os.path.exists(path):
+            bind(path, root + path, writable=False)
+    for dev in ("null", "zero", "urandom", "random"):
+        bind(f"/dev/{dev}", f"{root}/dev/{dev}", writable=True)
+    bind(plan["workdir"], root + "/work", writable=True)
+    os.makedirs(root + "/tmp", exist_ok=True)
+    os.chmod(root + "/tmp", 0o1777)
+    os.makedirs(root + "/proc", exist_ok=True)
+    if fresh_proc:
+        mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    else:
+        mount("/proc", root + "/proc", None, MS_BIND)
+    os.makedirs(root + "/.old", exist_ok=True)
+    check(libc.syscall(SYS_PIVOT_ROOT, root.encode(), (root + "/.old").encode()), "pivot_root")
+    os.chdir("/")
+    check(libc.umount2(b"/.old", MNT_DETACH), "umount old root")
+    os.rmdir("/.old")
+    mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def drop_privileges() -> None:
+    """No capability now or after exec (an in-namespace root would regain them), none ever."""
+    for cap in range(64):
+        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            break
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)
+    data = (ctypes.c_uint32 * 6)()
+    check(libc.syscall(SYS_CAPSET, header, data), "capset")
+    check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+
+
+def set_limits(plan: dict) -> None:
+    cpu = int(plan["cpu_seconds"])
+    for limit, value in (
+        (resource.RLIMIT_CPU, (cpu, cpu + 1)),
+        (resource.RLIMIT_AS, (plan["memory_bytes"],) * 2),
+        (resource.RLIMIT_NPROC, (plan["processes"],) * 2),
+        (resource.RLIMIT_FSIZE, (plan["file_bytes"],) * 2),
+        (resource.RLIMIT_NOFILE, (plan["open_files"],) * 2),
+        (resource.RLIMIT_CORE, (0, 0)),
+    ):
+        resource.setrlimit(limit, value)
+
+
+def run_program(plan: dict, status_fd: int) -> None:
+    """In the process that becomes the program: limits, report ready, exec."""
+    isolated = plan["isolation"] == "namespaces"
+    os.chdir("/work" if isolated else plan["workdir"])
+    if isolated:
+        drop_privileges()
+    set_limits(plan)
+    os.set_inheritable(status_fd, False)  # closed by a successful exec
+    os.write(status_fd, b"ok")
+    os.execve(plan["argv"][0], plan["argv"], plan["env"])
+
+
+def wait_for(pid: int) -> int:
+    """Reap everything (as a namespace's init must) until `pid` ends; its shell-style code."""
+    while True:
+        try:
+            got, status = os.wait()
+        except ChildProcessError:
+            return 1
+        if got == pid:
+            return (
+                os.waitstatus_to_exitcode(status) % 256
+                if os.WIFEXITED(status)
+                else (128 + os.WTERMSIG(status))
+            )
+
+
+def isolate(plan: dict) -> None:
+    """Everything before the namespace's init starts. A root learner builds the new root
+    while it still can read what it binds (its Python may sit under /root), then drops to
+    nobody; any other learner does it all inside its user namespace (in the init)."""
+    if os.geteuid() == 0:
+        check(libc.unshare(CLONE_NEWNS), "unshare mount namespace")
+        build_root(plan, fresh_proc=False)
+        become_nobody()
+    enter_namespaces(os.geteuid(), os.getegid())
+
+
+def start_init(plan: dict, status_fd: int) -> None:
+    """PID 1 of the new namespace: finish the root, fork the program, wait, exit."""
+    try:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if plan["root_built"]:
+            mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        else:
+            build_root(plan, fresh_proc=True)
+        program = os.fork()
+        if program == 0:
+            try:
+                run_program(plan, status_fd)
+            except Exception as exc:
+                os.write(status_fd, f" fail: {exc}".encode())
+            os._exit(1)
+    except Exception as exc:
+        os.write(status_fd, f"fail: {exc}".encode())
+        os._exit(1)
+    os.close(status_fd)
+    os._exit(wait_for(program))  # the kernel kills what is left in the namespace
+
+
+def main() -> None:
+    with open(sys.argv[1], encoding="utf-8") as f:
+        plan = json.load(f)
+    status_fd = plan["status_fd"]
+    try:
+        if plan["isolation"] != "namespaces":
+            run_program(plan, status_fd)
+        plan["root_built"] = os.geteuid() == 0
+        isolate(plan)
+    except Exception as exc:
+        os.write(status_fd, f" fail: {exc}".encode())
+        os._exit(1)
+    init = os.fork()
+    if init == 0:
+        start_init(plan, status_fd)
+    os.close(status_fd)
+    sys.exit(wait_for(init))
+
+
+if __name__ == "__main__":
+    main()
