@@ -121,10 +121,12 @@ def classify(result: RunResult) -> Outcome:
     output is judged by the caller)."""
     if result.failure is not None:
         return "sandbox_failure"
-    if result.timed_out or result.exit_code in (SIGXCPU_EXIT, SIGKILL_EXIT):
+    if result.timed_out:
         return "timeout"
-    if result.output_capped:
+    if result.output_capped:  # killed for it: before the exit code
         return "runtime_error"
+    if result.exit_code in (SIGXCPU_EXIT, SIGKILL_EXIT):  # the CPU limit's soft, then hard
+        return "timeout"
     return {
         0: "passed",
         COMPILE_ERROR: "compile_error",

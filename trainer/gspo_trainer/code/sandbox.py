@@ -172,13 +172,22 @@ class LocalSandbox:
                         capped = True
                 if capped:
                     break
-        _kill_group(proc)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=5)
+        self._stop(proc)
         for stream in bufs:
             stream.close()  # type: ignore[union-attr]
         out, err = (bytes(b[:cap]) for b in bufs.values())
         return out, err, timed_out, capped
+
+    def _stop(self, proc: subprocess.Popen) -> None:
+        """End the run and everything it started. With namespaces, the first process kills
+        the PID namespace and returns once it is empty; the group is killed after anyway."""
+        if self.cfg.isolation == "namespaces" and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=2)
+        _kill_group(proc)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
 
     def probe(self) -> str | None:
         """None when a program runs under this isolation here, else why not."""

@@ -233,6 +233,9 @@ def main() -> None:
     init = os.fork()
     if init == 0:
         start_init(plan, status_fd)
+    # SIGTERM from the sandbox (time or output is up): kill the namespace's init, whose exit
+    # waits until the kernel has killed and reaped everything in the namespace.
+    signal.signal(signal.SIGTERM, lambda *_: os.kill(init, signal.SIGKILL))
     os.close(status_fd)
     sys.exit(wait_for(init))
 

@@ -1,0 +1,202 @@
+"""Hostile programs in the code reward's sandbox: each scores 0 with its outcome named, the
+learner (this process) is unaffected, and nothing leaks.
+
+Where a program could gain by escaping, the test's expected output is what the escape would
+print (the secret, the file's text, "connected"): a leak would score 1 and fail the test.
+Network checks stay on loopback: a listener this test opens receives nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+from gspo_trainer.code.runner import CaseResult, CodeRunner
+from gspo_trainer.code.sandbox import LocalSandbox
+from gspo_trainer.code.tasks import Case, CodeTask
+from gspo_trainer.config import CodeConfig, SandboxConfig
+from gspo_trainer.ports import ENV_SYNC_TOKEN
+
+LIMITS = SandboxConfig(timeout_seconds=1, memory_mib=256, processes=16, output_bytes=1 << 16)
+SECRET = "s3cret-rollout-token-0123456789"
+
+
+def run(program: str, expected: str, limits: SandboxConfig = LIMITS) -> tuple[CaseResult, float]:
+    runner = CodeRunner(LocalSandbox(limits), CodeConfig())
+    case = Case("", expected)
+    t0 = time.monotonic()
+    result = runner.run_case(program, CodeTask(cases=(case,)), case)
+    return result, time.monotonic() - t0
+
+
+def sandboxed_processes() -> set[int]:
+    """Processes of the sandbox's user on the host (nobody when the learner is root)."""
+    uid = 65534 if os.geteuid() == 0 else os.geteuid()
+    out = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.stat(f"/proc/{pid}").st_uid == uid and int(pid) != os.getpid():
+                out.add(int(pid))
+        except FileNotFoundError:
+            pass
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers():
+    """Every program's processes are gone once its run returns."""
+    before = sandboxed_processes()
+    yield
+    assert sandboxed_processes() - before == set()
+
+
+def test_the_rollout_token_file_and_environment_secrets_stay_out(tmp_path, monkeypatch) -> None:
+    token = tmp_path / "rollout-token"
+    token.write_text(SECRET)
+    token.chmod(0o644)  # even a world-readable file is out of sight
+    monkeypatch.setenv(ENV_SYNC_TOKEN, SECRET)
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    program = (
+        "import os\n"
+        f"print(os.environ.get({ENV_SYNC_TOKEN!r}) or os.environ.get('HF_TOKEN') or "
+        f"open({str(token)!r}).read())\n"
+    )
+    result, _ = run(program, SECRET)
+    assert result.outcome == "runtime_error"  # the file is not there
+    assert SECRET not in result.detail and "No such file" in result.detail
+    leak, _ = run("import os\nprint(sorted(os.environ))", "[]")
+    assert leak.outcome == "wrong_answer"
+
+
+def test_files_outside_its_directory_and_the_checkpoints_are_out_of_sight(tmp_path) -> None:
+    outside = tmp_path / "notes.txt"
+    outside.write_text("private")
+    outside.chmod(0o644)
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir(mode=0o777)
+    reads = [str(outside), "/etc/passwd", "/var/run/secrets/kubernetes.io/serviceaccount/token",
+             f"/proc/{os.getpid()}/environ"]  # fmt: skip
+    program = (
+        "found = []\n"
+        f"for path in {reads!r}:\n"
+        "    try:\n"
+        "        found.append(open(path).read())\n"
+        "    except OSError:\n"
+        "        pass\n"
+        f"open({str(checkpoints / 'step-999')!r}, 'w').write('x')\n"
+        "print(found[0])\n"
+    )
+    result, _ = run(program, "private")
+    assert result.outcome == "runtime_error"
+    assert list(checkpoints.iterdir()) == []
+    writes, _ = run("open('own.txt', 'w').write('mine')\nprint(open('own.txt').read())", "mine")
+    assert writes.outcome == "passed"  # its own directory is writable
+
+
+def test_no_network_a_loopback_listener_receives_nothing() -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        listener.setblocking(False)
+        port = listener.getsockname()[1]
+        program = (
+            "import socket\n"
+            f"s = socket.create_connection(('127.0.0.1', {port}), timeout=0.5)\n"
+            "s.sendall(b'stolen')\n"
+            "print('connected')\n"
+        )
+        result, _ = run(program, "connected")
+        assert result.outcome == "runtime_error"
+        with pytest.raises(BlockingIOError):
+            listener.accept()
+
+
+def test_a_fork_bomb_hits_the_process_limit() -> None:
+    program = "import os\nwhile True:\n    os.fork()\n"
+    result, seconds = run(program, "")
+    assert result.outcome in ("runtime_error", "timeout")
+    assert seconds < 3
+
+
+def test_ten_times_the_memory_limit_is_a_memory_outcome() -> None:
+    result, _ = run(f"x = bytearray({10 * LIMITS.memory_mib} << 20)\nprint(len(x))", "")
+    assert result.outcome == "memory"
+
+
+def test_an_infinite_loop_times_out_on_time() -> None:
+    result, seconds = run("while True:\n    pass\n", "")
+    assert result.outcome == "timeout"
+    assert seconds < LIMITS.timeout_seconds + 1.5
+
+
+def test_a_gigabyte_of_output_is_cut_off_early() -> None:
+    program = "import sys\nfor _ in range(1 << 14):\n    sys.stdout.write('x' * (1 << 16))\n"
+    result, seconds = run(program, "x")
+    assert result.outcome == "runtime_error"
+    assert seconds < 3
+
+
+def test_killing_its_parent_and_everyone_else_touches_nothing_outside() -> None:
+    bystander = subprocess.Popen(["sleep", "30"])
+    try:
+        program = (
+            "import os, signal\n"
+            "for pid in (os.getppid(), 1, -1):\n"
+            "    try:\n"
+            "        os.kill(pid, signal.SIGKILL)\n"
+            "    except OSError:\n"
+            "        pass\n"
+            f"os.kill({bystander.pid}, signal.SIGKILL)\n"
+        )
+        result, _ = run(program, "")
+        assert result.outcome in ("runtime_error", "wrong_answer")
+        assert bystander.poll() is None
+    finally:
+        bystander.send_signal(signal.SIGKILL)
+        bystander.wait()
+
+
+def test_children_sleeping_past_the_timeout_are_killed_with_it() -> None:
+    program = (
+        "import os, signal, time\n"
+        "for _ in range(3):\n"
+        "    if os.fork() == 0:\n"
+        "        os.setsid()\n"
+        "        signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "        time.sleep(60)\n"
+        "        os._exit(0)\n"
+        "time.sleep(60)\n"
+    )
+    result, seconds = run(program, "")
+    assert result.outcome == "timeout"
+    assert seconds < LIMITS.timeout_seconds + 1.5  # and no_leftovers checks they are gone
+
+
+def test_a_program_that_exits_early_keeping_children_is_not_waited_for() -> None:
+    program = (
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint('5')\n"
+    )
+    result, seconds = run(program, "5")
+    assert result.outcome == "passed"  # its answer counts; its child dies with it
+    assert seconds < 1.0
+
+
+def test_without_namespaces_the_code_reward_refuses_unless_isolation_none(
+    monkeypatch, caplog
+) -> None:
+    """Where the machine forbids namespaces (a pod under the runtime's default seccomp
+    profile), the probe's failure stops the run at start, naming the setting."""
+    from gspo_trainer.code import runner
+
+    monkeypatch.setattr(LocalSandbox, "probe", lambda self: "unshare: Operation not permitted")
+    with pytest.raises(ValueError, match=r"reward\.sandbox\.isolation namespaces.*isolation: none"):
+        runner.build_code_scorer(CodeConfig(), SandboxConfig())
+    monkeypatch.undo()
+    scorer = runner.build_code_scorer(CodeConfig(), SandboxConfig(isolation="none"))
+    assert "isolation is none" in caplog.text
+    assert scorer.runner.sandbox.cfg.isolation == "none"
