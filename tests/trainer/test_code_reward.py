@@ -87,15 +87,16 @@ def test_programs_are_scored_by_the_share_of_tests_passed_and_counted_by_outcome
         scored("def sq(x):\n    return x + x", SQUARE),  # f(2) passes, f(3) fails: wrong
         scored("import os\nos._exit(0)\ndef sq(x): return x", SQUARE),  # exits before asserts
         scored("def sq(x) return x", SQUARE),
+        scored("12", SQUARE),  # no sq at all: check(sq) cannot pass
         scored("raise ValueError('no')", ADD),
         scored("print(1)", {"prompt": "no tests"}),
     ]
     scores, stats = scorer.score_components(items)
-    assert scores == [1.0, 0.5, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert scores == [1.0, 0.5, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     assert stats == {"code_tests/passed": 4, "code_tests/wrong_answer": 3,
                      "code_tests/timeout": 0, "code_tests/memory": 0,
-                     "code_tests/runtime_error": 2, "code_tests/compile_error": 1,
-                     "code_tests/sandbox_failure": 1, "code_pass_rate": 2 / 8}  # fmt: skip
+                     "code_tests/runtime_error": 3, "code_tests/compile_error": 1,
+                     "code_tests/sandbox_failure": 1, "code_pass_rate": 2 / 9}  # fmt: skip
     assert scorer.failures["error"] == 1  # the row without tests: visible, not a wrong answer
 
 

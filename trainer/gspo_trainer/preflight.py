@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gspo_trainer.code.preflight import check_code_reward
 from gspo_trainer.config import GSPOJobSpec
 from gspo_trainer.validation import Problem
 
@@ -50,7 +51,7 @@ def check_reward(spec: GSPOJobSpec) -> list[Problem]:
 
     reward, problems = spec.reward, []
     try:
-        if reward.functions is None:
+        if reward.functions is None and reward.kind != "code":  # code: check_code_reward
             reward_function(reward)
     except ValueError as exc:
         problems.append(Problem("spec.reward.function", str(exc).removeprefix("reward.function ")))
@@ -139,4 +140,5 @@ def preflight(spec: GSPOJobSpec, gpus: int | None = None) -> list[Problem]:
         *check_reward(spec),
         *check_model(spec),
         *check_data(spec),
+        *(Problem(field, message) for field, message in check_code_reward(spec)),
     ]

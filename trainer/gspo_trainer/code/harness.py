@@ -3,9 +3,9 @@
 `python -I -S harness.py program.py [test.py entry_point]`: compiles the program (a syntax
 error exits COMPILE_ERROR, told apart from a program that raises), runs it as __main__, and
 with a test file runs the test code in the program's namespace, then `check(entry_point)`
-when the test defines check (HumanEval's convention; MBPP's tests are bare asserts). A
-MemoryError, from the address-space limit, exits MEMORY_ERROR; a failed assert
-ASSERTION_FAILED (a wrong answer, not a crash).
+when the test defines check (HumanEval's convention; MBPP's tests are bare asserts; a
+program without that function fails). A MemoryError, from the address-space limit, exits
+MEMORY_ERROR; a failed assert ASSERTION_FAILED (a wrong answer, not a crash).
 
 Assert-style tests pass on a clean exit only after the harness has printed the run's token
 (GSPO_SANDBOX_DONE, taken out of the environment before the program runs): a program that
@@ -36,7 +36,9 @@ def main() -> None:
         if len(sys.argv) > 2:
             with open(sys.argv[2], encoding="utf-8") as f:
                 exec(compile(f.read(), sys.argv[2], "exec"), namespace)
-            if callable(namespace.get("check")) and sys.argv[3] in namespace:
+            if callable(namespace.get("check")):
+                if sys.argv[3] not in namespace:  # the program lacks the function checked
+                    raise NameError(f"name {sys.argv[3]!r} is not defined")
                 namespace["check"](namespace[sys.argv[3]])
             sys.stdout.write("\n" + done + "\n")
     except MemoryError:

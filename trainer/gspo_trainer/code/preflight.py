@@ -1,0 +1,45 @@
+"""Before anything starts: the sandbox runs a program here, and every row has usable tests.
+
+A row without tests, or with malformed ones, is an error naming the row and the field now,
+rather than a run that scores it as a sandbox failure at every step.
+"""
+
+from __future__ import annotations
+
+from gspo_trainer.config import GSPOJobSpec
+
+Problem = tuple[str, str]  # (field path, message)
+
+
+def uses_code(spec: GSPOJobSpec) -> bool:
+    reward = spec.reward
+    return reward.kind == "code" or any(f.kind == "code" for f in reward.functions or [])
+
+
+def check_code_reward(spec: GSPOJobSpec) -> list[Problem]:
+    """The sandbox (reward.sandbox) and each row's tests (reward.code), when code is scored."""
+    if not uses_code(spec):
+        return []
+    from gspo_trainer.code.runner import build_code_scorer
+    from gspo_trainer.code.tasks import BadTests, task_from_row
+    from gspo_trainer.data import load_examples
+
+    try:
+        build_code_scorer(spec.reward.code, spec.reward.sandbox)
+    except ValueError as exc:
+        return [("spec.reward.sandbox.isolation", str(exc).removeprefix("reward.sandbox."))]
+    sets = [("spec.data.source", spec.data)]
+    if spec.data.eval_source:
+        sets.append(("spec.data.evalSource",
+                     spec.data.model_copy(update={"source": spec.data.eval_source})))  # fmt: skip
+    for where, cfg in sets:
+        try:
+            examples = load_examples(cfg, tokenizer=None)
+        except (ValueError, OSError):
+            return []  # check_data says what is wrong with the data itself
+        for i, example in enumerate(examples):
+            try:
+                task_from_row(example.row, spec.reward.code)
+            except BadTests as exc:
+                return [(where, f"row {i}: {exc} (reward.kind code needs tests in every row)")]
+    return []
