@@ -8,14 +8,19 @@ Network checks stay on loopback: a listener this test opens receives nothing.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
+from gspo_trainer.code import sandbox_init
 from gspo_trainer.code.runner import CaseResult, CodeRunner
 from gspo_trainer.code.sandbox import LocalSandbox
 from gspo_trainer.code.tasks import Case, CodeTask
@@ -200,3 +205,62 @@ def test_without_namespaces_the_code_reward_refuses_unless_isolation_none(
     scorer = runner.build_code_scorer(CodeConfig(), SandboxConfig(isolation="none"))
     assert "isolation is none" in caplog.text
     assert scorer.runner.sandbox.cfg.isolation == "none"
+
+
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not Path(SYSTEM_PYTHON).exists() or not shutil.which("setpriv"),
+    reason="needs root to act out a non-root learner, setpriv and a system Python",
+)
+def test_a_non_root_learner_without_privileges_gets_the_same_isolation() -> None:
+    """The operator's learner: not root, no capabilities, no_new_privs. Its own files (the
+    token, the checkpoints: owned by its uid) must stay out of the program's sight too."""
+    tmp_path = Path(tempfile.mkdtemp(prefix="gspo-non-root-"))  # pytest's is root's alone
+    try:
+        _non_root_run(tmp_path)
+    finally:
+        shutil.rmtree(tmp_path)
+
+
+def _non_root_run(tmp_path: Path) -> None:
+    learner_uid = 65534
+    box = tmp_path / "box"
+    (box / "work").mkdir(parents=True)
+    (box / "root").mkdir()
+    token = tmp_path / "rollout-token"
+    token.write_text(SECRET)
+    token.chmod(0o600)
+    os.chown(token, learner_uid, learner_uid)
+    program = (
+        f"import os\nprint(os.getuid(), os.listdir('/'))\nprint(open({str(token)!r}).read())\n"
+    )
+    (box / "work" / "p.py").write_text(program)
+    for path in (tmp_path, box, box / "work", box / "root", box / "work" / "p.py"):
+        os.chown(path, learner_uid, learner_uid)
+    status_r, status_w = os.pipe()
+    plan = {
+        "isolation": "namespaces", "workdir": str(box / "work"), "root": str(box / "root"),
+        "read_only": ["/usr", "/lib", "/lib64", "/bin"], "tmp_bytes": 1 << 20,
+        "status_fd": status_w, "argv": [SYSTEM_PYTHON, "-I", "-S", "p.py"],
+        "env": {"PATH": "/usr/bin"},
+        "cpu_seconds": 2, "memory_bytes": 256 << 20, "processes": 16, "file_bytes": 1 << 20,
+        "open_files": 64,
+    }  # fmt: skip
+    (box / "plan.json").write_text(json.dumps(plan))
+    init = Path(sandbox_init.__file__)
+    shutil.copy(init, box / "init.py")
+    done = subprocess.run(
+        ["setpriv", f"--reuid={learner_uid}", f"--regid={learner_uid}", "--clear-groups",
+         "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs",
+         SYSTEM_PYTHON, "-I", "-S", str(box / "init.py"), str(box / "plan.json")],
+        capture_output=True, timeout=10, pass_fds=(status_w,), env={"PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    os.close(status_w)
+    status = os.read(status_r, 4096)
+    os.close(status_r)
+    assert status == b"ok", done.stderr
+    first = done.stdout.decode().splitlines()[0]
+    assert first.startswith("0 ") and "'work'" in first and "'tmp'" in first
+    assert SECRET.encode() not in done.stdout and b"No such file" in done.stderr

@@ -31,7 +31,7 @@ from gspo_trainer.config import SandboxConfig
 
 INIT = Path(__file__).with_name("sandbox_init.py")
 OPEN_FILES = 64
-TMP_BYTES = 64 << 20  # the tmpfs root (its /tmp); the program's own directory is on disk
+TMP_BYTES = 64 << 20  # its /tmp (a tmpfs: memory); its own directory is on disk
 
 
 @dataclass(frozen=True)

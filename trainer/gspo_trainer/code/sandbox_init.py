@@ -109,7 +109,7 @@ def build_root(plan: dict, fresh_proc: bool) -> None:
     already fully visible)."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     root = plan["root"]
-    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, f"size={plan['tmp_bytes']},mode=0755")
+    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
     for path in plan["read_only"]:
         if os.path.islink(path):
             os.makedirs(os.path.dirname(root + path), exist_ok=True)
@@ -120,7 +120,9 @@ def build_root(plan: dict, fresh_proc: bool) -> None:
         bind(f"/dev/{dev}", f"{root}/dev/{dev}", writable=True)
     bind(plan["workdir"], root + "/work", writable=True)
     os.makedirs(root + "/tmp", exist_ok=True)
-    os.chmod(root + "/tmp", 0o1777)
+    mount(
+        "tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={plan['tmp_bytes']},mode=1777"
+    )
     os.makedirs(root + "/proc", exist_ok=True)
     if fresh_proc:
         mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
