@@ -87,7 +87,8 @@ def plot_training(
 ) -> Path:
     """runs: label -> history records. Two panels sharing the step axis, so a collapse shows
     beside the reward it explains. Top: mean reward per step (faint), its moving average, and
-    the evaluations (eval_accuracy, greedy: dots; eval_mean_at_k: crosses). Bottom: token
+    the evaluations (eval_accuracy, greedy: dots; eval_mean_at_k: crosses), and for code rewards
+    code_pass_rate (dotted). Bottom: token
     entropy (left axis) and the share of zero-advantage groups (right axis, dashed); entropy
     falling to ~0 while that share goes to 1 with a low reward is a collapse (every group
     answers alike, so no group carries a learning signal; BENCHMARKS.md's tuning table)."""
@@ -108,6 +109,11 @@ def plot_training(
         top.plot(steps, rewards, color=color, alpha=0.2, linewidth=0.8)
         top.plot(steps, moving_average(rewards, window), color=color, linewidth=1.8,
                  label=f"{label} reward_mean ({window}-step mean)")  # fmt: skip
+        passing = [(int(r["step"]), r["code_pass_rate"]) for r in records if "code_pass_rate" in r]
+        if passing:  # reward.kind code: the share of responses that passed every test
+            top.plot([s for s, _ in passing], moving_average([p for _, p in passing], window),
+                     color=color, linewidth=1.2, linestyle=":",
+                     label=f"{label} code_pass_rate ({window}-step mean)")  # fmt: skip
         evals = [r for r in records if "eval_accuracy" in r]
         if evals:
             top.plot([int(r["step"]) for r in evals], [r["eval_accuracy"] for r in evals],

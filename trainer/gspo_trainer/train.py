@@ -343,6 +343,10 @@ class ProgressView:
             parts.append(f"eval_accuracy={self.last_eval['eval_accuracy']:.3f}")
             if "eval_mean_at_k" in self.last_eval:
                 parts.append(f"eval_mean_at_k={self.last_eval['eval_mean_at_k']:.3f}")
+        if "code_pass_rate" in r:  # reward.kind code; sandbox failures are never silent
+            parts.append(f"code_pass_rate={r['code_pass_rate']:.3f}")
+            if r.get("code_tests/sandbox_failure"):
+                parts.append(f"code_tests/sandbox_failure={int(r['code_tests/sandbox_failure'])}")
         if "entropy" in r:
             parts.append(f"entropy={r['entropy']:.3f}")
         parts.append(f"zero_advantage_fraction={r.get('zero_advantage_fraction', 0.0):.2f}")
