@@ -253,6 +253,23 @@ class Outcome:
     delete_job: bool = False  # ttlSecondsAfterFinished has passed
 
 
+def _code_sandbox(st: _Status, spec: GSPOJobSpec) -> None:
+    """Code rewards run model-written programs in the learner pod: say whether isolated."""
+    reward = spec.reward
+    if reward.kind != "code" and not any(f.kind == "code" for f in reward.functions or []):
+        return
+    if reward.sandbox.isolation == "none":
+        message = (
+            "reward.sandbox.isolation is none: model-written programs run in the learner pod "
+            "with resource limits only (they can read the job's files and reach the network); "
+            "docs/rewards.md"
+        )
+        st.condition("CodeSandboxed", False, "IsolationNone", message)
+    else:
+        message = "each program runs in its own user, PID, network and mount namespaces"
+        st.condition("CodeSandboxed", True, "Namespaces", message)
+
+
 def compute(
     spec: GSPOJobSpec,
     observed: Observed,
@@ -269,6 +286,7 @@ def compute(
     desired = spec.rollout.replicas
     ready_servers = observed.rollout_ready()
     st.set(rolloutReady=f"{ready_servers}/{desired}")
+    _code_sandbox(st, spec)
 
     phase = prev.get("phase")
     if phase in TERMINAL:

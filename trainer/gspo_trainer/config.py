@@ -896,6 +896,7 @@ ConditionType = Literal[
     "Suspended",
     "Restarting",
     "InvalidSpec",
+    "CodeSandboxed",  # reward.kind code only: False when reward.sandbox.isolation is none
 ]
 
 
