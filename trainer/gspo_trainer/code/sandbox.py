@@ -100,6 +100,7 @@ class LocalSandbox:
             "tmp_bytes": TMP_BYTES,
             "status_fd": status_w,
             "argv": [self.python if a == "{python}" else a for a in argv],
+            "same_python": True,
             "env": {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp", **env},
             "cpu_seconds": max(1, round(cfg.timeout_seconds)),
             "memory_bytes": cfg.memory_mib << 20,

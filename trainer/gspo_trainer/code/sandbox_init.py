@@ -167,9 +167,23 @@ def run_program(plan: dict, status_fd: int) -> None:
     if isolated:
         drop_privileges()
     set_limits(plan)
+    argv = plan["argv"]
+    if plan.get("same_python") and argv[:3] == [sys.executable, "-I", "-S"]:
+        # This interpreter, started with the same flags: run the script here and save an
+        # interpreter start-up (the costliest part of a sandboxed run).
+        os.environ.clear()
+        os.environ.update(plan["env"])
+        sys.argv = argv[3:]
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[3]))
+        os.write(status_fd, b"ok")
+        os.close(status_fd)
+        import runpy
+
+        runpy.run_path(argv[3], run_name="__main__")
+        sys.exit(0)
     os.set_inheritable(status_fd, False)  # closed by a successful exec
     os.write(status_fd, b"ok")
-    os.execve(plan["argv"][0], plan["argv"], plan["env"])
+    os.execve(argv[0], argv, plan["env"])
 
 
 def wait_for(pid: int) -> int:
