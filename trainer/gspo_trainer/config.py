@@ -347,6 +347,19 @@ class SandboxConfig(Section):
             "the network. Set it only for trusted models."
         ),
     )
+    mode: Literal["local", "service"] = Field(
+        "local",
+        description=(
+            "local: programs run in the learner's pod (or process); service: each test case is "
+            "sent to a sandbox service at serviceUrl (code/service.py), with the job's token."
+        ),
+    )
+    service_url: str | None = Field(
+        None,
+        max_length=MAX_REWARD_FUNCTION,
+        pattern=r"^https?://",
+        description="For mode service: the sandbox service's base URL, e.g. http://sandbox:8080.",
+    )
     concurrency: int = Field(4, ge=1, le=256, description="Programs run at once.")
     timeout_seconds: float = Field(
         5.0, gt=0, le=600, description="Wall-clock limit per test case (also its CPU limit)."

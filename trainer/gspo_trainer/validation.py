@@ -376,6 +376,13 @@ def _module_function(path: str | None) -> bool:
 def _reward_problems(spec: GSPOJobSpec) -> list[tuple[str, str]]:
     """reward.kind/function, or reward.functions (never both): (field, problem) pairs."""
     reward, out = spec.reward, []
+    sandbox = reward.sandbox
+    if sandbox.mode == "service" and sandbox.service_url is None:
+        out.append(("reward.sandbox.serviceUrl", "must be set when reward.sandbox.mode is "
+                    "service: the sandbox service's URL, e.g. http://sandbox:8080"))  # fmt: skip
+    elif sandbox.mode == "local" and sandbox.service_url is not None:
+        out.append(("reward.sandbox.serviceUrl", "is only read when reward.sandbox.mode is "
+                    "service; remove it or set mode: service"))  # fmt: skip
     if reward.functions is None:
         fn = reward.function
         if reward.kind == "python" and not _module_function(fn):

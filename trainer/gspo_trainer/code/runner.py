@@ -197,8 +197,10 @@ def build_code_scorer(
     code: CodeConfig, sandbox: SandboxConfig, on_failure: Callable[[str], None] | None = None
 ) -> CodeScorer:
     """The scorer for reward.kind code. Refuses to start when reward.sandbox.isolation asks
-    for namespaces and this machine forbids them (naming the setting); warns loudly when
-    isolation is off."""
+    for namespaces and this machine forbids them (naming the setting), or when the sandbox
+    service (mode service) cannot run a program; warns loudly when isolation is off."""
+    if sandbox.mode == "service":
+        return _service_scorer(code, sandbox, on_failure)
     local = LocalSandbox(sandbox)
     why = local.probe()
     if why is not None:
@@ -219,3 +221,28 @@ def build_code_scorer(
             "resource limits; they can read what the learner can and reach the network"
         )
     return CodeScorer(CodeRunner(local, code), sandbox.concurrency, code.scoring, on_failure)
+
+
+def _service_scorer(
+    code: CodeConfig, sandbox: SandboxConfig, on_failure: Callable[[str], None] | None
+) -> CodeScorer:
+    """mode service: the same runner, its programs sent to the service with the job's token."""
+    import os
+
+    from gspo_trainer.code.sandbox import probe
+    from gspo_trainer.code.service import RemoteSandbox
+    from gspo_trainer.ports import ENV_SYNC_TOKEN
+
+    remote = RemoteSandbox(
+        sandbox.service_url or "",
+        os.environ.get(ENV_SYNC_TOKEN, ""),
+        timeout_s=sandbox.timeout_seconds + 30,
+    )
+    why = probe(remote)
+    if why is not None:
+        raise ValueError(
+            f"reward.sandbox.serviceUrl {sandbox.service_url}: a program cannot run "
+            f"there ({why}); check that the sandbox service is up and has this "
+            "job's token"
+        )
+    return CodeScorer(CodeRunner(remote, code), sandbox.concurrency, code.scoring, on_failure)

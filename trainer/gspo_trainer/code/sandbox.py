@@ -26,6 +26,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gspo_trainer.config import SandboxConfig
 
@@ -192,12 +193,17 @@ class LocalSandbox:
 
     def probe(self) -> str | None:
         """None when a program runs under this isolation here, else why not."""
-        result = self.run({"probe.py": "print('ok')"}, ["{python}", "-I", "-S", "probe.py"])
-        if result.failure:
-            return result.failure
-        if result.stdout.strip() != b"ok":
-            return f"a trivial program failed (exit {result.exit_code}): {result.stderr[-300:]!r}"
-        return None
+        return probe(self)
+
+
+def probe(sandbox: Any) -> str | None:
+    """None when `sandbox` (local or remote) runs a trivial program, else why not."""
+    result = sandbox.run({"probe.py": "print('ok')"}, ["{python}", "-I", "-S", "probe.py"])
+    if result.failure:
+        return result.failure
+    if result.stdout.strip() != b"ok":
+        return f"a trivial program failed (exit {result.exit_code}): {result.stderr[-300:]!r}"
+    return None
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

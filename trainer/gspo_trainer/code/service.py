@@ -1,0 +1,160 @@
+"""The sandbox as a service: the same LocalSandbox behind HTTP, and the learner's client.
+
+reward.sandbox.mode service sends each test case to a sandbox fleet instead of running it in
+the learner's pod: `POST /run` with the job's bearer token, JSON in and out (bytes as base64),
+`GET /healthz` for readiness. The server runs `LocalSandbox` (its isolation and limits are the
+server's reward.sandbox), so a program meets the same sandbox in both modes. A fleet that is
+down, refuses the token or answers garbage is a `sandbox_failure` for that test case, counted
+and logged, never a wrong answer.
+
+    python -m gspo_trainer.code.service --port 8080 --token-file /var/run/gspo/token
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hmac
+import json
+import logging
+import os
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from gspo_trainer.code.sandbox import LocalSandbox, RunResult
+from gspo_trainer.config import SandboxConfig
+
+log = logging.getLogger("gspo.rewards.code")
+RUN_PATH, HEALTH_PATH = "/run", "/healthz"
+MAX_REQUEST_BYTES = 8 << 20  # a program, its tests and stdin
+
+
+def serve_sandbox(sandbox: LocalSandbox, token: str, host: str, port: int) -> ThreadingHTTPServer:
+    """Serve `sandbox` on (host, port); every /run needs `Authorization: Bearer <token>`."""
+    want = f"Bearer {token}".encode()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path != HEALTH_PATH:
+                self.send_error(404)
+                return
+            self._reply(200, {"ok": True})
+
+        def do_POST(self) -> None:
+            if self.path != RUN_PATH:
+                self.send_error(404)
+                return
+            if not hmac.compare_digest(self.headers.get("Authorization", "").encode(), want):
+                self._reply(401, {"error": "a bearer token is needed: the job's token"})
+                return
+            length = int(self.headers.get("Content-Length") or 0)
+            if not 0 < length <= MAX_REQUEST_BYTES:
+                self._reply(413, {"error": f"a request holds 1 to {MAX_REQUEST_BYTES} bytes"})
+                return
+            try:
+                req = json.loads(self.rfile.read(length))
+                files, argv = dict(req["files"]), list(req["argv"])
+                stdin, env = base64.b64decode(req.get("stdin", "")), dict(req.get("env", {}))
+            except (ValueError, KeyError, TypeError) as exc:
+                self._reply(400, {"error": f"malformed request: {exc}"})
+                return
+            self._reply(200, _encode(sandbox.run(files, argv, stdin, env)))
+
+        def _reply(self, code: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    return server
+
+
+class RemoteSandbox:
+    """The learner's side of mode service: runs each program on the fleet at `url`."""
+
+    def __init__(self, url: str, token: str, timeout_s: float) -> None:
+        self.url, self.token, self.timeout_s = url.rstrip("/"), token, timeout_s
+
+    def run(
+        self,
+        files: dict[str, str],
+        argv: list[str],
+        stdin: bytes = b"",
+        env: dict[str, str] | None = None,
+    ) -> RunResult:
+        body = json.dumps(
+            {
+                "files": files,
+                "argv": argv,
+                "env": env or {},
+                "stdin": base64.b64encode(stdin).decode(),
+            }
+        ).encode()
+        request = urllib.request.Request(
+            self.url + RUN_PATH,
+            data=body,
+            method="POST",
+            headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                return _decode(json.loads(response.read()))
+        except urllib.error.HTTPError as exc:
+            why = f"the sandbox service at {self.url} answered {exc.code} {exc.reason}"
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            why = f"the sandbox service at {self.url} is unreachable or garbled: {exc}"
+        return RunResult(None, b"", b"", 0.0, failure=why)
+
+
+def _encode(result: RunResult) -> dict:
+    return {
+        "exit_code": result.exit_code,
+        "stdout": base64.b64encode(result.stdout).decode(),
+        "stderr": base64.b64encode(result.stderr).decode(),
+        "seconds": result.seconds,
+        "timed_out": result.timed_out,
+        "output_capped": result.output_capped,
+        "failure": result.failure,
+    }
+
+
+def _decode(body: dict) -> RunResult:
+    return RunResult(
+        exit_code=None if body["exit_code"] is None else int(body["exit_code"]),
+        stdout=base64.b64decode(body["stdout"]),
+        stderr=base64.b64decode(body["stderr"]),
+        seconds=float(body["seconds"]),
+        timed_out=bool(body["timed_out"]),
+        output_capped=bool(body["output_capped"]),
+        failure=body["failure"],
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="gspo-sandbox", description=__doc__.split("\n")[0])
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--token-file", required=True, help="file holding the job's bearer token")
+    p.add_argument("--sandbox", default="{}", help="reward.sandbox as JSON (camelCase keys)")
+    args = p.parse_args(argv)
+    with open(args.token_file, encoding="utf-8") as f:
+        token = f.read().strip()
+    sandbox = LocalSandbox(SandboxConfig.model_validate(json.loads(args.sandbox)))
+    why = sandbox.probe()
+    if why is not None:
+        raise SystemExit(f"the sandbox cannot run a program here: {why}")
+    server = serve_sandbox(sandbox, token, args.host, args.port)
+    log.info("Serving the code sandbox on %s:%d (pid %d)", args.host, args.port, os.getpid())
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
