@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import pytest
 from gspo_trainer.code import sandbox_init
 from gspo_trainer.code.runner import CaseResult, CodeRunner
 from gspo_trainer.code.sandbox import LocalSandbox
+from gspo_trainer.code.service import RemoteSandbox, serve_sandbox
 from gspo_trainer.code.tasks import Case, CodeTask
 from gspo_trainer.config import CodeConfig, SandboxConfig
 from gspo_trainer.ports import ENV_SYNC_TOKEN
@@ -31,9 +33,29 @@ LIMITS = SandboxConfig(timeout_seconds=1, memory_mib=256, processes=16, output_b
 SECRET = "s3cret-rollout-token-0123456789"
 
 
-def run(program: str, expected: str, limits: SandboxConfig = LIMITS) -> tuple[CaseResult, float]:
-    runner = CodeRunner(LocalSandbox(limits), CodeConfig())
-    case = Case("", expected)
+@pytest.fixture(autouse=True, params=["local", "service"])
+def mode(request):
+    """Every hostile program runs in both modes: in this process's sandbox, and sent to the
+    same sandbox behind HTTP (reward.sandbox.mode service)."""
+    global SANDBOX
+    if request.param == "local":
+        SANDBOX = LocalSandbox(LIMITS)
+        yield request.param
+        return
+    server = serve_sandbox(LocalSandbox(LIMITS), "token", "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    SANDBOX = RemoteSandbox(f"http://127.0.0.1:{server.server_address[1]}", "token", 30)
+    yield request.param
+    server.shutdown()
+    server.server_close()
+
+
+SANDBOX: LocalSandbox | RemoteSandbox = LocalSandbox(LIMITS)  # set by `mode` for each test
+
+
+def run(program: str, expected: str, stdin: str = "") -> tuple[CaseResult, float]:
+    runner = CodeRunner(SANDBOX, CodeConfig())
+    case = Case(stdin, expected)
     t0 = time.monotonic()
     result = runner.run_case(program, CodeTask(cases=(case,)), case)
     return result, time.monotonic() - t0
@@ -137,6 +159,14 @@ def test_an_infinite_loop_times_out_on_time() -> None:
     result, seconds = run("while True:\n    pass\n", "")
     assert result.outcome == "timeout"
     assert seconds < LIMITS.timeout_seconds + 1.5
+
+
+def test_a_large_input_never_read_times_out_instead_of_blocking_the_learner() -> None:
+    result, seconds = run("import time\ntime.sleep(60)", "", stdin="x" * (4 << 20))
+    assert result.outcome == "timeout"
+    assert seconds < LIMITS.timeout_seconds + 1.5
+    echoed, _ = run("import sys\nprint(len(sys.stdin.read()))", str(4 << 20), "x" * (4 << 20))
+    assert echoed.outcome == "passed"
 
 
 def test_a_gigabyte_of_output_is_cut_off_early() -> None:

@@ -32,6 +32,7 @@ from gspo_trainer.config import SandboxConfig
 
 INIT = Path(__file__).with_name("sandbox_init.py")
 OPEN_FILES = 64
+SETUP_SECONDS = 30  # for the sandbox to start the program; its own limit starts then
 TMP_BYTES = 64 << 20  # its /tmp (a tmpfs: memory); its own directory is on disk
 
 
@@ -126,8 +127,7 @@ class LocalSandbox:
         finally:
             os.close(status_w)
         try:
-            out, err, timed_out, capped = self._communicate(proc, stdin)
-            status = _read_all(status_r)
+            out, err, status, timed_out, capped = self._communicate(proc, stdin, status_r)
         finally:
             os.close(status_r)
             if proc.returncode is None:
@@ -145,40 +145,69 @@ class LocalSandbox:
             capped,
         )
 
-    def _communicate(self, proc: subprocess.Popen, stdin: bytes) -> tuple[bytes, bytes, bool, bool]:
-        """Feed stdin, read stdout/stderr up to the cap, until exit or the wall-clock limit."""
-        cap, deadline = self.cfg.output_bytes, time.monotonic() + self.cfg.timeout_seconds
-        try:
-            proc.stdin.write(stdin)  # type: ignore[union-attr]
-            proc.stdin.close()  # type: ignore[union-attr]
-        except (BrokenPipeError, OSError):
-            pass
-        bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
-        timed_out = capped = False
+    def _communicate(
+        self, proc: subprocess.Popen, stdin: bytes, status_fd: int
+    ) -> tuple[bytes, bytes, bytes, bool, bool]:
+        """Feed stdin, read stdout/stderr up to the cap and the sandbox's status, until the
+        program ends or its wall-clock limit, which starts when the sandbox reports it ready
+        (a loaded machine's slow set-up is not the program's time). Nothing here blocks: a
+        program that never reads a large stdin still times out."""
+        cfg, cap = self.cfg, self.cfg.output_bytes
+        limit = time.monotonic() + SETUP_SECONDS
+        started = timed_out = capped = False
+        assert proc.stdin and proc.stdout and proc.stderr
+        stdin_fd, pending = proc.stdin.fileno(), memoryview(stdin)
+        bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+        status = bytearray()
         with selectors.DefaultSelector() as sel:
-            for stream in bufs:
-                sel.register(stream, selectors.EVENT_READ)  # type: ignore[arg-type]
-            while sel.get_map():
-                left = deadline - time.monotonic()
+            for fd in (*bufs, status_fd):
+                sel.register(fd, selectors.EVENT_READ)
+            if pending:
+                os.set_blocking(stdin_fd, False)
+                sel.register(stdin_fd, selectors.EVENT_WRITE)
+            else:
+                proc.stdin.close()
+            open_outputs = len(bufs)
+            while open_outputs and not capped:
+                left = limit - time.monotonic()
                 if left <= 0:
                     timed_out = True
                     break
                 for key, _ in sel.select(left):
-                    chunk = os.read(key.fd, 65536)
-                    buf = bufs[key.fileobj]  # type: ignore[index]
-                    if not chunk:
-                        sel.unregister(key.fileobj)
+                    fd = key.fd
+                    if fd == stdin_fd:
+                        try:
+                            pending = pending[os.write(fd, pending[:65536]) :]
+                        except BlockingIOError:
+                            continue
+                        except OSError:  # the program closed its stdin
+                            pending = pending[:0]
+                        if not pending:
+                            sel.unregister(fd)
+                            proc.stdin.close()
                         continue
-                    buf += chunk[: cap + 1 - len(buf)]
-                    if len(buf) > cap:
-                        capped = True
-                if capped:
-                    break
+                    chunk = os.read(fd, 65536)
+                    if not chunk:
+                        sel.unregister(fd)
+                        open_outputs -= fd != status_fd
+                    elif fd == status_fd:
+                        status += chunk
+                        if not started and status.startswith(b"ok"):
+                            started, limit = True, time.monotonic() + cfg.timeout_seconds
+                    else:
+                        buf = bufs[fd]
+                        buf += chunk[: cap + 1 - len(buf)]
+                        capped = capped or len(buf) > cap
         self._stop(proc)
-        for stream in bufs:
-            stream.close()  # type: ignore[union-attr]
+        if not proc.stdin.closed:
+            proc.stdin.close()
+        status += _read_all(status_fd)
+        proc.stdout.close()
+        proc.stderr.close()
         out, err = (bytes(b[:cap]) for b in bufs.values())
-        return out, err, timed_out, capped
+        if timed_out and not started:
+            status += f" fail: the sandbox did not start within {SETUP_SECONDS} s".encode()
+        return out, err, bytes(status), timed_out, capped
 
     def _stop(self, proc: subprocess.Popen) -> None:
         """End the run and everything it started. With namespaces, the first process kills
