@@ -1,5 +1,6 @@
 """reward.sandbox.mode service: the same sandbox behind HTTP with the job's token; a service
-that is down or refuses the token is a counted sandbox failure, never a wrong answer."""
+that is down or refuses the token is a counted sandbox failure, never a wrong answer. (The
+hostile programs run through it in test_code_sandbox_hostile.py.)"""
 
 from __future__ import annotations
 
@@ -37,30 +38,6 @@ def scorer_for(url: str, token: str) -> CodeScorer:
 
 def item(program: str) -> Scored:
     return Scored("p", program, "", True, row=ADD)
-
-
-def test_programs_meet_the_same_sandbox_over_http(service, tmp_path) -> None:
-    secret = tmp_path / "token"
-    secret.write_text(TOKEN)
-    secret.chmod(0o644)
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        listener.setblocking(False)
-        port = listener.getsockname()[1]
-        programs = [
-            "a, b = map(int, input().split())\nprint(a + b)",
-            "print(4)",
-            f"print(open({str(secret)!r}).read())",
-            f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=0.5)",
-            "while True:\n    pass",
-        ]
-        scores, stats = scorer_for(service, TOKEN).score_components([item(p) for p in programs])
-        with pytest.raises(BlockingIOError):
-            listener.accept()
-    assert scores == [1.0, 0.0, 0.0, 0.0, 0.0]
-    assert stats["code_tests/passed"] == 1 and stats["code_tests/wrong_answer"] == 1
-    assert stats["code_tests/runtime_error"] == 2 and stats["code_tests/timeout"] == 1
 
 
 def test_a_wrong_token_or_a_service_that_is_down_is_a_sandbox_failure(service) -> None:
