@@ -22,19 +22,18 @@ def check_code_reward(spec: GSPOJobSpec) -> list[Problem]:
         return []
     from gspo_trainer.code.runner import build_code_scorer
     from gspo_trainer.code.tasks import BadTests, task_from_row
-    from gspo_trainer.data import load_examples
+    from gspo_trainer.data import load_eval_examples, load_examples
 
     try:
         build_code_scorer(spec.reward.code, spec.reward.sandbox)
     except ValueError as exc:
         return [("spec.reward.sandbox.isolation", str(exc).removeprefix("reward.sandbox."))]
-    sets = [("spec.data.source", spec.data)]
+    sets = [("spec.data.source", lambda: load_examples(spec.data))]
     if spec.data.eval_source:
-        sets.append(("spec.data.evalSource",
-                     spec.data.model_copy(update={"source": spec.data.eval_source})))  # fmt: skip
-    for where, cfg in sets:
+        sets.append(("spec.data.evalSource", lambda: load_eval_examples(spec.data) or []))
+    for where, load in sets:
         try:
-            examples = load_examples(cfg, tokenizer=None)
+            examples = load()
         except (ValueError, OSError):
             return []  # check_data says what is wrong with the data itself
         for i, example in enumerate(examples):
