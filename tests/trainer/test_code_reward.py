@@ -164,3 +164,21 @@ def test_the_pass_rate_and_sandbox_failures_show_in_the_bar(tmp_path) -> None:
     assert "code_pass_rate=0.250" in view.describe(records[0])
     assert "sandbox_failure" not in view.describe(records[0])
     assert "code_tests/sandbox_failure=1" in view.describe(records[1])
+
+
+def test_a_program_that_does_not_compile_runs_once_whatever_its_test_count() -> None:
+    sandbox = LocalSandbox(SandboxConfig(timeout_seconds=2))
+    runs = []
+
+    class Counting:
+        def run(self, *args, **kwargs):
+            runs.append(args[0]["program.py"])
+            return sandbox.run(*args, **kwargs)
+
+    scorer = CodeScorer(CodeRunner(Counting(), CodeConfig()), concurrency=2)
+    row = {"tests": [{"input": f"{n} 1\n", "output": f"{n + 1}\n"} for n in range(4)]}
+    broken, working = "def (", "a, b = map(int, input().split())\nprint(a + b)"
+    scores, stats = scorer.score_components([scored(broken, row), scored(working, row)])
+    assert scores == [0.0, 1.0]
+    assert stats["code_tests/compile_error"] == 4 and stats["code_tests/passed"] == 4
+    assert runs.count(broken) == 1 and runs.count(working) == 4

@@ -23,7 +23,7 @@ import logging
 import secrets
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, get_args
 
@@ -151,7 +151,7 @@ class CodeScorer:
 
     def score_components(self, items: Sequence[Any]) -> tuple[list[float], dict[str, float]]:
         """Each item's score, and the batch's code_pass_rate and code_tests/<outcome>."""
-        jobs: list[tuple[int, str, CodeTask, Case | None]] = []
+        work: list[tuple[int, str, CodeTask, list[Case | None]]] = []
         results: dict[int, list[CaseResult]] = {i: [] for i in range(len(items))}
         for i, item in enumerate(items):
             try:
@@ -161,11 +161,8 @@ class CodeScorer:
                 continue
             program = extract_program(item.completion, self.runner.cfg.extract)
             cases: list[Case | None] = list(task.cases) if task.test is None else [None]
-            jobs += [(i, program, task, case) for case in cases]
-        with ThreadPoolExecutor(self.concurrency, thread_name_prefix="gspo-code") as pool:
-            done = pool.map(lambda job: (job[0], self.runner.run_case(*job[1:])), jobs)
-            for i, result in done:
-                results[i].append(result)
+            work.append((i, program, task, cases))
+        self._run_all(work, results)
         scores, batch = [], Counter({outcome: 0 for outcome in OUTCOMES})
         for i in range(len(items)):
             outcomes = [r.outcome for r in results[i]]
@@ -185,6 +182,35 @@ class CodeScorer:
         )
         stats[PASS_RATE_KEY] = full_marks / max(1, len(items))
         return scores, stats
+
+    def _run_all(
+        self,
+        work: list[tuple[int, str, CodeTask, list[Case | None]]],
+        results: dict[int, list[CaseResult]],
+    ) -> None:
+        """Every case of every program, `concurrency` at once. Each program's first case runs
+        first: a program that does not compile counts compile_error for all its cases
+        without running the others (early in training, most responses do not compile)."""
+        with ThreadPoolExecutor(self.concurrency, thread_name_prefix="gspo-code") as pool:
+            pending: dict[Future[CaseResult], tuple[int, str, CodeTask, list[Case | None]]] = {}
+
+            def start(i: int, program: str, task: CodeTask, cases: list[Case | None]) -> None:
+                future = pool.submit(self.runner.run_case, program, task, cases[0])
+                pending[future] = (i, program, task, cases[1:])
+
+            for job in work:
+                start(*job)
+            while pending:
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in done:
+                    i, program, task, rest = pending.pop(future)
+                    result = future.result()
+                    results[i].append(result)
+                    if result.outcome == "compile_error":
+                        results[i] += [result] * len(rest)
+                    else:
+                        for case in rest:
+                            start(i, program, task, [case])
 
     def _fail(self, i: int, detail: str) -> None:
         self.failures["error"] += 1
