@@ -98,6 +98,7 @@ def test_programs_are_scored_by_the_share_of_tests_passed_and_counted_by_outcome
                      "code_tests/runtime_error": 3, "code_tests/compile_error": 1,
                      "code_tests/sandbox_failure": 1, "code_pass_rate": 2 / 9}  # fmt: skip
     assert scorer.failures["error"] == 1  # the row without tests: visible, not a wrong answer
+    assert (scorer.last.calls, scorer.last.failed_total) == (9, 1)  # reward.maxFailedSteps
 
 
 def test_all_or_nothing_scoring() -> None:

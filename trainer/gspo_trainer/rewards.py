@@ -2,18 +2,12 @@
 
 Four kinds (spec.reward.kind): `arithmetic`, the built-in toy task (the exact answer, then
 EOS); `math`, answers checked with math-verify (boxed or final answers against the dataset's
-<<<<<<< HEAD
-reference); `python`, any `module:function(prompt, completion, answer) -> float`.
+reference); `python`, any `module:function(prompt, completion, answer) -> float`; `code`, the
+response's program run against the row's tests in a sandbox (code/runner.py).
 A call that raises, returns a value that is not a finite float32 (NaN, inf, or past ±3.4e38,
 which the learner's float32 tensors would turn into inf), or runs past `timeout_seconds`
 scores 0 and is counted by reason ("error", "timeout"), with one warning per batch; the run
 goes on, unless every call of reward.maxFailedSteps steps in a row failed (RewardFailed).
-=======
-reference); `python`, any `module:function(prompt, completion, answer) -> float`; `code`, the
-response's program run against the row's tests in a sandbox (code/runner.py).
-A call that raises, returns a non-finite value, or runs past `timeout_seconds` scores 0 and
-is counted by reason ("error", "timeout"); the run goes on.
->>>>>>> 34ce644 (reward.kind code: a response's program (last fenced block or whole) runs against the row's stdin/stdout or assert-style tests in a namespaced, resource-limited sandbox; judged like a contest judge (optional float tolerance), scored as a fraction or all-or-nothing, each test counted by outcome (code_tests/<outcome>, gspo_code_tests_total, code_pass_rate); also a code component in reward.functions)
 
 Or several weighted components (spec.reward.functions, TRL's reward_funcs + reward_weights):
 the reward is sum(weight_i x r_i), each component scored (and failing) on its own. Two more

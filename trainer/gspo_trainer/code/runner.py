@@ -38,6 +38,7 @@ from gspo_trainer.code.tasks import (
 )
 from gspo_trainer.config import CodeConfig, SandboxConfig
 from gspo_trainer.metrics import CODE_TESTS_PREFIX
+from gspo_trainer.rewards import BatchOutcome
 
 log = logging.getLogger("gspo.rewards.code")
 
@@ -145,12 +146,16 @@ class CodeScorer:
     on_failure: Callable[[str], None] | None = None
     failures: dict[str, int] = field(default_factory=lambda: {"error": 0, "timeout": 0})
     counts: Counter[str] = field(default_factory=Counter)  # since the scorer was made
+    # The latest batch as rewards.RewardScorer reports it (reward.maxFailedSteps reads it): a
+    # response fails when any of its cases is a sandbox failure.
+    last: BatchOutcome = field(default_factory=BatchOutcome)
 
     def score(self, items: Sequence[Any]) -> list[float]:
         return self.score_components(items)[0]
 
     def score_components(self, items: Sequence[Any]) -> tuple[list[float], dict[str, float]]:
         """Each item's score, and the batch's code_pass_rate and code_tests/<outcome>."""
+        self.last = BatchOutcome(calls=len(items))
         work: list[tuple[int, str, CodeTask, list[Case | None]]] = []
         results: dict[int, list[CaseResult]] = {i: [] for i in range(len(items))}
         for i, item in enumerate(items):
@@ -170,9 +175,9 @@ class CodeScorer:
             passed = outcomes.count("passed")
             full = passed == len(outcomes) > 0
             scores.append(float(full) if self.scoring == "all" else passed / max(1, len(outcomes)))
-            for r in results[i]:
-                if r.outcome == "sandbox_failure":
-                    self._fail(i, r.detail)
+            failures = [r for r in results[i] if r.outcome == "sandbox_failure"]
+            if failures:
+                self._fail(i, failures[0].detail)
         self.counts.update(batch)
         stats = {OUTCOME_KEY + o: float(batch[o]) for o in OUTCOMES}
         full_marks = sum(
@@ -214,6 +219,8 @@ class CodeScorer:
 
     def _fail(self, i: int, detail: str) -> None:
         self.failures["error"] += 1
+        self.last.failed["error"] += 1
+        self.last.first = self.last.first or f"item {i}: {detail}"
         if self.on_failure is not None:
             self.on_failure("error")
         log.warning("Code reward for item %d: sandbox failure (%s); scored 0", i, detail)
