@@ -63,3 +63,24 @@ def test_paths_that_cannot_be_set(assignment: str, says: str) -> None:
     spec = {"algorithm": {"groupSize": 8}, "reward": {"functions": []}}
     with pytest.raises(OverrideError, match=says):
         apply_overrides(spec, [assignment])
+
+
+@pytest.mark.parametrize("value", ["5", "[1]", "null"])
+def test_a_section_set_to_a_non_mapping_is_refused_not_a_traceback(
+    value: str, capsys: pytest.CaptureFixture
+) -> None:
+    """--max-steps, --seed and --loss-level write into spec.algorithm: one that is not a
+    mapping (from --set or the file) is left for validation to name."""
+    args = [
+        "--set",
+        f"algorithm={value}",
+        "--max-steps",
+        "2",
+        "--seed",
+        "1",
+        "--loss-level",
+        "grpo",
+    ]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("gspo train: spec.algorithm: expected a mapping"), err

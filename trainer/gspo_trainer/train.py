@@ -107,6 +107,8 @@ def job_manifest(args: argparse.Namespace) -> dict[str, Any]:
 
     apply_overrides(manifest["spec"], args.overrides)  # OverrideError names the --set
     alg = manifest["spec"].setdefault("algorithm", {})
+    if not isinstance(alg, dict):  # validation names spec.algorithm; the flags cannot apply
+        return manifest
     if args.max_steps is not None:
         alg["maxSteps"] = args.max_steps
     if args.seed is not None:
