@@ -138,3 +138,37 @@ def test_gspo_train_shows_failing_rewards_on_the_console() -> None:
     ]
     text = summary(Path("/nonexistent"), view.records, 1.0, 0)
     assert "reward calls failed in 2 of 4 steps (every call in 2)" in text
+
+
+def test_a_thread_held_by_an_earlier_batch_does_not_make_the_next_one_spin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A call hung in an earlier batch is past its timeout for good: the next batch waits for
+    its own calls, not in a 1 ms polling loop until they end."""
+    import gspo_trainer.rewards as rewards
+
+    release = threading.Event()
+
+    def reward(prompt: str, completion: str, answer: str) -> float:
+        if completion == "hang":
+            release.wait()
+        else:
+            time.sleep(0.15)  # a slow reward, well inside its timeout
+        return 1.0
+
+    scorer = RewardScorer(reward, timeout_s=0.2, parallel=2)
+    try:
+        assert scorer.score([Scored("p", "hang", "2", True)]) == [0.0]
+        clock_reads = 0
+        real_now = rewards._now
+
+        def counted() -> float:
+            nonlocal clock_reads
+            clock_reads += 1
+            return real_now()
+
+        monkeypatch.setattr(rewards, "_now", counted)
+        assert scorer.score([Scored("p", "slow", "2", True)]) == [1.0]
+        assert clock_reads < 20, clock_reads  # before: one wake a millisecond, ~150
+    finally:
+        release.set()

@@ -328,7 +328,9 @@ class RewardScorer:
                 if len(final) == len(calls):
                     break
                 starts = [t for i, t in started.items() if i not in final]
-                starts += list(pool.running.values())  # a thread may free up when its call ends
+                # A thread whose call is within its timeout may yet be counted hung (all_hung);
+                # one already past it (an earlier batch's) is waited on by nothing.
+                starts += [t for t in pool.running.values() if now - t < self.timeout_s]
                 wake = min(starts) + self.timeout_s - now if starts else self.timeout_s
                 cond.wait(max(0.001, wake))
         return final
