@@ -179,7 +179,7 @@ def record_spawns(monkeypatch: pytest.MonkeyPatch, gpus: int) -> list:  # type: 
 
     started: list = []  # type: ignore[type-arg]
 
-    def fake_spawn(name, args, env, log, cpus=None):  # type: ignore[no-untyped-def]
+    def fake_spawn(name, args, env, log, cpus=None, keep_fds=()):  # type: ignore[no-untyped-def]
         started.append((name, args, env))
         popen = SimpleNamespace(poll=lambda: 0, returncode=0, pid=0)
         return SimpleNamespace(name=name, popen=popen, log=log, stop=lambda timeout_s=60: 0,

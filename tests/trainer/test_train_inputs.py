@@ -19,7 +19,7 @@ def no_spawn(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """`gspo train` on a machine without GPUs, whose processes are recorded, not started."""
     started: list[str] = []
 
-    def fake_spawn(name, args, env, log, cpus=None):  # type: ignore[no-untyped-def]
+    def fake_spawn(name, args, env, log, cpus=None, keep_fds=()):  # type: ignore[no-untyped-def]
         started.append(name)
         raise AssertionError(f"{name} started despite bad input")
 
@@ -181,3 +181,32 @@ def test_the_run_lock_goes_with_its_holder_however_it_ends(tmp_path: Path) -> No
     holder.kill()
     holder.wait(timeout=30)
     output_dir.lock(out).close()  # free again
+
+
+def test_the_run_lock_stays_held_while_a_process_the_run_started_lives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`gspo train` killed outright (SIGKILL) leaves its learner and servers running in
+    sessions of their own: they hold the lock too, so a second run cannot start on the
+    directory they still write to."""
+    import sys
+
+    from gspo_trainer import output_dir
+
+    out = tmp_path / "out"
+    output_dir.prepare(out)
+    fake = tmp_path / "python"  # stands for the interpreter: a child that runs until killed
+    fake.write_text("#!/bin/sh\nexec sleep 60\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    held = output_dir.lock(out)
+    child = train.spawn("learner", [], dict(os.environ), out / "logs" / "learner.log",
+                        keep_fds=(held.fileno(),))  # fmt: skip
+    try:
+        held.close()  # the run's own process is gone, its child is not
+        with pytest.raises(output_dir.OutputDirError, match="in use by another run"):
+            output_dir.lock(out).close()
+    finally:
+        child.popen.kill()
+        child.popen.wait(timeout=30)
+    output_dir.lock(out).close()  # free once the last holder is gone

@@ -3,8 +3,10 @@
 Two runs on one directory would overwrite each other's gspojob.yaml (the first learner would
 read the second's config), interleave their logs and leave a dead server's rollout-token, so
 a run holds an exclusive lock (flock) on `.gspo-train.lock` for as long as it lives, with its
-pid written inside; a second run is refused naming that pid. The kernel drops the lock when
-the holder exits, however it exits, so a crashed run never leaves the directory locked.
+pid written inside; a second run is refused naming that pid. The processes the run starts
+hold it too (train.spawn): killed outright, `gspo train` leaves its learner and servers
+running, still writing here. The kernel drops the lock when the last holder exits, however
+it exits, so a crashed run never leaves the directory locked.
 
 A resumed run appends to each log after a header naming the attempt, so the reason the
 previous attempt crashed is still there to read.
@@ -52,8 +54,9 @@ def lock(out: Path) -> BinaryIO:
         holder = f.read().decode(errors="replace").strip() or "unknown"
         f.close()
         raise OutputDirError(
-            f"--output-dir {out} is in use by another run (pid {holder}); wait for it to "
-            "finish, stop it, or choose another --output-dir"
+            f"--output-dir {out} is in use by another run (pid {holder}); wait for it (and "
+            "the learner and servers it started) to finish, stop it, or choose another "
+            "--output-dir"
         ) from None
     f.truncate(0)
     f.write(f"{os.getpid()}\n".encode())

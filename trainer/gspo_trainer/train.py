@@ -161,10 +161,12 @@ class Proc:
 
 
 def spawn(name: str, args: list[str], env: dict[str, str], log: Path,
-          cpus: list[int] | None = None) -> Proc:  # fmt: skip
+          cpus: list[int] | None = None, keep_fds: tuple[int, ...] = ()) -> Proc:  # fmt: skip
     """`gspo ARGS` in its own session, appending to `log` after a header (a resumed run keeps
     the previous attempt's log); on `cpus` only when given (set in the child before it runs
-    anything, so every thread and process it starts inherits it)."""
+    anything, so every thread and process it starts inherits it). `keep_fds` stay open in
+    the child: the run lock's, so a child that outlives `gspo train` (killed outright, its
+    children run on in their own sessions) keeps the output directory locked."""
     repo = Path(__file__).resolve().parents[2]
     paths = [str(repo / "operator"), str(repo / "trainer"), env.get("PYTHONPATH", "")]
     env = {**env, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
@@ -173,7 +175,8 @@ def spawn(name: str, args: list[str], env: dict[str, str], log: Path,
     with f:
         cmd = [sys.executable, "-m", "gspo_operator.cli", *args]
         popen = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                 start_new_session=True, preexec_fn=pin)  # fmt: skip
+                                 start_new_session=True, preexec_fn=pin,
+                                 pass_fds=keep_fds)  # fmt: skip
     return Proc(name, popen, log, start)
 
 
@@ -516,12 +519,14 @@ def main(argv: list[str]) -> int:
         print(f"gspo train: {exc}", file=sys.stderr)
         return 2
     with run_lock:
-        return run(args, manifest, spec, out, gpus, n_servers)
+        return run(args, manifest, spec, out, gpus, n_servers, (run_lock.fileno(),))
 
 
 def run(args: argparse.Namespace, manifest: dict[str, Any], spec: GSPOJobSpec, out: Path,
-        gpus: GpuPlacement | None, n_servers: int) -> int:  # fmt: skip
-    """The run itself, holding the output directory's lock: servers, learner, summary."""
+        gpus: GpuPlacement | None, n_servers: int,
+        lock_fds: tuple[int, ...] = ()) -> int:  # fmt: skip
+    """The run itself, holding the output directory's lock (`lock_fds`, passed on to every
+    process it starts): servers, learner, summary."""
     cache = out / "models"
     model = spec.model.name
     if model.startswith("builtin:"):
@@ -576,7 +581,7 @@ def run(args: argparse.Namespace, manifest: dict[str, Any], spec: GSPOJobSpec, o
                 *[f"--engine-arg={k}={json.dumps(v)}" for k, v in spec.rollout.engine_args.items()],
                 *weights_dir, *server_gpu_args(spec, gpus),
             ], server_env(base_env, gpus or placement, i),
-               out / "logs" / f"rollout-{i}.log")  # fmt: skip
+               out / "logs" / f"rollout-{i}.log", keep_fds=lock_fds)  # fmt: skip
             servers.append((proc, f"http://127.0.0.1:{port}"))
         wait_healthy(servers, SERVER_START_TIMEOUT_S)
         # The servers answer anyone with the run's token, OpenAI's API included: leave it
@@ -607,7 +612,7 @@ def run(args: argparse.Namespace, manifest: dict[str, Any], spec: GSPOJobSpec, o
             "--weight-sync-port", str(free_port()), "--metrics-host", "127.0.0.1",
             "--tracker-dir", str(out),  # metrics.reportTo: out/tensorboard, out/wandb, out/mlruns
         ], learner_env, out / "logs" / "learner.log",
-           placement.learner if placement else None)  # fmt: skip
+           placement.learner if placement else None, lock_fds)  # fmt: skip
         print(f"Learner started; metrics at http://127.0.0.1:{metrics_port}/metrics "
               f"(progress at /progress); logs in {out / 'logs'}", flush=True)  # fmt: skip
         view = ProgressView(out / "checkpoints" / "history.jsonl", spec.algorithm.max_steps,
