@@ -326,3 +326,26 @@ def test_a_dataset_repository_on_disk_is_read_like_the_hub(tmp_path: Path) -> No
     with pytest.raises(DataError, match=r"config 'socratic'.*set data.config") as err:
         load_examples(cfg.model_copy(update={"config": "socratic"}))
     assert err.value.field == "config"
+
+
+def test_a_chat_template_that_refuses_the_conversation_names_the_row(tmp_path: Path) -> None:
+    """Templates raise on what they do not support (Gemma's on a system message, Mistral's on
+    roles that do not alternate): a DataError naming the row and the field (exit 2 in the
+    learner), not a traceback."""
+    from gspo_trainer.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.chat_template = (
+        "{% if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{% endif %}" + TEMPLATE
+    )
+    src = write_jsonl(tmp_path / "rows.jsonl", [{"prompt": "2+2=", "answer": "4"}])
+    cfg = DataConfig(source=str(src), systemPrompt="Be brief.")
+    with pytest.raises(DataError, match=r"line 1 .*System role not supported") as caught:
+        load_examples(cfg, tok)
+    assert caught.value.field == "systemPrompt"
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="}]
+    src = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": chat, "answer": "4"}])
+    with pytest.raises(DataError, match=r"line 1 field 'prompt'.*System role") as caught:
+        load_examples(DataConfig(source=str(src)), tok)
+    assert caught.value.field == "promptField"

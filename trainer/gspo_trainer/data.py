@@ -298,7 +298,8 @@ def example_of(
     prompt, at = values["promptField"], f"{head} field {cfg.prompt_field!r}"
     answer = _answer(values["answerField"], f"{head} field {cfg.answer_field!r}")
     if isinstance(prompt, str):
-        return Example(render_prompt(cfg, prompt, tokenizer), answer, prompt, row)
+        text = _templated(cfg, at, [], lambda: render_prompt(cfg, prompt, tokenizer))
+        return Example(text, answer, prompt, row)
     if not isinstance(prompt, list | tuple):
         raise DataError(
             f"{at} is {_kind(prompt)}; a prompt is text or a list of {{role, content}} messages",
@@ -309,8 +310,29 @@ def example_of(
     if tokenizer is None:  # checked only (preflight): the learner renders with its tokenizer
         text = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
     else:
-        text = render_messages(cfg, messages, tokenizer)
+        text = _templated(cfg, at, messages, lambda: render_messages(cfg, messages, tokenizer))
     return Example(text, answer, messages, row)
+
+
+def _templated(cfg: DataConfig, at: str, messages: list[Message], render: Any) -> str:
+    """`render()`, or a DataError when the chat template refuses the prompt: templates
+    raise on what they do not support (a system message, roles that do not alternate)."""
+    from jinja2 import TemplateError
+
+    try:
+        return str(render())
+    except TemplateError as exc:
+        if cfg.system_prompt and (not messages or messages[0].get("role") != "system"):
+            field, fix = "systemPrompt", "remove data.systemPrompt"
+        elif messages:
+            field, fix = "promptField", "fix the conversation"
+        else:
+            field, fix = "chatTemplate", "set data.chatTemplate false"
+        raise DataError(
+            f"{at}: the tokenizer's chat template refused it ({exc}); {fix} or use a model "
+            "(or model.tokenizer) whose template accepts it",
+            field,
+        ) from exc
 
 
 def load_examples(
