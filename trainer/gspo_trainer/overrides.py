@@ -2,7 +2,8 @@
 overrides write it (`algorithm.groupSize=8`, `reward.functions[0].weight=2`,
 `data.chatTemplateKwargs.enable_thinking=false`).
 
-The value is read as YAML (8 is a number, true a boolean, [a, b] a list, null unsets); the
+The value is read as YAML (8 is a number, true a boolean, [a, b] a list, null removes the
+field, whose default then applies); the
 path may start with `spec.` and may spell a field in snake_case (group_size), as Hydra users
 write it. Overrides only edit the manifest: the result is validated like the file, so a bad
 value or an unknown field is refused with its spec path.
@@ -105,7 +106,10 @@ def apply_override(spec: dict[str, Any], assignment: str) -> None:
         elif not isinstance(node, dict):
             raise OverrideError(f"--set {assignment!r}: {where} is not a mapping")
         if last:
-            node[part] = value
+            if value is None and isinstance(node, dict):  # as Helm's: the default applies
+                node.pop(part, None)
+            else:
+                node[part] = value
             return
         child = node[part] if isinstance(node, list) else node.get(part)
         if child is None:
