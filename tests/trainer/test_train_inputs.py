@@ -210,3 +210,26 @@ def test_the_run_lock_stays_held_while_a_process_the_run_started_lives(
         child.popen.kill()
         child.popen.wait(timeout=30)
     output_dir.lock(out).close()  # free once the last holder is gone
+
+
+def test_gspo_train_checks_a_hub_data_set_offline_when_the_job_is(tmp_path: Path) -> None:
+    """model.offline: gspo train's own check of the data (before any server starts) runs
+    with HF_HUB_OFFLINE=1 as its learner would, refusing an uncached data set at once; it
+    contacted the Hub (five retries, ~30 s here) and asked for the network."""
+    import subprocess
+    import sys
+
+    from checkout import checkout_env
+
+    job = job_with(tmp_path, model={"offline": True}, data={"source": "someorg/notcached"})
+    env = checkout_env(HF_HOME=str(tmp_path / "hf"))
+    env.pop("HF_HUB_OFFLINE", None)  # the job asks for it, not the caller
+    done = subprocess.run(
+        [sys.executable, "-m", "gspo_operator.cli", "train", str(job), "--output-dir",
+         str(tmp_path / "out"), "--no-progress"],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr
+    assert "not in this node's dataset cache" in lines[-1], done.stderr
+    assert not any("huggingface.co" in line for line in lines), done.stderr

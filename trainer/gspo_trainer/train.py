@@ -12,6 +12,7 @@ through vLLM's OpenAI API while it trains).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import errno
 import json
@@ -23,7 +24,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -479,6 +480,23 @@ def process_env(spec: GSPOJobSpec, environ: Mapping[str, str], cache: Path,
     return env
 
 
+@contextlib.contextmanager
+def hub_offline_env(offline: bool) -> Iterator[None]:
+    """HF_HUB_OFFLINE=1 in this process while it lasts, when the job is offline (its servers
+    and learner get it from process_env). Hugging Face's libraries read it when they load,
+    which in `gspo train` is inside this block."""
+    before = os.environ.get("HF_HUB_OFFLINE")
+    if offline:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = before
+
+
 def main(argv: list[str]) -> int:
     from gspo_trainer.overrides import OverrideError
     from gspo_trainer.validation import SpecError, parse_spec
@@ -506,7 +524,8 @@ def main(argv: list[str]) -> int:
     # a bad row or reward is one line and exit 2 in seconds, not after the servers loaded.
     from gspo_trainer.preflight import preflight
 
-    problems = preflight(spec, gpus=_gpu_count() if gpus is not None else 0)
+    with hub_offline_env(spec.hub_offline):  # the model and data read as the learner will
+        problems = preflight(spec, gpus=_gpu_count() if gpus is not None else 0)
     for problem in problems:
         print(f"gspo train: {problem}", file=sys.stderr)
     if problems:
