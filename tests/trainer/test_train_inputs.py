@@ -233,3 +233,22 @@ def test_gspo_train_checks_a_hub_data_set_offline_when_the_job_is(tmp_path: Path
     assert done.returncode == 2, done.stderr
     assert "not in this node's dataset cache" in lines[-1], done.stderr
     assert not any("huggingface.co" in line for line in lines), done.stderr
+
+
+@pytest.mark.parametrize("kind", ["symlink", "directory"])
+def test_a_lock_file_that_is_not_a_regular_file_is_refused(tmp_path: Path, kind: str) -> None:
+    """The lock is truncated to hold the pid: through a symbolic link that would empty the
+    file it points at (as the rollout token refuses one); a directory is a one-line error."""
+    from gspo_trainer import output_dir
+
+    out = tmp_path / "out"
+    output_dir.prepare(out)
+    victim = tmp_path / "notes.txt"
+    victim.write_text("keep me\n")
+    if kind == "symlink":
+        (out / output_dir.LOCK_FILE).symlink_to(victim)
+    else:
+        (out / output_dir.LOCK_FILE).mkdir()
+    with pytest.raises(output_dir.OutputDirError, match=output_dir.LOCK_FILE):
+        output_dir.lock(out).close()
+    assert victim.read_text() == "keep me\n"

@@ -46,7 +46,15 @@ def prepare(out: Path) -> None:
 def lock(out: Path) -> BinaryIO:
     """Hold the run lock of `out` (keep the returned file open while the run lives), or
     OutputDirError naming the pid of the run that holds it."""
-    f = open(out / LOCK_FILE, "a+b")  # noqa: SIM115 - held open for the run's lifetime
+    path = out / LOCK_FILE
+    try:  # not through a symbolic link: the pid is written over what the file held
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        raise OutputDirError(
+            f"--output-dir {out}: cannot use {LOCK_FILE} ({exc.strerror or exc}; a regular file "
+            "is needed); remove it"
+        ) from exc
+    f = os.fdopen(fd, "r+b")
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -59,6 +67,7 @@ def lock(out: Path) -> BinaryIO:
             "--output-dir"
         ) from None
     f.truncate(0)
+    f.seek(0)
     f.write(f"{os.getpid()}\n".encode())
     f.flush()
     return f
