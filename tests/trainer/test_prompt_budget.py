@@ -29,9 +29,14 @@ def test_prompts_past_the_limit_are_left_out_and_counted(caplog) -> None:  # typ
 
 
 def test_none_fitting_names_the_field_and_the_fix() -> None:
+    """A configuration error (the learner exits 2, which JobSet does not retry), not a bare
+    ValueError (exit 1, restarted backoffLimit times to fail the same way)."""
+    from gspo_trainer.data import DataError
+
     tok = build_tokenizer()
-    with pytest.raises(ValueError, match=r"data.maxPromptTokens=3 .*shortest has 4.*raise"):
+    with pytest.raises(DataError, match=r"data.maxPromptTokens=3 .*shortest has 4.*raise") as e:
         fit_prompts([Example("1+2=", "3")], tok, 3)
+    assert e.value.field == "maxPromptTokens"
 
 
 def test_the_learner_trains_only_on_prompts_that_fit(tmp_path: Path) -> None:

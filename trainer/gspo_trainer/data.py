@@ -389,10 +389,11 @@ def fit_prompts(
     kept = [e for e, n in zip(examples, lengths, strict=True) if n <= limit]
     dropped = len(examples) - len(kept)
     if not kept:
-        raise ValueError(
+        raise DataError(
             f"{what}: all {len(examples)} prompts are longer than data.maxPromptTokens={limit} "
             f"tokens (the shortest has {min(lengths)}); raise data.maxPromptTokens (and "
-            "model.maxModelLen with it) or shorten the prompts"
+            "model.maxModelLen with it) or shorten the prompts",
+            "maxPromptTokens",
         )
     if dropped:
         log.warning(
