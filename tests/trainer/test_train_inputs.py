@@ -252,3 +252,11 @@ def test_a_lock_file_that_is_not_a_regular_file_is_refused(tmp_path: Path, kind:
     with pytest.raises(output_dir.OutputDirError, match=output_dir.LOCK_FILE):
         output_dir.lock(out).close()
     assert victim.read_text() == "keep me\n"
+
+
+def test_a_manifest_without_a_spec_is_named_as_one(tmp_path: Path) -> None:
+    """kind: GSPOJob with no spec was read as a bare spec: 'spec.kind: unknown field'."""
+    job = tmp_path / "job.yaml"
+    job.write_text("apiVersion: gspo.dev/v1alpha1\nkind: GSPOJob\nmetadata: {name: x}\n")
+    with pytest.raises(train.JobFileError, match=r"job.yaml: the GSPOJob has no spec"):
+        train.read_job_file(str(job))

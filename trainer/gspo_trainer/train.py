@@ -93,6 +93,8 @@ def read_job_file(path: str) -> dict[str, Any]:
             "or a bare spec"
         )
     raw = jobs[0]
+    if "spec" not in raw and {"apiVersion", "kind", "metadata"} & set(raw):
+        raise JobFileError(f"{path}: the GSPOJob has no spec; put the job's sections under spec:")
     manifest = raw if "spec" in raw else {"kind": "GSPOJob", "spec": raw}
     if not isinstance(manifest["spec"], dict):
         got = type(manifest["spec"]).__name__
