@@ -260,3 +260,14 @@ def test_a_manifest_without_a_spec_is_named_as_one(tmp_path: Path) -> None:
     job.write_text("apiVersion: gspo.dev/v1alpha1\nkind: GSPOJob\nmetadata: {name: x}\n")
     with pytest.raises(train.JobFileError, match=r"job.yaml: the GSPOJob has no spec"):
         train.read_job_file(str(job))
+
+
+@pytest.mark.parametrize("count", ["0", "-3"])
+def test_rollout_servers_below_one_is_a_usage_error(
+    count: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """0 fell back to spec.rollout.replicas and -3 to one server, both silently."""
+    with pytest.raises(SystemExit) as exit_:
+        train.parse_args(["--rollout-servers", count])
+    assert exit_.value.code == 2
+    assert "--rollout-servers: must be 1 or more" in capsys.readouterr().err

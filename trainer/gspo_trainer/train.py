@@ -44,6 +44,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def at_least_one(text: str) -> int:
+    """A count of 1 or more, for argparse (its error names the flag, exit 2)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {n}")
+    return n
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="gspo train", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
@@ -54,7 +65,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--loss-level", choices=["gspo", "gspo-token", "grpo"],
                    help="override spec.algorithm.lossLevel (and its clip range)")  # fmt: skip
     p.add_argument("--seed", type=int, help="override spec.algorithm.seed")
-    p.add_argument("--rollout-servers", type=int,
+    p.add_argument("--rollout-servers", type=at_least_one,
                    help="local rollout servers (default: spec.rollout.replicas)")  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="log lines instead of a bar")
     p.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", dest="overrides",
