@@ -337,11 +337,14 @@ async def _ensure_children(
 
 
 def _checked(ctx: Context, key: Key, body: Obj) -> tuple[GSPOJobSpec | None, list[Any]]:
-    """check_job once per spec generation (and allow-overcommit annotation: annotations do not
-    bump the generation); a skipped memory plan or an allowed overcommit posts an event."""
+    """check_job once per spec generation, allow-overcommit annotation and Kueue queue-name
+    label (metadata edits do not bump the generation, and the label can name the queue); a
+    skipped memory plan or an allowed overcommit posts an event."""
     meta = body["metadata"]
     allowed = overcommit_allowed(meta.get("annotations"))
-    version = (meta.get("uid", ""), int(meta.get("generation") or 0), allowed)
+    labels = meta.get("labels")
+    queue = labels.get(names.QUEUE_LABEL) if isinstance(labels, Mapping) else None
+    version = (meta.get("uid", ""), int(meta.get("generation") or 0), allowed, queue)
     cached = ctx.checks.get(key)
     if cached is None or cached[0] != version:
         cached = ctx.checks[key] = (version, check_job(body, ctx.policy))

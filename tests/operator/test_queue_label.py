@@ -10,6 +10,9 @@ from pathlib import Path
 
 import yaml
 from checkout import REPO
+from operator_harness import eventually, kueue_api_server, operator, pods_of
+from test_operator_kmock import JOB, call, cond, create, job_status
+from test_operator_kueue import NS, QUEUE, ROOMY, queued_job
 
 from gspo_operator import names, render
 from gspo_operator.manifest import ClusterPolicy, check_job
@@ -53,3 +56,26 @@ def test_a_label_that_disagrees_with_the_spec_is_refused_naming_both(gspo, tmp_p
     assert result.returncode == 1, result.stdout + result.stderr
     assert LABEL_FIELD in result.stdout + result.stderr
     assert "Traceback" not in result.stderr
+
+
+async def test_removing_a_disagreeing_label_starts_the_job(progress) -> None:
+    """A label edit does not bump metadata.generation (the API server bumps it for spec
+    changes only), yet it changes the job's queue: following the refusal's advice (remove
+    the label) starts the job, as fixing the spec would."""
+    async with kueue_api_server() as (api, _), operator(api):
+        for doc in ROOMY:
+            api.add(doc)
+        job = queued_job(metrics={"port": progress.port})
+        job["metadata"]["labels"] = {names.QUEUE_LABEL: "other-team"}
+        await create(api, job)
+        await eventually(lambda: job_status(api).get("phase") == "Failed", what="refused")
+        assert LABEL_FIELD in cond(api, "InvalidSpec")["message"]
+        await call(
+            api,
+            "PATCH",
+            f"/apis/gspo.dev/v1alpha1/namespaces/{NS}/gspojobs/{JOB}",
+            json={"metadata": {"labels": {names.QUEUE_LABEL: QUEUE}}},
+            headers={"Content-Type": "application/merge-patch+json"},
+        )
+        await eventually(lambda: len(pods_of(api, "learner")) == 2, what="learner pods")
+        assert cond(api, "InvalidSpec")["status"] == "False"
