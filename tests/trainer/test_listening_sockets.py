@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -122,3 +123,43 @@ def test_the_rendezvous_store_listens_on_the_master_address_only(
     assert out.returncode == 0, out.stderr[-3000:]
     (line,) = [ln for ln in out.stdout.splitlines() if ln.startswith("LISTENING")]
     assert json.loads(line.split(" ", 1)[1]) == ["127.0.0.1"]
+
+
+def test_a_lone_learner_process_listens_on_no_rendezvous_port(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One learner process (`gspo train` on one GPU or the CPU) starts no launcher; its
+    process group has no peer to meet, so it hosts no store on the network at all.
+
+    DeepSpeed stands in as its TorchBackend does it (deepspeed/comm/torch.py): the default
+    group by env:// unless torch's is initialized already."""
+    import types
+
+    import torch.distributed as dist
+
+    from gspo_trainer import engine
+
+    def init_distributed(dist_backend: str, **kwargs: Any) -> None:
+        if not dist.is_initialized():
+            kwargs.pop("verbose", None)
+            dist.init_process_group(dist_backend, init_method="env://", **kwargs)
+
+    monkeypatch.setitem(
+        sys.modules, "deepspeed", types.SimpleNamespace(init_distributed=init_distributed)
+    )
+    monkeypatch.setattr(engine, "has_gpu", lambda: False)
+    port = free_port()
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # unset, and unset again afterwards
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    assert not dist.is_initialized()
+    try:
+        engine.init_distributed()
+        assert dist.is_initialized()
+        assert listening(port) == set()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

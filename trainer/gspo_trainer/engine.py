@@ -54,8 +54,14 @@ def init_distributed(timeout_s: float | None = None) -> None:
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(_free_port())
     timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
-    deepspeed.init_distributed(dist_backend="nccl" if has_gpu() else "gloo", verbose=False,
-                               **timeout)  # fmt: skip
+    backend = "nccl" if has_gpu() else "gloo"
+    if os.environ["WORLD_SIZE"] == "1":
+        # A lone process has no peer to meet: its group's store stays in memory. env://
+        # would host a TCPStore for it on every interface (`::`, whatever MASTER_ADDR says;
+        # torch 2.13, TCPStoreLibUvBackend.cpp), reachable from the network for the whole
+        # run; DeepSpeed then adopts the group as it finds it.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **timeout)
+    deepspeed.init_distributed(dist_backend=backend, verbose=False, **timeout)
 
 
 def exit_rank(code: int) -> NoReturn:
