@@ -145,7 +145,11 @@ def test_a_lone_learner_process_listens_on_no_rendezvous_port(
             dist.init_process_group(dist_backend, init_method="env://", **kwargs)
 
     monkeypatch.setitem(
-        sys.modules, "deepspeed", types.SimpleNamespace(init_distributed=init_distributed)
+        sys.modules,
+        "deepspeed",
+        types.SimpleNamespace(
+            init_distributed=init_distributed, ops=types.SimpleNamespace(__compatible_ops__={})
+        ),
     )
     monkeypatch.setattr(engine, "has_gpu", lambda: False)
     port = free_port()

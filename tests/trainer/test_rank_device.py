@@ -9,6 +9,8 @@ sync's group set-up and sender threads, and the filesystem sync's writer.
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from checkout import checkout_env
 
 from gspo_trainer import device
 from gspo_trainer.learner import Learner
@@ -204,3 +207,24 @@ def test_a_checkpoint_keeps_the_random_state_of_this_ranks_gpu_only(
     old_style = {**saved, "cuda": [torch.full((16,), i, dtype=torch.uint8) for i in range(8)]}
     ckpt.set_rng_state(old_style)  # a checkpoint that kept all eight: this rank's is the 4th
     assert asked == [("get", torch.device("cuda", 3))] + [("set", torch.device("cuda", 3))] * 2
+
+
+def test_a_cpu_learner_compiles_no_deepspeed_op_on_its_first_start(tmp_path: Path) -> None:
+    """DeepSpeed's CPU backend would JIT-compile its shared-memory op on a machine's first
+    learner start, under a lock file a killed learner leaves behind for every later learner
+    to wait on forever; the learner never uses the op, so nothing is compiled at all."""
+    probe = (
+        "from gspo_trainer.engine import init_distributed\n"
+        "import deepspeed.comm.comm as comm\n"
+        "init_distributed()\n"
+        "print('shm op', comm.cdb.shm_comm_op)\n"
+    )
+    env = {**checkout_env(), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "CUDA_VISIBLE_DEVICES"):
+        env.pop(key, None)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "shm op None" in proc.stdout
+    assert not (tmp_path / "ext").exists(), list((tmp_path / "ext").rglob("*"))

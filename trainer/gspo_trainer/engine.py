@@ -61,7 +61,26 @@ def init_distributed(timeout_s: float | None = None) -> None:
         # torch 2.13, TCPStoreLibUvBackend.cpp), reachable from the network for the whole
         # run; DeepSpeed then adopts the group as it finds it.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **timeout)
+    if not has_gpu():
+        skip_cpu_shared_memory_op()
     deepspeed.init_distributed(dist_backend=backend, verbose=False, **timeout)
+
+
+def skip_cpu_shared_memory_op() -> None:
+    """Keep DeepSpeed's communication backend from compiling its CPU shared-memory op.
+
+    On the CPU accelerator, DeepSpeed's TorchBackend JIT-compiles `deepspeed_shm_comm` (a C++
+    extension, about a minute of compiler time) on the first start on every machine, under a
+    lock file in ~/.cache/torch_extensions that torch waits on without a deadline: a learner
+    killed during that compile (a Ctrl-C on a first run) leaves the lock, and every later
+    learner on the machine hangs before its first step. The op serves only
+    `inference_all_reduce`, which the learner never calls (its collectives are
+    torch.distributed's), so it is marked incompatible in DeepSpeed's per-process table of
+    compatible ops, the table deepspeed.ops keeps so that edits to it persist (DeepSpeed 0.19,
+    deepspeed/ops/__init__.py; comm/torch.py's build_shm_op reads it)."""
+    import deepspeed
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def exit_rank(code: int) -> NoReturn:
