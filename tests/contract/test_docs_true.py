@@ -70,8 +70,8 @@ def test_every_metric_the_docs_name_is_exported() -> None:
     assert not missing
 
 
-def test_the_readme_names_every_metric_that_is_not_gspo_and_its_history_key() -> None:
-    readme = " ".join(doc_text(REPO / "README.md").split())
+def test_the_local_run_page_names_every_metric_that_is_not_gspo_and_its_history_key() -> None:
+    readme = " ".join(doc_text(REPO / "docs" / "local-run.md").split())
     for key, (name, _) in STEP_GAUGES.items():
         if name != f"gspo_{key}":
             assert f"`{key}`: `{name}`" in readme, key
@@ -220,7 +220,29 @@ def test_the_operators_failover_time_is_stated_one_way() -> None:
     operator_md = " ".join((REPO / "docs" / "operator.md").read_text().split())
     (stated,) = re.findall(r"is replaced within [^:]*: about (\d+ to \d+ s)", operator_md)
     assert stated.startswith(f"{Timing().lease_duration_s:.0f} to ")
-    for path in ("README.md", "charts/gspo-operator/README.md", "charts/gspo-operator/values.yaml"):
+    for path in (
+        "docs/cluster.md",
+        "charts/gspo-operator/README.md",
+        "charts/gspo-operator/values.yaml",
+    ):
         text = " ".join((REPO / path).read_text().replace("#", " ").split())
         claims = re.findall(r"tak\w+ over within ([^,]*?)(?: of its death| if it dies)", text)
         assert claims == [stated], (path, claims)
+
+
+def test_every_relative_link_of_the_docs_resolves() -> None:
+    """A link in README.md or docs/ to a file of this repository (the README split into pages
+    under docs/, whose links are relative to docs/) opens that file."""
+    broken = []
+    for doc in (
+        *DOCS,
+        REPO / "RELIABILITY.md",
+        REPO / "BENCHMARKS.md",
+        REPO / "charts" / "gspo-operator" / "README.md",
+    ):
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc_text(doc)):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            if not (doc.parent / target.split("#")[0]).exists():
+                broken.append(f"{doc.relative_to(REPO)}: {target}")
+    assert not broken
