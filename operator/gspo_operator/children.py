@@ -36,6 +36,7 @@ class ChildView:
     name: str
     controller_uid: str | None
     fields: Obj = field(default_factory=dict)  # metadata.labels plus the kind's owned fields
+    controller: tuple[str, str] | None = None  # the controller's (kind, name), when it has one
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any]) -> ChildView:
@@ -53,6 +54,9 @@ class ChildView:
             name=meta.get("name", ""),
             controller_uid=controller.get("uid") if controller else None,
             fields=fields,
+            controller=(controller["kind"], controller["name"])
+            if controller and "kind" in controller and "name" in controller
+            else None,
         )
 
 

@@ -94,7 +94,7 @@ class Context:
     # The job's resourceVersion before this operator's last status write, and until when to
     # wait for the watch to show a newer one (kopf's consistency timeout: 5 s).
     own_write: dict[Key, tuple[str, float]] = field(default_factory=dict)
-    checked: dict[Key, tuple[float, dict[ChildKey, ChildView]]] = field(default_factory=dict)
+    checked: dict[Key, tuple[str, float, dict[ChildKey, ChildView]]] = field(default_factory=dict)
     failures: dict[Key, int] = field(default_factory=dict)  # API errors in a row
     # The checked spec and the rendered children, per job uid and generation (and spec in
     # effect): a pod's event re-validates and re-renders nothing.
@@ -277,8 +277,8 @@ async def _ensure_children(
     if terminal:  # a finished job's pods stay stopped
         desired = [o for o in desired if o["kind"] != "JobSet"]
     observed = _children_seen(ctx, key, body["metadata"].get("uid"))
-    observed.update(await _unwatched_children(ctx, key, desired))
     uid = body["metadata"]["uid"]
+    observed.update(await _unwatched_children(ctx, key, uid, desired))
     plan = plan_children(desired, observed, uid)
     out = Children(desired=len(desired))
     refusals: list[tuple[str, str, str]] = []
@@ -300,7 +300,7 @@ async def _ensure_children(
             return
         view = ChildView.from_object(existing)
         if view.controller_uid != uid:
-            refusals.append(("blocked", "Conflict", _foreign(what)))
+            refusals.append(("blocked", "Conflict", _foreign(what, view, key[1])))
         else:
             await repair(obj, view)
 
@@ -328,11 +328,17 @@ async def _ensure_children(
         *(create(o) for o in first),
         *(repair(o, observed[(o["kind"], o["metadata"]["name"])]) for o, _ in plan.repair),
     )
-    refusals += [("blocked", "Conflict", _foreign(what)) for what in plan.foreign]
+    for what in plan.foreign:
+        kind, name = what.split(" ", 1)
+        refusals.append(("blocked", "Conflict", _foreign(what, observed[(kind, name)], key[1])))
     if not refusals:
         await asyncio.gather(*(create(o) for o in plan.create if o["kind"] == "JobSet"))
     if refusals:
         out.refusal = sorted(refusals, key=lambda r: r[0] != "invalid")[0]
+        # Read the unwatched children again at the next try, not after resync_s: what
+        # refused this one (an earlier job's Secret the garbage collector is deleting) can
+        # be gone by then, and no watch event says so.
+        ctx.checked.pop(key, None)
     return out
 
 
@@ -381,7 +387,15 @@ def _refusal(what: str, verb: str, exc: ApiError) -> tuple[str, str, str]:
     return verdict, reason, f"the API server refused to {verb} {what}: {exc.message}"
 
 
-def _foreign(what: str) -> str:
+def _foreign(what: str, view: ChildView, job: str) -> str:
+    if view.controller == ("GSPOJob", job):
+        # Deleted with background propagation (kubectl's default), a GSPOJob is gone at once
+        # and its children follow when the garbage collector gets to them.
+        return (
+            f"{what} belongs to an earlier GSPOJob of this name (uid {view.controller_uid}), "
+            "deleted; the garbage collector deletes its children, and this job goes on once "
+            f"{what} is gone (if it stays, delete it)"
+        )
     if what.startswith("PersistentVolumeClaim "):
         # Most often the claim an earlier job of this name kept (checkpoint.retainClaim): its
         # checkpoints are reused only when asked for, and deleting it deletes them.
@@ -441,12 +455,14 @@ def _expect(ctx: Context, key: Key, obj: Obj) -> None:
 
 
 async def _unwatched_children(
-    ctx: Context, key: Key, desired: list[Obj]
+    ctx: Context, key: Key, uid: str, desired: list[Obj]
 ) -> dict[ChildKey, ChildView]:
-    """Secrets and PodMonitors, read by name after start-up and every resync_s."""
+    """Secrets and PodMonitors, read by name after start-up and every resync_s, per job uid:
+    what an earlier job of this name saw or created (and the garbage collector has deleted
+    since, with no watch event) is never this job's."""
     seen = ctx.checked.get(key)
-    if seen is not None and time.monotonic() - seen[0] < ctx.resync_s:
-        return seen[1]
+    if seen is not None and seen[0] == uid and time.monotonic() - seen[1] < ctx.resync_s:
+        return seen[2]
     wanted = [o for o in desired if o["kind"] in UNWATCHED_KINDS]
 
     async def get(obj: Obj) -> ChildView | None:
@@ -463,7 +479,7 @@ async def _unwatched_children(
     views = await asyncio.gather(*(get(o) for o in wanted))
     found = {(v.kind, v.name): v for v in views if v is not None}
     # What is created now is there at the next look: count it as seen until the next resync.
-    ctx.checked[key] = (time.monotonic(), _assume_created(found, wanted))
+    ctx.checked[key] = (uid, time.monotonic(), _assume_created(found, wanted))
     return found
 
 

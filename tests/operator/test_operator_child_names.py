@@ -5,9 +5,12 @@ The operator creates that Service itself and refuses a name another object holds
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from operator_harness import NS, eventually, tiny_job
 
 from gspo_operator import names, reconcile, render
+from gspo_operator.children import ChildView
 from gspo_operator.kube import Kube
 from gspo_trainer.validation import parse_spec
 
@@ -68,34 +71,10 @@ async def test_a_kept_claim_is_not_taken_by_the_next_job_of_that_name(api, run_o
         await create(api, tiny_job("exp"))
         # Until the garbage collector has deleted every other child of the old job, one of
         # those may be what blocks it first.
-        try:
-            why = await eventually(
-                lambda: (
-                    "PersistentVolumeClaim" in (blocked(api, "exp") or "") and blocked(api, "exp")
-                ),
-                what="the new exp Blocked by the kept claim",
-            )
-        except AssertionError:
-            import json
-
-            print("DBG", json.dumps(status_of(api, "exp"), indent=1))
-            print(
-                "DBGKIDS",
-                [
-                    (o["kind"], o["metadata"]["name"], o["metadata"].get("ownerReferences"))
-                    for k in (
-                        "Secret",
-                        "ConfigMap",
-                        "Service",
-                        "JobSet",
-                        "PersistentVolumeClaim",
-                        "NetworkPolicy",
-                        "PodMonitor",
-                    )
-                    for o in api.list_kind(k, NS)
-                ],
-            )
-            raise
+        why = await eventually(
+            lambda: "PersistentVolumeClaim" in (blocked(api, "exp") or "") and blocked(api, "exp"),
+            what="the new exp Blocked by the kept claim",
+        )
         assert why.startswith(f"Conflict: PersistentVolumeClaim {claim} already exists and is ")
         assert "an earlier GSPOJob of this name keeps its checkpoint claim" in why, why
         assert f"to resume from its checkpoints set spec.checkpoint.claimName: {claim}," in why
@@ -120,7 +99,9 @@ async def test_an_earlier_jobs_config_map_is_not_the_new_jobs_accepted_spec(
     async with run_operator(api):
         await create(api, tiny_job("exp"))
         why = await eventually(lambda: blocked(api, "exp"), what="Blocked by the leftover")
-        assert why.startswith(f"Conflict: ConfigMap {names.config_map('exp')} already exists")
+        cm = names.config_map("exp")
+        earlier = f"Conflict: ConfigMap {cm} belongs to an earlier GSPOJob of this name"
+        assert why.startswith(earlier), why
         conditions = {c["type"]: c for c in status_of(api, "exp")["conditions"]}
         assert "InvalidSpec" not in conditions, conditions["InvalidSpec"]["message"]
         patch = {"metadata": {"finalizers": None}}  # the collector catches up
@@ -141,3 +122,42 @@ def test_a_child_just_made_for_an_earlier_job_of_the_name_is_not_the_new_jobs() 
     reconcile._expect(ctx, (NS, "exp"), render.render_config_map_of(old, parse_spec(old["spec"])))
     assert reconcile._children_seen(ctx, (NS, "exp"), "uid-of-the-deleted-exp")  # its own
     assert reconcile._children_seen(ctx, (NS, "exp"), "uid-of-the-new-exp") == {}
+
+
+async def test_what_an_earlier_job_of_the_name_saw_by_name_is_not_the_new_jobs() -> None:
+    """Secrets are not watched: the operator reads them by name and counts what it created as
+    there until the next resync. A job deleted and created again under its name must not
+    inherit that view: the earlier job's Secret, deleted by the garbage collector with no
+    event, blocked the new job as a stranger's until the resync (10 minutes by default)."""
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "exp-sync-token"}}
+    stored: dict[str, dict] = {}
+
+    class Kube:
+        async def get(self, api_version: str, kind: str, namespace: str, name: str):
+            return stored.get(name)
+
+    ctx = SimpleNamespace(checked={}, resync_s=600.0, kube=Kube())
+    assert await reconcile._unwatched_children(ctx, (NS, "exp"), "uid-old", [secret]) == {}
+    # The earlier job created it (counted as there); deleted with its job since.
+    seen = await reconcile._unwatched_children(ctx, (NS, "exp"), "uid-old", [secret])
+    assert seen[("Secret", "exp-sync-token")] is not None
+    assert await reconcile._unwatched_children(ctx, (NS, "exp"), "uid-new", [secret]) == {}
+
+
+def test_a_child_of_an_earlier_job_of_the_name_is_named_as_such() -> None:
+    """The garbage collector deletes a deleted job's children after it (background
+    propagation, kubectl's default): a job created again at once meets them, and is told
+    that it goes on once they are gone, not to delete a stranger's object."""
+    owner = {"apiVersion": "gspo.dev/v1alpha1", "kind": "GSPOJob", "name": "exp",
+             "uid": "uid-old", "controller": True}  # fmt: skip
+    earlier = {"kind": "Secret", "metadata": {"name": "exp-sync-token", "ownerReferences": [owner]}}
+    message = reconcile._foreign("Secret exp-sync-token", ChildView.from_object(earlier), "exp")
+    assert "belongs to an earlier GSPOJob of this name (uid uid-old)" in message, message
+    assert "goes on once Secret exp-sync-token is gone" in message
+    stranger = {**owner, "name": "other"}
+    other = {
+        "kind": "Secret",
+        "metadata": {"name": "exp-sync-token", "ownerReferences": [stranger]},
+    }
+    message = reconcile._foreign("Secret exp-sync-token", ChildView.from_object(other), "exp")
+    assert "is not controlled by this GSPOJob" in message
