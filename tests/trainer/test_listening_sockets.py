@@ -125,45 +125,41 @@ def test_the_rendezvous_store_listens_on_the_master_address_only(
     assert json.loads(line.split(" ", 1)[1]) == ["127.0.0.1"]
 
 
-def test_a_lone_learner_process_listens_on_no_rendezvous_port(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_lone_learner_process_listens_on_no_rendezvous_port() -> None:
     """One learner process (`gspo train` on one GPU or the CPU) starts no launcher; its
-    process group has no peer to meet, so it hosts no store on the network at all.
+    process group has no peer to meet, so it hosts no store on the network at all (through
+    env://, DeepSpeed's TorchBackend would host one on `::`, whatever MASTER_ADDR says).
 
-    DeepSpeed stands in as its TorchBackend does it (deepspeed/comm/torch.py): the default
-    group by env:// unless torch's is initialized already."""
-    import types
+    The learner's own group set-up, with the real DeepSpeed, in a fresh interpreter: a test
+    run before it in this process may have left torch.distributed initialized."""
+    from checkout import checkout_env  # here: probes of other tests import this module
 
-    import torch.distributed as dist
-
-    from gspo_trainer import engine
-
-    def init_distributed(dist_backend: str, **kwargs: Any) -> None:
-        if not dist.is_initialized():
-            kwargs.pop("verbose", None)
-            dist.init_process_group(dist_backend, init_method="env://", **kwargs)
-
-    monkeypatch.setitem(
-        sys.modules,
-        "deepspeed",
-        types.SimpleNamespace(
-            init_distributed=init_distributed, ops=types.SimpleNamespace(__compatible_ops__={})
-        ),
-    )
-    monkeypatch.setattr(engine, "has_gpu", lambda: False)
     port = free_port()
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # unset, and unset again afterwards
-        monkeypatch.setenv(key, "")
-        monkeypatch.delenv(key)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    assert not dist.is_initialized()
+    env = checkout_env()
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(key, None)
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")
+    probe = (
+        "import sys\n"
+        "import torch.distributed as dist\n"
+        "from gspo_trainer import engine\n"
+        "engine.init_distributed()\n"
+        "print('initialized', dist.is_initialized(), flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
+    proc = subprocess.Popen([sys.executable, "-c", probe], env=env, text=True, **pipes)
     try:
-        engine.init_distributed()
-        assert dist.is_initialized()
+        assert proc.stdout is not None and proc.stdin is not None
+        said = []
+        while (line := proc.stdout.readline()) and not line.startswith("initialized"):
+            said.append(line)
+        assert line.strip() == "initialized True", "".join(said[-30:])
         assert listening(port) == set()
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if proc.stdin is not None:
+            proc.stdin.close()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
