@@ -105,7 +105,7 @@ class Context:
     # What this operator just created or repaired, until its watch shows it (controller-
     # runtime's "expectations"): a reconcile in between neither creates it twice nor repairs
     # it again.
-    expected: dict[Key, dict[ChildKey, tuple[ChildView, float]]] = field(default_factory=dict)
+    expected: dict[Key, dict[ChildKey, tuple[ChildView, float, bool]]] = field(default_factory=dict)
     noted: set[str] = field(default_factory=set)  # cluster-wide notes already logged
     # Monotonic time until which Kueue's Workload API counts as not served (asked again then).
     workloads_unserved_until: float = 0.0
@@ -294,7 +294,7 @@ async def _ensure_children(
             refusals.append(_refusal(what, "create", exc))
             return
         if existing is None:
-            _expect(ctx, key, obj)
+            _expect(ctx, key, obj, created=True)
             out.made.append(what)
             log.info("Created %s in %s", what, key[0])
             return
@@ -318,7 +318,7 @@ async def _ensure_children(
                 return  # deleted meanwhile: the watch brings it back to create
             refusals.append(_refusal(what, "update", exc))
             return
-        _expect(ctx, key, obj)
+        _expect(ctx, key, obj, created=False)
         log.info("Repaired %s in %s (%s changed by hand)", what, key[0], ", ".join(patch))
 
     # The JobSet last, once everything its pods mount and read exists: a refused claim must
@@ -437,21 +437,29 @@ def _children_seen(ctx: Context, key: Key, uid: str | None) -> dict[ChildKey, Ch
             out[(view.kind, view.name)] = view
     expected = ctx.expected.get(key, {})
     now = time.monotonic()
-    for child, (view, until) in list(expected.items()):
+    for child, (view, until, created) in list(expected.items()):
         seen = out.get(child)
         stale = view.controller_uid not in (None, uid)
-        if stale or now > until or (seen is not None and contains(view.fields, seen.fields)):
+        # A child this job created, once the watch shows it as this job's, is as the watch
+        # shows it: any difference is a later edit (the watch has no older version of it;
+        # one of an earlier job of the name, not yet gone from the watch, is not it). A
+        # repaired one is the watch's once it shows the repair: until then the watch may
+        # still hold the version before it.
+        ours = created and seen is not None and seen.controller_uid == view.controller_uid
+        shown = ours or (seen is not None and contains(view.fields, seen.fields))
+        if stale or now > until or shown:
             del expected[child]  # the watch shows it (or it is too long ago to trust)
         else:
             out[child] = view
     return out
 
 
-def _expect(ctx: Context, key: Key, obj: Obj) -> None:
+def _expect(ctx: Context, key: Key, obj: Obj, *, created: bool) -> None:
     if obj["kind"] in UNWATCHED_KINDS:
         return
     view = ChildView.from_object(obj)
-    ctx.expected.setdefault(key, {})[(view.kind, view.name)] = (view, time.monotonic() + 30.0)
+    until = time.monotonic() + 30.0
+    ctx.expected.setdefault(key, {})[(view.kind, view.name)] = (view, until, created)
 
 
 async def _unwatched_children(

@@ -119,7 +119,8 @@ def test_a_child_just_made_for_an_earlier_job_of_the_name_is_not_the_new_jobs() 
     ctx = reconcile.Context(kube=Kube.for_host("http://127.0.0.1:1"))
     old = tiny_job("exp")
     old["metadata"].update(namespace=NS, uid="uid-of-the-deleted-exp")
-    reconcile._expect(ctx, (NS, "exp"), render.render_config_map_of(old, parse_spec(old["spec"])))
+    config_map = render.render_config_map_of(old, parse_spec(old["spec"]))
+    reconcile._expect(ctx, (NS, "exp"), config_map, created=True)
     assert reconcile._children_seen(ctx, (NS, "exp"), "uid-of-the-deleted-exp")  # its own
     assert reconcile._children_seen(ctx, (NS, "exp"), "uid-of-the-new-exp") == {}
 
@@ -161,3 +162,18 @@ def test_a_child_of_an_earlier_job_of_the_name_is_named_as_such() -> None:
     }
     message = reconcile._foreign("Secret exp-sync-token", ChildView.from_object(other), "exp")
     assert "is not controlled by this GSPOJob" in message
+
+
+def test_a_hand_edit_before_the_watch_showed_the_create_is_not_hidden_by_it() -> None:
+    """What the operator created counts as there until its watch shows it. An edit by hand
+    that the watch shows first (the object changed before the operator saw its ADDED event)
+    is what exists: the operator repairs it now, not 30 s later when its memory expires."""
+    ctx = reconcile.Context(kube=Kube.for_host("http://127.0.0.1:1"))
+    job = tiny_job("exp")
+    job["metadata"].update(namespace=NS, uid="uid-exp")
+    made = render.render_config_map_of(job, parse_spec(job["spec"]))
+    reconcile._expect(ctx, (NS, "exp"), made, created=True)
+    edited = ChildView.from_object({**made, "data": {"config.yaml": "x: 1"}})
+    ctx.indices = {"children": {(NS, "exp"): [edited]}}
+    seen = reconcile._children_seen(ctx, (NS, "exp"), "uid-exp")
+    assert seen[("ConfigMap", names.config_map("exp"))] == edited
