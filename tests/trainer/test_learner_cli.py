@@ -45,6 +45,17 @@ def test_a_bad_config_exits_2_naming_the_field(tmp_path: Path, capsys) -> None:
     assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
 
 
+def test_a_config_of_broken_yaml_exits_2_naming_the_line(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text("spec:\n  algorithm: {groupSize: 4\n  model: x\n")
+    assert main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "not valid YAML at line" in err and "Traceback" not in err
+    path.write_text("- just\n- a list\n")
+    assert main(["--config", str(path)]) == 2
+    assert "not a GSPOJob manifest" in capsys.readouterr().err
+
+
 def test_dns_entries_resolve_to_one_url_per_address() -> None:
     table = {"rollout.ns.svc": ["10.0.0.7", "10.0.0.3"], "v6": ["fd00::1"]}
 

@@ -39,15 +39,15 @@ log = logging.getLogger("gspo.learner")
 
 
 def load_spec(path: str | os.PathLike[str]) -> GSPOJobSpec:
-    """A GSPOJob manifest or a bare spec, from YAML or JSON; SpecError names bad fields."""
-    import yaml
-
+    """A GSPOJob manifest or a bare spec, from YAML or JSON, read as `gspo train` reads its
+    job file: FileNotFoundError when it is missing, JobFileError (one line, with the line and
+    column of broken YAML) when it cannot be read as a job, SpecError naming bad fields."""
+    from gspo_trainer.train import read_job_file
     from gspo_trainer.validation import parse_spec
 
-    raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    if isinstance(raw, dict) and "spec" in raw and ("kind" in raw or "apiVersion" in raw):
-        return parse_spec(raw["spec"], prefix="spec")
-    return parse_spec(raw, prefix="spec")
+    if not Path(path).exists():
+        raise FileNotFoundError(str(path))
+    return parse_spec(read_job_file(str(path))["spec"], prefix="spec")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -312,6 +312,7 @@ async def run(args: argparse.Namespace, spec: GSPOJobSpec) -> int:
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from gspo_trainer.train import JobFileError
     from gspo_trainer.validation import SpecError
 
     args = parse_args(argv)
@@ -324,6 +325,9 @@ def main(argv: list[str]) -> int:
     except SpecError as exc:
         for problem in exc.problems:
             print(f"gspo learner: {problem}", file=sys.stderr)
+        return 2
+    except JobFileError as exc:  # broken YAML, not a job, unreadable
+        print(f"gspo learner: {exc}", file=sys.stderr)
         return 2
     from gspo_trainer.preflight import preflight
 
