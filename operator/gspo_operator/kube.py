@@ -198,7 +198,17 @@ class Kube:
 
     async def events_of(self, namespace: str, kind: str, name: str) -> list[Obj]:
         """The core/v1 Events about one object (the way `kubectl describe` finds them)."""
-        selector = f"involvedObject.kind={kind},involvedObject.name={name}"
+        return await self._events(
+            namespace, f"involvedObject.kind={kind},involvedObject.name={name}"
+        )
+
+    async def events_by_reason(self, namespace: str, kind: str, reason: str) -> list[Obj]:
+        """The namespace's core/v1 Events of one reason about objects of one kind, in one
+        list (`reason` is among the Event field selectors the API server serves:
+        kubernetes pkg/apis/core/v1/conversion.go, AddFieldLabelConversionFuncForEvent)."""
+        return await self._events(namespace, f"involvedObject.kind={kind},reason={reason}")
+
+    async def _events(self, namespace: str, selector: str) -> list[Obj]:
         path = path_of("v1", "Event", namespace)
         found = await self.request("GET", path, query={"fieldSelector": selector})
         return list(found.get("items") or [])

@@ -525,6 +525,8 @@ async def _observe(
         )
         if js.suspended or spec.run_policy.suspend or not admitted:
             queued = await _observe_workload(ctx, ns, js.uid)
+    if js is not None and not js.suspended:
+        queued["rollout_failed_create"] = await _rollout_failed_create(ctx, ns, name, spec, pods)
     observed = status.Observed(jobset=js, pods=pods, **queued)
     learners = observed.learners(js.restarts if js else 0)
     rank0 = next((p for p in learners if p.index == 0), None)
@@ -541,6 +543,20 @@ async def _observe(
             jobset=js, pods=pods, claim=claim, failed_create=refused, **queued
         )
     return observed
+
+
+async def _rollout_failed_create(
+    ctx: Context, ns: str, name: str, spec: GSPOJobSpec, pods: list[status.PodView]
+) -> str:
+    """Why rollout servers have no pod, in the Job controller's words: one list of the
+    namespace's FailedCreate Events, read only while some server's Job has no pod, and quoted
+    only for those Jobs (a refusal a Job got over since stays out)."""
+    have = {p.job for p in pods if p.role == names.ROLLOUT and not p.deleting}
+    jobs = [names.child_job(name, names.ROLLOUT, i) for i in range(spec.rollout.replicas)]
+    if not (missing := [j for j in jobs if j not in have]):
+        return ""
+    events = await ctx.kube.events_by_reason(ns, "Job", "FailedCreate")
+    return status.failed_creates(missing, events)
 
 
 async def _observe_workload(ctx: Context, ns: str, jobset_uid: str) -> dict[str, Any]:

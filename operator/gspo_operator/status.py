@@ -42,6 +42,7 @@ class PodView:
     ip: str | None = None
     exit_code: int | None = None
     message: str = ""  # why it ended, or why it cannot start
+    job: str = ""  # the Job that made it (its batch.kubernetes.io/job-name label)
 
     @classmethod
     def from_pod(cls, pod: Mapping[str, Any]) -> PodView:
@@ -76,9 +77,12 @@ class PodView:
             ip=status.get("podIP"),
             exit_code=exit_code,
             message=message,
+            job=labels.get(JOB_NAME_LABEL, ""),
         )
 
 
+# The Job controller labels each pod with its Job's name (kubernetes pkg/controller/job).
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 MESSAGE_CHARS = 600  # of a pod's termination message, copied into the job's conditions
 
 
@@ -202,6 +206,16 @@ def failed_create(job: str, events: Iterable[Mapping[str, Any]]) -> str:
     return f"Job {job}: {newest.get('message')}" if newest else ""
 
 
+def failed_creates(jobs: Iterable[str], events: Iterable[Mapping[str, Any]]) -> str:
+    """failed_create() of each of `jobs` that has one, "; "-joined, from Events of many Jobs
+    (one list of the namespace's FailedCreate Events serves every rollout Job)."""
+    by_job: dict[str, list[Mapping[str, Any]]] = {}
+    for e in events:
+        by_job.setdefault(str((e.get("involvedObject") or {}).get("name") or ""), []).append(e)
+    found = (failed_create(job, by_job.get(job, [])) for job in jobs)
+    return "; ".join(f for f in found if f)
+
+
 def _event_time(event: Mapping[str, Any]) -> str:
     """RFC 3339 stamps of one format compare as strings; eventTime is the events.k8s.io field."""
     return str(event.get("lastTimestamp") or event.get("eventTime") or "")
@@ -220,6 +234,8 @@ class Observed:
     claim: ClaimView | None = None  # the checkpoint claim, read only while it may be why
     # failed_create() of the learner Job, read only while it has fewer pods than replicas
     failed_create: str = ""
+    # failed_create() of the rollout Jobs, "; "-joined, read only while a server has no pod
+    rollout_failed_create: str = ""
 
     def learners(self, attempt: int) -> list[PodView]:
         return [
@@ -363,13 +379,22 @@ def compute(
         f"{ready}/{replicas} learner pods ready",
     )
     rollout_ok = desired > 0 and ready_servers >= desired
-    st.condition(
-        "RolloutReady",
-        rollout_ok,
-        "ServersReady" if rollout_ok else "ServersNotReady",
-        f"{ready_servers}/{desired} rollout servers ready (their engines serve; "
-        "WeightsSynced says which hold the learner's weights)",
-    )
+    if not rollout_ok and observed.rollout_failed_create:
+        # A server's pod the API server refuses: the learner would wait on it forever.
+        st.condition(
+            "RolloutReady",
+            False,
+            "FailedCreate",
+            f"{ready_servers}/{desired} rollout servers ready; {observed.rollout_failed_create}",
+        )
+    else:
+        st.condition(
+            "RolloutReady",
+            rollout_ok,
+            "ServersReady" if rollout_ok else "ServersNotReady",
+            f"{ready_servers}/{desired} rollout servers ready (their engines serve; "
+            "WeightsSynced says which hold the learner's weights)",
+        )
     version = st.get("policyVersion") or 0
     held = list((st.get("serverVersions") or {}).values())
     holding = f"{sum(v == version for v in held)}/{len(held)} " if held else ""

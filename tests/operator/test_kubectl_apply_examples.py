@@ -116,10 +116,13 @@ async def test_a_pod_the_api_server_refuses_is_in_the_job_status(
     kubectl = Kubectl(api.base_url, tmp_path)
     name = "qwen3-30b-a3b-math"
 
-    def running_condition() -> dict[str, Any]:
+    def condition(type_: str) -> dict[str, Any]:
         job = api.get("GSPOJob", NS, name) or {}
         conditions = (job.get("status") or {}).get("conditions") or []
-        return next((c for c in conditions if c["type"] == "Running"), {})
+        return next((c for c in conditions if c["type"] == type_), {})
+
+    def running_condition() -> dict[str, Any]:
+        return condition("Running")
 
     async with run_operator(api, interval_s=0.3):
         await kubectl("apply", "-f", "examples/gspojob.yaml")
@@ -132,11 +135,23 @@ async def test_a_pod_the_api_server_refuses_is_in_the_job_status(
             'Error creating: pods "qwen3-30b-a3b-math-learner-0-0-" is forbidden: '
             "no PriorityClass with name training-high was found" in refused["message"]
         ), refused
+        servers = await eventually(
+            lambda: (
+                condition("RolloutReady").get("reason") == "FailedCreate"
+                and condition("RolloutReady")
+            ),
+            what="the rollout servers' FailedCreate in the job's status",
+        )
+        assert servers["message"].startswith("0/4 rollout servers ready; Job "), servers
+        assert servers["message"].count("no PriorityClass with name training-high") == 4, servers
         described = await kubectl("describe", "gspojob", name)
         assert "no PriorityClass with name training-high was found" in described
         await kubectl("apply", "-f", "examples/gspojob-prerequisites.yaml")
         await eventually(lambda: len(pods_of(api, "learner")) == 2, what="the learner pods")
         await eventually(
-            lambda: running_condition().get("reason") != "FailedCreate",
-            what="the FailedCreate reason to go once the pods exist",
+            lambda: (
+                running_condition().get("reason") != "FailedCreate"
+                and condition("RolloutReady").get("reason") != "FailedCreate"
+            ),
+            what="the FailedCreate reasons to go once the pods exist",
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -502,3 +503,30 @@ def test_failed_create_quotes_the_newest_refusal_of_the_job() -> None:
         "Job j-learner-0: Error creating: no PriorityClass"
     )
     assert status.failed_create("j-learner-0", events[2:]) == ""
+
+
+def test_rollout_servers_the_api_server_refuses_are_named_in_rollout_ready() -> None:
+    def event(job: str, message: str, at: str) -> dict:
+        return {
+            "type": "Warning",
+            "reason": "FailedCreate",
+            "message": message,
+            "lastTimestamp": at,
+            "involvedObject": {"kind": "Job", "name": job},
+        }
+
+    events = [
+        event(f"{JOB}-rollout-0", "Error creating: exceeded quota", "2026-01-01T00:00:01Z"),
+        event(f"{JOB}-rollout-1", "Error creating: exceeded quota", "2026-01-01T00:00:02Z"),
+        event(f"{JOB}-learner-0", "Error creating: not a rollout Job", "2026-01-01T00:00:03Z"),
+    ]
+    refused = status.failed_creates([f"{JOB}-rollout-1", f"{JOB}-rollout-2"], events)
+    assert refused == f"Job {JOB}-rollout-1: Error creating: exceeded quota"
+    base = observed(pods("Running"))
+    out = step(spec(), replace(base, rollout_failed_create=refused), None)
+    ready = cond(out.status, "RolloutReady")
+    assert (ready["status"], ready["reason"]) == ("False", "FailedCreate")
+    assert ready["message"] == f"0/4 rollout servers ready; {refused}"
+    assert cond(step(spec(), base, None).status, "RolloutReady")["reason"] == "ServersNotReady"
+    pod = {"metadata": {"name": "p", "labels": {"batch.kubernetes.io/job-name": "j-rollout-3"}}}
+    assert PodView.from_pod(pod).job == "j-rollout-3"
