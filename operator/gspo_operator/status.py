@@ -358,8 +358,16 @@ def compute(
     if (out := _disruption_limit(st, policy.max_disruption_restarts, js)) is not None:
         return out
     restarts = js.restarts
+    if seen := _why_failed(observed, restarts):
+        # Kept: JobSet deletes the failed group's pods once it restarts, often before the
+        # operator sees the restart, and the restart's report would lose their words.
+        st.set(learnerFailure={"restartAttempt": restarts, "message": seen})
     if restarts > int(prev.get("restarts") or 0):
-        why = _why_failed(observed, restarts - 1) or "a learner pod failed"
+        why = (
+            _why_failed(observed, restarts - 1)
+            or _remembered_failure(prev, restarts - 1)
+            or "a learner pod failed"
+        )
         message = (
             f"{why}; JobSet restarted the job's pods from the latest checkpoint "
             f"(restart {restarts}, runPolicy.backoffLimit={policy.backoff_limit})"
@@ -529,6 +537,12 @@ def _failure(
         reason = "RolloutFailed"
     text = f"JobSet: {message}" + (f"; {why}" if why else "")
     return reason or "JobSetFailed", text
+
+
+def _remembered_failure(prev: Mapping[str, Any], attempt: int) -> str:
+    """The failed pods' words a previous status kept for group `attempt`, or ""."""
+    kept = prev.get("learnerFailure") or {}
+    return str(kept.get("message") or "") if kept.get("restartAttempt") == attempt else ""
 
 
 def _why_failed(observed: Observed, attempt: int) -> str:

@@ -151,6 +151,22 @@ def test_a_jobset_restart_is_reported_with_the_failed_pods_words() -> None:
     assert out2.events[0].reason == "Running"
 
 
+def test_a_restart_seen_after_jobset_deleted_the_failed_pods_keeps_their_words() -> None:
+    """JobSet deletes the failed group's pods when it restarts; an operator that sees the
+    restart only then still reports the words it saw while the pod was Failed."""
+    failed = PodView(f"{JOB}-learner-0-1-abcde", phase="Failed", index=1, exit_code=137,
+                     message="OOMKilled (exit code 137)")  # fmt: skip
+    seen = step(spec(backoffLimit=2), observed([pods("Running")[0], failed]), None).status
+    words = f"pod {failed.name} failed: OOMKilled (exit code 137)"
+    assert seen["learnerFailure"] == {"restartAttempt": 0, "message": words}
+    gone = observed(pods("Pending", "Pending", attempt=1), jobset=js(restarts=1))
+    out = step(spec(backoffLimit=2), gone, seen)
+    assert "OOMKilled" in cond(out.status, "Restarting")["message"]
+    # Words kept for another group are not this restart's.
+    out = step(spec(backoffLimit=2), replace(gone, jobset=js(restarts=2)), seen)
+    assert cond(out.status, "Restarting")["message"].startswith("a learner pod failed;")
+
+
 def test_learner_exit_2_fails_the_job_with_the_learners_message() -> None:
     prev = {"phase": "Running", "startTime": "2026-01-01T11:00:00Z"}
     bad = PodView(f"{JOB}-learner-0-0-abcde", phase="Failed", exit_code=2,

@@ -924,6 +924,13 @@ class Condition(BaseModel):
     observed_generation: int | None = None
 
 
+class LearnerFailure(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True)
+
+    restart_attempt: int
+    message: str
+
+
 class GSPOJobStatus(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="allow")
 
@@ -937,6 +944,13 @@ class GSPOJobStatus(BaseModel):
     policy_version: int | None = None
     server_versions: dict[str, int | None] | None = Field(
         None, description="Policy version each rollout server holds, by server URL."
+    )
+    learner_failure: LearnerFailure | None = Field(
+        None,
+        description=(
+            "The newest failed learner pods' words and their group (JobSet's restart "
+            "attempt), kept so a restart is reported with them after JobSet deletes the pods."
+        ),
     )
     start_time: str | None = None
     completion_time: str | None = None
