@@ -4,10 +4,12 @@ names a field that exists in the spec and says what to do."""
 from __future__ import annotations
 
 import copy
+import json
 import re
 from contextlib import suppress
 from typing import Any
 
+import pytest
 import yaml
 from checkout import REPO
 from hypothesis import HealthCheck, event, given, settings
@@ -65,13 +67,18 @@ def _apply(spec: dict[str, Any], op: str, path: tuple[Any, ...], value: Any, key
 
 
 def _names_a_field(path: str, spec: Any) -> bool:
-    """`spec.a.b[0][x.y/z].c` walks through the spec given; only the last step may be missing."""
+    """`spec.a.b[0][x.y/z]["a]b"].c` walks through the spec given; only the last step may be
+    missing. A bracketed key in double quotes is JSON (it holds a bracket or a quote)."""
     if not path.startswith("spec"):
         return False
-    parts = re.findall(r"\.([^.\[]+)|\[([^\]]+)\]", path.removeprefix("spec"))
+    parts = re.findall(
+        r'\.([^.\[]+)|\[("(?:[^"\\]|\\.)*")\]|\[([^\]]+)\]', path.removeprefix("spec")
+    )
+    if "".join(f".{a}" if a else f"[{b or c}]" for a, b, c in parts) != path.removeprefix("spec"):
+        return False  # the path does not read as a whole
     node = spec
-    for i, (name, bracketed) in enumerate(parts):
-        key: Any = name or bracketed
+    for i, (name, quoted, bracketed) in enumerate(parts):
+        key: Any = name or (json.loads(quoted) if quoted else bracketed)
         if isinstance(node, list) and bracketed.isdigit() and int(bracketed) < len(node):
             node = node[int(bracketed)]
         elif isinstance(node, dict) and key in node:
@@ -188,3 +195,14 @@ def test_accepted_specs_render_to_valid_kubernetes_objects(
     event("accepted and rendered")
     objs = render_job(doc, spec, token="t0ken")
     assert check_rendered(objs) == []
+
+
+def test_a_key_holding_a_bracket_is_named_as_one_step_of_the_path() -> None:
+    spec = copy.deepcopy(EXAMPLE)
+    for key, shown in [("0].", 'spec.model["0]."]'), ("", 'spec.model[""]')]:
+        spec["model"] = {key: None}
+        with pytest.raises(SpecError) as exc:
+            parse_spec(spec)
+        paths = [p.path for p in exc.value.problems]
+        assert shown in paths, paths
+        assert all(_names_a_field(p, spec) for p in paths), paths

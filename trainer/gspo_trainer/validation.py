@@ -6,6 +6,7 @@ start-up, so every entry point refuses the same specs with the same words.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -57,11 +58,16 @@ def parse_spec(raw: Any, *, prefix: str = "spec") -> GSPOJobSpec:
 
 
 def _join(prefix: str, loc: tuple[Any, ...]) -> str:
-    """spec.a.b[0], with map keys that are not plain names in brackets: requests[nvidia.com/gpu]."""
+    """spec.a.b[0], with map keys that are not plain names in brackets: requests[nvidia.com/gpu];
+    an empty key or one holding a bracket or a quote is quoted as JSON (x["a]b"], x[""]), so
+    the path reads one way."""
     path = prefix
     for part in loc:
         plain = isinstance(part, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_-]*", part)
-        path += f".{part}" if plain else f"[{part}]"
+        if isinstance(part, str) and (not part or re.search(r'[\[\]"]', part)):
+            path += f"[{json.dumps(part)}]"
+        else:
+            path += f".{part}" if plain else f"[{part}]"
     return path
 
 
