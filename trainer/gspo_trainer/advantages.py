@@ -1,4 +1,6 @@
-"""Group-normalised advantages: one value per response, from the rewards of its prompt's group."""
+"""Group-normalised advantages, from the rewards of a prompt's group: one value per response
+(`group_advantages`, GSPO's Eq. 6), or one per response token from per-token rewards
+(`token_group_advantages`, for GSPO-token's Eq. 13-14)."""
 
 from __future__ import annotations
 
@@ -45,3 +47,82 @@ def group_advantages(
         "reward_std": r.flatten().std(),
     }
     return adv.flatten(), stats
+
+
+def token_group_advantages(
+    token_rewards: torch.Tensor, mask: torch.Tensor, group_size: int, eps: float = 1e-6
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A_i,t = (r_i,t - mu_g) / (sigma_g + eps): each token's reward standardised against its
+    group's token rewards, the responses weighing as GSPO-token's objective weighs them.
+
+    The GSPO paper leaves A_i,t to the user (§4.3). DeepSeekMath's process supervision (Shao
+    et al. 2024, §4.1.3) standardises every step reward against the mean and std of all step
+    rewards of the group's outputs; here each token's reward is that token's own credit, so
+    its advantage is its own standardised reward (no sum over later steps, which their
+    rewards at the end of each reasoning step need). Mean and variance are taken under the
+    objective's weights, 1/(G |y_i|) per token (mean over a response's tokens, then over the
+    group), so a long response does not outweigh a short one:
+        mu_g      = (1/G) sum_i mean_t r_i,t
+        sigma_g^2 = 1/(G-1) sum_i mean_t (r_i,t - mu_g)^2
+    sigma_g^2 is the spread between responses plus the mean spread within them, so a group
+    whose responses score the same on average but differ token by token still has signal,
+    and no token's advantage is blown up by a small spread between responses. With every
+    token of a response scored alike, r_i,t = r_i, it is exactly `group_advantages` of the
+    r_i, and in general the mean over a response's tokens of A_i,t is (r_i - mu_g) /
+    (sigma_g + eps), with r_i its mean reward: the sign of its sequence-level advantage.
+
+    token_rewards, mask (N, T), the response tokens where mask is True, N = groups x
+    group_size laid out contiguously. A group whose token rewards are all equal has exactly 0
+    advantage. Returns (advantages (N, T) float32, 0 where masked; stats as
+    `group_advantages`'s, of the responses' mean rewards).
+    """
+    import torch
+
+    if group_size < 2:
+        raise ValueError(
+            f"group_size must be >= 2 (a group of one has no advantage), got {group_size}"
+        )
+    if token_rewards.dim() != 2 or token_rewards.shape != mask.shape:
+        raise ValueError(
+            f"token_rewards and mask must be (N, T) alike; got {tuple(token_rewards.shape)} "
+            f"and {tuple(mask.shape)}"
+        )
+    if token_rewards.shape[0] % group_size:
+        raise ValueError(
+            f"token_rewards has {token_rewards.shape[0]} rows, not a multiple of "
+            f"group_size={group_size}"
+        )
+    mask = mask.bool()
+    r = torch.where(mask, token_rewards.detach().float(), 0.0)  # (N, T)
+    if not bool(torch.isfinite(r).all()):
+        bad = torch.nonzero(~torch.isfinite(r).all(-1)).flatten().tolist()[:8]
+        raise ValueError(f"token rewards must be finite; NaN or inf in responses {bad}")
+    T = r.shape[1]
+    counts = mask.sum(-1).clamp(min=1)  # (N,)
+    seq = r.sum(-1) / counts  # (N,) each response's mean reward
+    mu = seq.view(-1, group_size).mean(1)  # (groups,)
+    mu_tok = mu.repeat_interleave(group_size)[:, None]  # (N, 1)
+    dev2 = torch.where(mask, (r - mu_tok) ** 2, 0.0).sum(-1) / counts  # (N,)
+    sigma = (dev2.view(-1, group_size).sum(1) / (group_size - 1)).sqrt()  # (groups,)
+    inf = torch.full_like(r, float("inf"))
+    high = torch.where(mask, r, -inf).view(-1, group_size * T).amax(1)
+    low = torch.where(mask, r, inf).view(-1, group_size * T).amin(1)
+    zero_spread = high <= low  # (groups,): every token alike (or no tokens)
+    adv = (r - mu_tok) / (sigma.repeat_interleave(group_size)[:, None] + eps)
+    keep = mask & ~zero_spread.repeat_interleave(group_size)[:, None]
+    adv = torch.where(keep, adv, 0.0)
+    stats = {
+        "zero_advantage_fraction": zero_spread.float().mean(),
+        "reward_mean": seq.mean(),
+        "reward_std": seq.std(),
+    }
+    return adv, stats
+
+
+def response_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One advantage per response (N,): itself, or per-token advantages' mean over each
+    response's tokens (what samples show beside a response's reward)."""
+    if advantages.dim() == 1:
+        return advantages
+    mask = mask.bool()
+    return (advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)

@@ -131,6 +131,7 @@ class Learner:
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.tokenizer.eos_token_id
+        self.warned_token_rewards = False  # per-token rewards under a per-response lossLevel
 
     def _load_data(self) -> None:
         spec, limit = self.spec, self.spec.data.max_prompt_tokens
@@ -286,16 +287,15 @@ class Learner:
 
     async def train_step(self, step: int) -> dict[str, float]:
         """One step: collect -> plan -> πold -> update -> sync -> stats (see step/)."""
-        from gspo_trainer.advantages import group_advantages
-
         alg, t_step = self.spec.algorithm, time.perf_counter()
         # --- collect (rank 0, or taken from the run-ahead); every rank gets it ----------
         rollouts = await self._rollouts(step)
         self._start_run_ahead(step)
         packed = pack(rollouts.prompts, rollouts.responses, rollouts.engine_logps,
-                      rollouts.rewards, alg.group_size, self.pad_id)  # fmt: skip
+                      rollouts.rewards, alg.group_size, self.pad_id,
+                      rollouts.token_rewards)  # fmt: skip
         packed = packed.to(self.policy.device)  # the engine's (cuda:local_rank on GPUs)
-        advantages, adv_stats = group_advantages(packed.rewards, alg.group_size)
+        advantages, adv_stats = self._advantages(packed)
         # --- plan, πold, updates, routing drift: off the event loop when it overlaps -----
         every = self.spec.metrics.diagnostics_every_steps
         diagnose = every > 0 and (step == 1 or step % every == 0)
@@ -324,10 +324,32 @@ class Learner:
                                self._expert_load(learned.old), learned.update.drift)  # fmt: skip
         return stats
 
+    def _advantages(self, packed: Packed) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Per token (N, L-1) under lossLevel gspo-token when the reward scored per token,
+        else one per response (N,) from each response's reward: gspo's and grpo's objectives
+        as the paper defines them (Eq. 5, Eq. 2) give every token of a response its
+        advantage, so per-token rewards count there by their mean (said once, in the log)."""
+        from gspo_trainer.advantages import group_advantages, token_group_advantages
+
+        alg = self.spec.algorithm
+        if packed.token_rewards is None:
+            return group_advantages(packed.rewards, alg.group_size)
+        if alg.loss_level == "gspo-token":
+            return token_group_advantages(packed.token_rewards, packed.mask, alg.group_size)
+        if self.rank == 0 and not self.warned_token_rewards:
+            log.warning("The reward scores each response token, but algorithm.lossLevel %s "
+                        "takes one advantage per response: each response's reward is the mean "
+                        "of its token scores; set spec.algorithm.lossLevel to gspo-token to "
+                        "train on them token by token", alg.loss_level)  # fmt: skip
+            self.warned_token_rewards = True
+        return group_advantages(packed.rewards, alg.group_size)
+
     def _stats(self, step: int, rollouts: Rollouts, packed: Packed, advantages: torch.Tensor,
                adv_stats: dict[str, torch.Tensor], learned: Learned,
                seconds: dict[str, float]) -> dict[str, Any]:  # fmt: skip
         """The step's numbers, one name each (metrics.STEP_GAUGES)."""
+        from gspo_trainer.advantages import response_advantages
+
         alg = self.spec.algorithm
         stats: dict[str, Any] = learner_stats(learned.update, learned.old, alg.mini_batches,
                                               self.ranks)  # fmt: skip
@@ -342,8 +364,9 @@ class Learner:
         )
         stats.update(rollouts.reward_components)
         if rollouts.texts is not None:  # samples.py; trackers read stats["samples"]
+            per_response = response_advantages(advantages, packed.mask).tolist()
             stats["samples"] = pick_samples(*rollouts.texts, packed.rewards.tolist(),
-                advantages.tolist(), alg.group_size, self.spec.metrics.samples_per_log)  # fmt: skip
+                per_response, alg.group_size, self.spec.metrics.samples_per_log)  # fmt: skip
         return stats
 
     async def _rollouts(self, step: int) -> Rollouts:

@@ -115,19 +115,26 @@ def gspo_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high: floa
 
 @register_policy_loss("sequence_token")
 def gspo_token_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high: float):
-    """GSPO-token (paper §4.3): s_i,t = sg[s_i] * pi(y_i,t) / sg[pi(y_i,t)].
+    """GSPO-token (paper §4.3), Eq. (13)-(14): s_i,t = sg[s_i] * pi(y_i,t) / sg[pi(y_i,t)],
+    loss_i = mean over tokens t of -min(s_i,t A_i,t, clip(s_i,t, 1 - eps_low, 1 + eps_high) A_i,t).
 
-    Every token carries the value s_i but its own gradient path; the per-token clipped terms
-    are averaged over the response's tokens. With one advantage per response (as here) the
-    gradient equals GSPO's (the paper's Eq. (18) against Eq. (11)).
+    Every token carries the value s_i but its own gradient path. advantages (B,), one per
+    response, or (B, T), one per token (advantages.token_group_advantages). With one per
+    response the value and gradient equal GSPO's (the paper's Eq. (18) against Eq. (11)), and
+    the clip statistics count responses; per token, the clip binds token by token (s_i,t is s_i
+    for all, the sign of A_i,t decides), so they count unmasked tokens.
     """
     import torch
 
     log_s = _log_seq_ratio(logp, old_logp, mask).detach()  # (B,)
     logp = torch.where(mask, logp, torch.zeros_like(logp))
     tok_ratio = (log_s[:, None] + logp - logp.detach()).exp()  # (B, T), value s_i
-    per_token = _clipped_surrogate(tok_ratio, advantages[:, None], clip_low, clip_high)
-    stats = _clip_stats(log_s.exp(), advantages, clip_low, clip_high, mask.any(-1))
+    adv = advantages if advantages.dim() == 2 else advantages[:, None]  # (B, T) or (B, 1)
+    per_token = _clipped_surrogate(tok_ratio, adv, clip_low, clip_high)
+    if advantages.dim() == 2:
+        stats = _clip_stats(tok_ratio, advantages, clip_low, clip_high, mask)
+    else:
+        stats = _clip_stats(log_s.exp(), advantages, clip_low, clip_high, mask.any(-1))
     return _masked_mean(per_token, mask), stats
 
 
@@ -138,12 +145,13 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high: floa
 
     loss_i = mean over tokens t of -min(w_i,t A_i, clip(w_i,t, 1 - eps_low, 1 + eps_high) A_i),
     each token's term times token_weights (B, T) when given (the decoupled objective).
+    advantages (B,), or (B, T) for A_i,t (Eq. (2) as written; the paper's GRPO sets A_i,t = A_i).
     """
     import torch
 
     log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp))
     tok_ratio = log_ratio.exp()  # (B, T)
-    adv = advantages[:, None].expand_as(tok_ratio)
+    adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(tok_ratio)
     per_token = _clipped_surrogate(tok_ratio, adv, clip_low, clip_high)
     if token_weights is not None:
         per_token = per_token * token_weights
@@ -199,9 +207,17 @@ def _check(logp, old_logp, advantages, mask, level, clip_low, clip_high, ref_log
     for name, t in shaped:
         if t is not None and t.shape != logp.shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(logp.shape)}")
-    if advantages.shape != logp.shape[:1]:
+    if advantages.shape == logp.shape and advantages.dim() == 2:
+        if level == "sequence":
+            raise ValueError(
+                "GSPO's sequence objective (level 'sequence', Eq. (5)) takes one advantage per "
+                "response, (B,); per-token advantages (B, T) need level 'sequence_token' "
+                "(algorithm.lossLevel gspo-token) or 'token'"
+            )
+    elif advantages.shape != logp.shape[:1]:
         raise ValueError(
-            f"advantages must be (B,)={tuple(logp.shape[:1])}; got {tuple(advantages.shape)}"
+            f"advantages must be (B,)={tuple(logp.shape[:1])}, or (B, T)={tuple(logp.shape)} per "
+            f"token; got {tuple(advantages.shape)}"
         )
     if not 0 < clip_low < 1:
         raise ValueError(f"clip_low must lie in (0, 1), got {clip_low}")
@@ -231,8 +247,9 @@ def policy_loss(
 ) -> tuple[torch.Tensor, Stats]:
     """Loss to minimise: mean over responses of the level's per-response loss (+ KL).
 
-    logprobs (B, T) with grad, old_logprobs (B, T) (pi_old, no grad), advantages (B,),
-    mask (B, T) (1 on response tokens). Values at masked positions are ignored, even NaN.
+    logprobs (B, T) with grad, old_logprobs (B, T) (pi_old, no grad), advantages (B,) (or
+    (B, T), one per token, at the levels "sequence_token" and "token"), mask (B, T) (1 on
+    response tokens). Values at masked positions are ignored, even NaN.
     level: "sequence" (GSPO), "sequence_token" (GSPO-token) or "token" (GRPO); see LEVEL_OF.
     KL: the k3 estimator per token, exp(ref - logp) - (ref - logp) - 1, mean over each
     response's tokens, times kl_coef, added to that response's loss.

@@ -16,11 +16,20 @@ kinds serve as components: `format` (finished, non-empty, optionally matching a 
 
 A python function written for TRL or verl runs unchanged with reward.convention trl or verl
 (reward_conventions.py says what each argument is).
+
+Per-token rewards (for algorithm.lossLevel gspo-token): a `gspo`-convention function may
+return one score per response token instead of one number (a list, tuple or 1-D array as long
+as the response's token ids, EOS included; a function with a `token_ids` parameter is given
+them). A list of another length fails the call like a NaN does, the message naming the reward.
+The response's reward, wherever one number is read (reward_mean, greedy accuracy, samples,
+reward curves), is the mean of its token scores: a number reads as that number on every token,
+so the two kinds mix (weighted components, failures scoring 0) without changing either's mean.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import math
 import re
@@ -38,6 +47,7 @@ from gspo_trainer.validation import ConfigError
 log = logging.getLogger("gspo.rewards")
 
 RewardFn = Callable[[str, str, str], float]
+Score = float | tuple[float, ...]  # one number, or one per response token
 FLOAT32_MAX = 3.4028234663852886e38  # a larger reward is inf in the learner's float32 tensors
 
 
@@ -49,6 +59,61 @@ class RewardFailed(RuntimeError):
 def out_of_range(value: float) -> bool:
     """NaN, inf, or a float64 beyond what float32 holds (it would become inf)."""
     return not math.isfinite(value) or abs(value) > FLOAT32_MAX
+
+
+def sequence_reward(score: Score) -> float:
+    """The one number of a response's score: a per-token score's mean (0 with no tokens)."""
+    if isinstance(score, tuple):
+        return sum(score) / len(score) if score else 0.0
+    return score
+
+
+def token_rewards(scores: Sequence[Score], lengths: Sequence[int]) -> list[list[float]] | None:
+    """Each response's score per token (a number repeated over its `lengths` tokens), or None
+    when every score is one number (the batch has no per-token reward)."""
+    if not any(isinstance(s, tuple) for s in scores):
+        return None
+    return [list(s) if isinstance(s, tuple) else [s] * n
+            for s, n in zip(scores, lengths, strict=True)]  # fmt: skip
+
+
+def as_score(value: Any, tokens: int | None, name: str) -> Score:
+    """A reward call's return value as a Score: a list, tuple or 1-D array is one score per
+    response token and must be as long as the response (`tokens`); anything else is read
+    with float(), as a single reward always was."""
+    if isinstance(value, list | tuple) or getattr(value, "ndim", None) == 1:
+        scores = tuple(float(v) for v in value)
+        if tokens is None or len(scores) != tokens:
+            raise ValueError(
+                f"reward {name} returned {len(scores)} per-token scores for a response of "
+                f"{'unknown length' if tokens is None else f'{tokens} tokens'}: return one "
+                "number, or one score per response token (its token_ids, EOS included)"
+            )
+        return scores
+    return float(value)
+
+
+def _add(total: Score, weight: float, score: Score) -> Score:
+    """total + weight x score, a number counting on every token of a per-token score."""
+    if not isinstance(total, tuple) and not isinstance(score, tuple):
+        return total + weight * score
+    n = len(total) if isinstance(total, tuple) else len(score)  # type: ignore[arg-type]
+    t = total if isinstance(total, tuple) else (total,) * n
+    s = score if isinstance(score, tuple) else (score,) * n
+    return tuple(a + weight * b for a, b in zip(t, s, strict=True))
+
+
+def _bad(score: Score) -> bool:
+    """Whether any value of `score` is not a finite float32 (see out_of_range)."""
+    return any(map(out_of_range, score)) if isinstance(score, tuple) else out_of_range(score)
+
+
+def takes_token_ids(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` declares a `token_ids` parameter (it is then given the response's ids)."""
+    try:
+        return "token_ids" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or extension function without a signature
+        return False
 
 
 ItemFn = Callable[["Scored"], float]  # built-in components that read more than the text
@@ -230,19 +295,26 @@ class RewardScorer:
     on_failure: Callable[[str], None] | None = None
     takes_item: bool = False  # fn(item: Scored), the built-in format and length components
     batch: bool = False  # fn(items) -> list[float | None], one call per batch (TRL's functions)
+    token_ids: bool = False  # fn(prompt, completion, answer, token_ids=...): it takes the ids
+    name: str = "function"  # how messages name the reward (reward.function, a component's name)
     failures: dict[str, int] = field(default_factory=lambda: {"error": 0, "timeout": 0})
     last: BatchOutcome = field(default_factory=BatchOutcome)
     pool: WorkerPool | None = None
 
-    def score_components(self, items: Sequence[Scored]) -> tuple[list[float], dict[str, float]]:
-        """The scores, and no components (a single reward function)."""
-        return self.score(items), {}
+    def score_components(self, items: Sequence[Scored]) -> tuple[list[Score], dict[str, float]]:
+        """The scores (per token where the function gave them), and no components (a single
+        reward function)."""
+        return self.scores(items), {}
 
     def score(self, items: Sequence[Scored]) -> list[float]:
+        """One reward per item (a per-token score's mean: `sequence_reward`)."""
+        return [sequence_reward(s) for s in self.scores(items)]
+
+    def scores(self, items: Sequence[Scored]) -> list[Score]:
         self.last = BatchOutcome(calls=len(items))
         if self.batch:
             return self._warned(self._score_batch(items))
-        scores = [0.0] * len(items)
+        scores: list[Score] = [0.0] * len(items)
         if self.inline:
             outcomes: dict[int, Any] = {i: self._outcome(item) for i, item in enumerate(items)}
         else:
@@ -251,7 +323,7 @@ class RewardScorer:
             self._check(i, outcomes.get(i), scores)
         return self._warned(scores)
 
-    def _warned(self, scores: list[float]) -> list[float]:
+    def _warned(self, scores: list[Score]) -> list[Score]:
         """`scores`, after one warning for the batch's failures, if any."""
         if self.last.failed_total:
             reasons = ", ".join(f"{n} {r}" for r, n in self.last.failed.items() if n)
@@ -260,7 +332,7 @@ class RewardScorer:
                         self.last.first)  # fmt: skip
         return scores
 
-    def _score_batch(self, items: Sequence[Scored]) -> list[float]:
+    def _score_batch(self, items: Sequence[Scored]) -> list[Score]:
         """One call for the whole batch on the scorer's pool, bounded by timeout_s; a call
         that fails scores every item 0 (each counted). None, TRL's "does not apply", scores 0."""
         if not items:
@@ -281,7 +353,7 @@ class RewardScorer:
             message = f"reward call for a batch of {len(items)} raised {outcome!r}"
             self._fail("error", message, len(items))
             return [0.0] * len(items)
-        scores = [0.0] * len(items)
+        scores: list[Score] = [0.0] * len(items)
         for i, value in enumerate(outcome):
             if value is not None:
                 self._check(i, value, scores)
@@ -335,26 +407,31 @@ class RewardScorer:
                 cond.wait(max(0.001, wake))
         return final
 
-    def _check(self, i: int, outcome: float | BaseException | None, scores: list[float]) -> float:
+    def _check(self, i: int, outcome: Score | BaseException | None, scores: list[Score]) -> None:
         if outcome is None:
             self._fail("timeout", f"reward call for item {i} ran past {self.timeout_s}s")
         elif isinstance(outcome, BaseException):
             self._fail("error", f"reward call for item {i} raised {outcome!r}")
-        elif out_of_range(outcome):
+        elif _bad(outcome):
             self._fail("error", f"reward call for item {i} returned {outcome}, not a finite "
                        "float32")  # fmt: skip
         else:
             scores[i] = outcome
-        return scores[i]
 
-    def _outcome(self, item: Scored) -> float | BaseException:
-        """One call's score, or what it raised."""
+    def _outcome(self, item: Scored) -> Score | BaseException:
+        """One call's score (as_score: a number, or one per response token), or what it
+        raised."""
         if self.require_finished and not item.finished:
             return 0.0
         try:
             if self.takes_item:
-                return float(self.fn(item))  # type: ignore[call-arg,arg-type]
-            return float(self.fn(item.prompt, item.completion, item.answer))
+                value = self.fn(item)  # type: ignore[call-arg,arg-type]
+            elif self.token_ids:
+                value = self.fn(item.prompt, item.completion, item.answer,  # type: ignore[call-arg]
+                                token_ids=item.token_ids)  # fmt: skip
+            else:
+                value = self.fn(item.prompt, item.completion, item.answer)
+            return as_score(value, item.tokens, self.name)
         except BaseException as exc:
             return exc
 
@@ -391,12 +468,15 @@ def build_scorer(
         if cfg.kind == "python" and cfg.convention != "gspo":
             kw = {"timeout_s": cfg.timeout_seconds, "on_failure": on_failure}
             return convention_scorer(reward_function(cfg), cfg.convention, **kw)
+        fn = reward_function(cfg)
         return RewardScorer(
-            reward_function(cfg),
+            fn,
             timeout_s=cfg.timeout_seconds,
             require_finished=cfg.kind in FINISHED_ONLY,
             inline=cfg.kind == "arithmetic",
             on_failure=on_failure,
+            token_ids=takes_token_ids(fn),
+            name=cfg.function or str(cfg.kind),
         )
     return WeightedScorer([
         Component(f.name, f.weight,
@@ -436,9 +516,10 @@ def _component_scorer(f: RewardFunctionConfig, cfg: RewardConfig,
     one = RewardConfig(kind=f.kind, function=f.function)
     if f.kind == "python" and f.convention != "gspo":
         return convention_scorer(reward_function(one), f.convention, **kw)  # type: ignore[arg-type]
-    arithmetic = f.kind == "arithmetic"
-    return RewardScorer(reward_function(one), require_finished=f.kind in FINISHED_ONLY,
-                        inline=arithmetic, **kw)  # fmt: skip
+    fn = reward_function(one)
+    return RewardScorer(fn, require_finished=f.kind in FINISHED_ONLY,
+                        inline=f.kind == "arithmetic", token_ids=takes_token_ids(fn),
+                        name=f.name, **kw)  # fmt: skip
 
 
 def convention_scorer(fn: Callable[..., Any], convention: str, **kw: Any) -> RewardScorer:
@@ -465,20 +546,22 @@ class WeightedScorer:
     components: list[Component]
 
     def score(self, items: Sequence[Scored]) -> list[float]:
-        return self.score_components(items)[0]
+        return [sequence_reward(s) for s in self.score_components(items)[0]]
 
-    def score_components(self, items: Sequence[Scored]) -> tuple[list[float], dict[str, float]]:
-        """The weighted rewards, and each component's mean over `items` (unweighted), keyed
-        reward/<name> as in history.jsonl."""
-        totals = [0.0] * len(items)
+    def score_components(self, items: Sequence[Scored]) -> tuple[list[Score], dict[str, float]]:
+        """The weighted rewards (per token where a component gave per-token scores: a number
+        counts on every token), and each component's mean over `items` (unweighted, of each
+        response's `sequence_reward`), keyed reward/<name> as in history.jsonl."""
+        totals: list[Score] = [0.0] * len(items)
         means: dict[str, float] = {}
         for c in self.components:
             scores, extra = c.scorer.score_components(items)  # a code component's counts
             means.update(extra)
-            totals = [t + c.weight * s for t, s in zip(totals, scores, strict=True)]
-            means[REWARD_COMPONENT_PREFIX + c.name] = sum(scores) / max(1, len(scores))
+            totals = [_add(t, c.weight, s) for t, s in zip(totals, scores, strict=True)]
+            flat = [sequence_reward(s) for s in scores]
+            means[REWARD_COMPONENT_PREFIX + c.name] = sum(flat) / max(1, len(flat))
         for i, total in enumerate(totals):  # in range alone, weighted sums can still overflow
-            if out_of_range(total):
+            if _bad(total):
                 log.warning("Reward of item %d: the weighted sum %s is not a finite float32; "
                             "scored 0", i, total)  # fmt: skip
                 totals[i] = 0.0

@@ -24,6 +24,9 @@ class Packed:
     # (N,) prompt + response tokens of each row, on the host: the row bounds the forward and
     # the micro-batch plan need, read without waiting for the device
     seq_lengths: tuple[int, ...]
+    # (N, L-1) each response token's reward at the mask (0 elsewhere), when the reward scored
+    # per token; None when every reward was one number per response
+    token_rewards: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> Packed:
         """The same batch on `device` (the engine's: the model, the loss and the collectives
@@ -31,9 +34,10 @@ class Packed:
         if self.ids.device == device:
             return self
         ids = self.ids.to(device)
+        tokens = None if self.token_rewards is None else self.token_rewards.to(device)
         return Packed(ids, self.attn.to(device), ids[:, 1:], self.mask.to(device),
                       self.engine_logp.to(device), self.rewards.to(device),
-                      self.lengths.to(device), self.seq_lengths)  # fmt: skip
+                      self.lengths.to(device), self.seq_lengths, tokens)  # fmt: skip
 
     def width(self, rows: slice) -> int:
         """The longest sequence among `rows` (prompt + response), the length they run at."""
@@ -41,8 +45,20 @@ class Packed:
 
 
 def pack(prompts: list[list[int]], responses: list[list[int]], engine_logps: list[list[float]],
-         rewards: list[float], group_size: int, pad_id: int) -> Packed:  # fmt: skip
+         rewards: list[float], group_size: int, pad_id: int,
+         token_rewards: list[list[float]] | None = None) -> Packed:  # fmt: skip
+    """The responses (each after its group's prompt) as padded rows; each response's
+    per-token values (engine log-probs, token rewards) laid at the positions that predict its
+    tokens, where `mask` is True."""
     import torch
+
+    if token_rewards is not None:
+        bad = [i for i, (t, r) in enumerate(zip(token_rewards, responses, strict=True))
+               if len(t) != len(r)]  # fmt: skip
+        if bad:
+            i = bad[0]
+            raise ValueError(f"response {i} has {len(responses[i])} tokens but "
+                             f"{len(token_rewards[i])} token rewards")  # fmt: skip
 
     rows = [prompts[i // group_size] + r for i, r in enumerate(responses)]
     L = max(len(r) for r in rows)
@@ -51,16 +67,19 @@ def pack(prompts: list[list[int]], responses: list[list[int]], engine_logps: lis
     attn = torch.zeros((N, L), dtype=torch.long)
     mask = torch.zeros((N, L - 1), dtype=torch.bool)
     engine_logp = torch.zeros((N, L - 1))
+    tok_rewards = None if token_rewards is None else torch.zeros((N, L - 1))
     for i, row in enumerate(rows):
         p, n = len(prompts[i // group_size]), len(responses[i])
         ids[i, : len(row)] = torch.tensor(row)
         attn[i, : len(row)] = 1
         mask[i, p - 1 : p - 1 + n] = True
         engine_logp[i, p - 1 : p - 1 + n] = torch.tensor(engine_logps[i], dtype=torch.float32)
+        if tok_rewards is not None and token_rewards is not None:
+            tok_rewards[i, p - 1 : p - 1 + n] = torch.tensor(token_rewards[i], dtype=torch.float32)
     lengths = torch.tensor([len(r) for r in responses], dtype=torch.float32)
     return Packed(ids, attn, ids[:, 1:], mask, engine_logp,
                   torch.tensor(rewards, dtype=torch.float32), lengths,
-                  tuple(len(r) for r in rows))  # fmt: skip
+                  tuple(len(r) for r in rows), tok_rewards)  # fmt: skip
 
 
 def micro_slices(rows: slice, count: int) -> list[slice]:

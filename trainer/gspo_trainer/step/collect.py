@@ -15,7 +15,14 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from gspo_trainer.config import AlgorithmConfig, MetricsConfig
-from gspo_trainer.rewards import RewardFailed, RewardScorer, Scored, WeightedScorer
+from gspo_trainer.rewards import (
+    RewardFailed,
+    RewardScorer,
+    Scored,
+    WeightedScorer,
+    sequence_reward,
+    token_rewards,
+)
 from gspo_trainer.rollout.client import RequestRefused, RolloutError
 from gspo_trainer.rollout.types import Completion, RolloutBatch, SamplingParams, step_seed
 from gspo_trainer.samples import samples_due
@@ -39,12 +46,15 @@ class Rollouts:
     prompts: list[list[int]]  # token ids, one per prompt
     responses: list[list[int]]  # G per prompt, groups contiguous
     engine_logps: list[list[float]]  # the sampler's log-prob of each response token
-    rewards: list[float]
+    rewards: list[float]  # one per response (a per-token reward's mean over its tokens)
     reward_components: dict[str, float]  # reward/<name>: each function's mean
     texts: tuple[list[str], list[str]] | None  # (prompts, completions) when samples are due
     policy_version: int  # the oldest version among the servers that sampled them
     seconds: dict[str, float]  # "rollout", "reward"
     reward_failure_fraction: float = 0.0  # share of the step's reward calls that failed
+    # One score per response token, for every response, when the reward gave any per-token
+    # scores (a number is repeated over its response's tokens); None when it gave none.
+    token_rewards: list[list[float]] | None = None
 
 
 class Collector:
@@ -130,18 +140,19 @@ class Collector:
         t1 = time.perf_counter()
         completions = [c for group in batch.groups for c in group]
         scored = self.scored(examples, completions)
-        rewards, components = self.scorer.score_components(scored)  # components: reward/<name>
+        scores, components = self.scorer.score_components(scored)  # components: reward/<name>
         failed = self.reward_failures(step)
         due = samples_due(step, self.metrics.samples_every_steps)
         return Rollouts(
             step=step, prompts=prompts,
             responses=[c.token_ids for c in completions],
             engine_logps=[c.logprobs for c in completions],
-            rewards=rewards, reward_components=components,
+            rewards=[sequence_reward(s) for s in scores], reward_components=components,
             texts=([s.prompt for s in scored], [s.completion for s in scored]) if due else None,
             policy_version=min(c.policy_version for c in completions),
             seconds={"rollout": t1 - t0, "reward": time.perf_counter() - t1},
             reward_failure_fraction=failed,
+            token_rewards=token_rewards(scores, [len(c.token_ids) for c in completions]),
         )  # fmt: skip
 
     def reward_failures(self, step: int) -> float:

@@ -78,9 +78,10 @@ def update(policy: Policy, packed: Packed, plan: list[MiniBatch], old: OldPolicy
                 extra = {"ref_logprobs": old.ref[k][here, : fwd.L - 1], "kl_coef": alg.kl_coef}
             if behaviour:
                 extra["behaviour_logprobs"] = packed.engine_logp[sub, : fwd.L - 1]
+            adv = advantages[sub] if advantages.dim() == 1 else advantages[sub, : fwd.L - 1]
             loss, stats, scores = score_with_head(
                 policy.module, _fused, fwd.hidden, targets, mask, old.logp[k][here, : fwd.L - 1],
-                advantages[sub], alg.temperature, {**kw, **extra},
+                adv, alg.temperature, {**kw, **extra},
             )  # fmt: skip
             if fwd.router is not None and policy.moe and aux_coef > 0:
                 token_mask = policy.token_mask(packed, sub, fwd.L)
