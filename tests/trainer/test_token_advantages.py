@@ -292,6 +292,7 @@ def test_a_learner_step_trains_gspo_token_on_per_token_advantages(
     monkeypatch.setattr(learner_module, "update", recording)
     manifest = tiny_spec(lossLevel="gspo-token", miniBatches=1, promptsPerStep=4, groupSize=4)
     manifest["spec"]["reward"] = {"kind": "python", "function": "test_token_advantages:per_token"}
+    manifest["spec"]["metrics"]["samplesEverySteps"] = 1
     learner = make_learner(tmp_path, None, manifest)
     before = params(learner)
     asyncio.run(learner.sync(0))
@@ -305,6 +306,10 @@ def test_a_learner_step_trains_gspo_token_on_per_token_advantages(
     torch.testing.assert_close(packed.token_rewards[packed.mask],
                                (packed.targets[packed.mask] % 2 == 0).float())  # fmt: skip
     assert stats["reward_mean"] == pytest.approx(float(packed.rewards.mean()))
+    for sample in stats["samples"]:  # a response's reward and advantage: its tokens' mean
+        i, row = sample["index"], packed.mask[sample["index"]]
+        assert sample["reward"] == pytest.approx(float(packed.token_rewards[i][row].mean()))
+        assert sample["advantage"] == pytest.approx(float(adv[i][row].mean()), abs=1e-6)
     assert math.isfinite(stats["loss"])
     after = params(learner)
     assert any(not torch.equal(before[n], after[n]) for n in before)
