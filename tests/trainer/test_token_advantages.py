@@ -281,6 +281,7 @@ def test_a_learner_step_trains_gspo_token_on_per_token_advantages(
     from learner_helpers import make_learner, params, tiny_spec
 
     import gspo_trainer.learner as learner_module
+    import gspo_trainer.step.update as update_module
 
     seen = []
     real_update = learner_module.update
@@ -290,9 +291,18 @@ def test_a_learner_step_trains_gspo_token_on_per_token_advantages(
         return real_update(policy, packed, plan, old, advantages, *args, **kw)
 
     monkeypatch.setattr(learner_module, "update", recording)
+    fused_calls = []
+    real_fused = update_module._fused
+
+    def fused(hidden, weight, targets, mask, old_logp, advantages, *args):  # type: ignore[no-untyped-def]
+        fused_calls.append((mask.clone(), advantages.detach().clone()))
+        return real_fused(hidden, weight, targets, mask, old_logp, advantages, *args)
+
+    monkeypatch.setattr(update_module, "_fused", fused)
     manifest = tiny_spec(lossLevel="gspo-token", miniBatches=1, promptsPerStep=4, groupSize=4)
     manifest["spec"]["reward"] = {"kind": "python", "function": "test_token_advantages:per_token"}
     manifest["spec"]["metrics"]["samplesEverySteps"] = 1
+    manifest["spec"]["learner"]["microBatchTokens"] = 8  # one response per micro-batch
     learner = make_learner(tmp_path, None, manifest)
     before = params(learner)
     asyncio.run(learner.sync(0))
@@ -310,6 +320,11 @@ def test_a_learner_step_trains_gspo_token_on_per_token_advantages(
         i, row = sample["index"], packed.mask[sample["index"]]
         assert sample["reward"] == pytest.approx(float(packed.token_rewards[i][row].mean()))
         assert sample["advantage"] == pytest.approx(float(adv[i][row].mean()), abs=1e-6)
+    # The loss of each micro-batch (one response each, cut to its own width) got the
+    # advantages of its own tokens: in order, they are the step's, token for token.
+    got = torch.cat([a[m] for m, a in fused_calls])
+    torch.testing.assert_close(got, adv[packed.mask])
+    assert len(fused_calls) == len(packed.seq_lengths)
     assert math.isfinite(stats["loss"])
     after = params(learner)
     assert any(not torch.equal(before[n], after[n]) for n in before)
