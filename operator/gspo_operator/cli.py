@@ -2,9 +2,10 @@
 
 `validate`, `render` and `crd` are defined here and import their modules only when run, so
 `gspo validate` never pays for torch and `gspo --help` or shell completion imports no more
-than click. The commands run in pods (`operator`, `rollout-server`, `learner`, `train`) keep
-their own argparse parsers in their own modules: gspo hands them their arguments unchanged,
-so `gspo train --help` is train's own help and the images' argv work as they always did.
+than click. The commands run in pods (`operator`, `rollout-server`, `learner`,
+`sandbox-server`, `train`) keep their own argparse parsers in their own modules: gspo hands
+them their arguments unchanged, so `gspo train --help` is train's own help and the images'
+argv work as they always did.
 
 Exit codes: 0 ok; 1 invalid input (a manifest that fails validation; a file that is missing,
 unreadable, empty or not YAML; an output directory that does not exist); 2 usage (an
@@ -47,6 +48,10 @@ POD_COMMANDS: dict[str, tuple[str, str]] = {
         "Serve rollouts: vLLM's server with the gspo plugin.",
     ),
     "learner": ("gspo_trainer.learner_cli:main", "Run the GSPO learner."),
+    "sandbox-server": (
+        "gspo_trainer.code.service:main",
+        "Serve the code reward's sandbox over HTTP (reward.sandbox.mode service).",
+    ),
     "train": ("gspo_trainer.train:main", "Train locally: rollout servers and learner."),
 }
 

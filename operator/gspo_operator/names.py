@@ -39,6 +39,7 @@ COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 
 LEARNER = "learner"
 ROLLOUT = "rollout"
+SANDBOX = "sandbox"  # the code reward's sandbox pods (reward.sandbox.mode service)
 
 
 def config_map(job: str) -> str:
@@ -77,6 +78,18 @@ def rollout_headless_service(job: str) -> str:
 
 def rollout_api_service(job: str) -> str:
     return f"{job}-rollout-api"
+
+
+def sandbox_service(job: str) -> str:
+    return f"{job}-sandbox"
+
+
+def sandbox_network_policy(job: str) -> str:
+    return f"{job}-sandbox"
+
+
+def sandbox_dns(job: str, namespace: str) -> str:
+    return f"{sandbox_service(job)}.{namespace}.svc"
 
 
 def checkpoint_claim(job: str) -> str:

@@ -30,6 +30,21 @@ Obj = dict[str, Any]
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 LEARNER_GRACE_SECONDS = ports.LEARNER_GRACE_SECONDS  # time for the final checkpoint
 ROLLOUT_GRACE_SECONDS = 30
+SANDBOX_GRACE_SECONDS = 10  # a sandbox pod keeps nothing: its programs die with it
+# Replacements of each sandbox pod (its Job's backoffLimit) before the job fails, as a rollout
+# server's default: a pod lost to its node is replaced, one that cannot start fails the job.
+SANDBOX_BACKOFF_LIMIT = 20
+SANDBOX_TOKEN_VOLUME = "sandbox-token"
+# What of reward.sandbox a sandbox pod applies to each program (code/sandbox.py reads these).
+SANDBOX_LIMITS = {
+    "isolation",
+    "concurrency",
+    "timeout_seconds",
+    "memory_mib",
+    "processes",
+    "output_bytes",
+    "file_bytes",
+}
 POD_UID = 10001  # the images' non-root user
 # The root filesystem is read-only; what DeepSpeed, vLLM, torch and Hugging Face write (compiled
 # ops, caches, downloads) goes to emptyDirs at the home directory and /tmp instead.
@@ -77,12 +92,14 @@ def render_job(
     )
     # With rollout.replicas 0 no rollout pod exists, so no Service for them either.
     services = [render_rollout_service(ctx, headless=headless) for headless in (True, False)]
+    sandbox = [render_sandbox_service(ctx), render_sandbox_network_policy(ctx)]
     out: list[Obj] = [
         render_config_map(ctx, job),
         render_secret(ctx, token),
         render_pod_dns_service(ctx),
         *(services if spec.rollout.replicas > 0 else []),
         render_network_policy(ctx),
+        *(sandbox if runs_sandbox_pods(spec) else []),
         render_jobset(ctx),
     ]
     if spec.checkpoint.claim_name is None:
@@ -175,6 +192,14 @@ def render_secret(ctx: _Ctx, token: str) -> Obj:
     }
 
 
+def runs_sandbox_pods(spec: GSPOJobSpec) -> bool:
+    """Whether the job has sandbox pods of its own: a code reward, scored in mode service,
+    with no serviceUrl naming the user's own sandbox service."""
+    reward = spec.reward
+    scores_code = reward.kind == "code" or any(f.kind == "code" for f in reward.functions or [])
+    return scores_code and reward.sandbox.mode == "service" and reward.sandbox.service_url is None
+
+
 def checkpoint_access_modes(spec: GSPOJobSpec) -> list[str]:
     """ReadWriteOnce when a single pod mounts the claim, which most default storage classes
     offer; ReadWriteMany when several learner pods (or the rollout servers) share it."""
@@ -236,6 +261,16 @@ def failure_rules(spec: GSPOJobSpec) -> list[Obj]:
                 "targetReplicatedJobs": rollout,
             }
         )
+    if runs_sandbox_pods(spec):
+        # A sandbox pod that failed SANDBOX_BACKOFF_LIMIT times (it cannot start: e.g. its
+        # isolation is refused on these nodes) would make every test case a sandbox failure.
+        rules.append(
+            {
+                "name": "SandboxOutOfRetries",
+                "action": "FailJobSet",
+                "targetReplicatedJobs": [names.SANDBOX],
+            }
+        )
     return rules
 
 
@@ -269,6 +304,17 @@ def render_jobset(ctx: _Ctx) -> Obj:
         replicated.append(
             {"name": names.ROLLOUT, "replicas": spec.rollout.replicas, "template": rollout_job}
         )
+    if runs_sandbox_pods(spec):
+        sandbox_job = _job_template(
+            ctx,
+            names.SANDBOX,
+            render_sandbox_pod_template(ctx),
+            pods=1,
+            backoff_limit=SANDBOX_BACKOFF_LIMIT,  # replaces a failed sandbox pod alone
+            pod_failure_rules=[{"action": "Ignore", "onPodConditions": [DISRUPTED]}],
+        )
+        pods = spec.reward.sandbox.replicas or 1
+        replicated.append({"name": names.SANDBOX, "replicas": pods, "template": sandbox_job})
     meta = ctx.meta(names.jobset(job), "jobset")
     queue = spec.run_policy.scheduling.queue
     if queue:
@@ -364,6 +410,9 @@ def render_learner_pod_template(ctx: _Ctx) -> Obj:
         ),
         _token_env(job),
     ]
+    if runs_sandbox_pods(spec):
+        url = f"http://{names.sandbox_dns(job, ns)}:{ports.SANDBOX_HTTP_PORT}"
+        env.append(_env(ports.ENV_SANDBOX_URL, url))
     container: Obj = {
         "name": names.LEARNER,
         "image": learner.image,
@@ -511,6 +560,120 @@ def render_rollout_pod_template(ctx: _Ctx) -> Obj:
     return _pod_template(ctx, names.ROLLOUT, rollout, pod_spec)
 
 
+def sandbox_args(spec: GSPOJobSpec) -> list[str]:
+    """Flags of `gspo sandbox-server` (code/service.py): the isolation and limits of
+    reward.sandbox, which it applies to every program as the learner would in mode local."""
+    limits = spec.reward.sandbox.model_dump(mode="json", by_alias=True, include=SANDBOX_LIMITS)
+    return [
+        "--host=0.0.0.0",
+        f"--port={ports.SANDBOX_HTTP_PORT}",
+        f"--token-file={ports.SANDBOX_TOKEN_DIR}/token",
+        f"--sandbox={json.dumps(limits, sort_keys=True)}",
+    ]
+
+
+def render_sandbox_pod_template(ctx: _Ctx) -> Obj:
+    """A sandbox pod: the code reward's programs run here, away from the job. It holds the
+    job's token (to check the learner's requests) and nothing else of the job: no checkpoint,
+    model or cache volume, no service-account token, no user env or volumes, no Secret but
+    the token's key. The image is the learner's (the same runner code as mode local); the
+    RuntimeClass, resources and replicas are reward.sandbox's; its NetworkPolicy admits only
+    the learner and lets nothing out (render_sandbox_network_policy)."""
+    spec, job = ctx.spec, ctx.job
+    sandbox = spec.reward.sandbox
+    resources = sandbox.resources.model_dump() if sandbox.resources is not None else {}
+    container: Obj = {
+        "name": names.SANDBOX,
+        "image": spec.learner.image,
+        "command": list(ports.SANDBOX_COMMAND),
+        "args": sandbox_args(spec),
+        "env": [*_writable_env(), _env(ports.ENV_JOB_NAME, job)],
+        "ports": [_container_port("sandbox", ports.SANDBOX_HTTP_PORT)],
+        # Ready once it has run a program under its isolation (it probes before serving).
+        "readinessProbe": {
+            "httpGet": {"path": ports.HEALTH_PATH, "port": "sandbox"},
+            "periodSeconds": 5,
+        },
+        "resources": render_resources(resources, 0),
+        "volumeMounts": [
+            {"name": SANDBOX_TOKEN_VOLUME, "mountPath": ports.SANDBOX_TOKEN_DIR, "readOnly": True},
+            *_writable_mounts(),
+        ],
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": _container_security(),
+    }
+    token = {
+        "secretName": names.sync_token_secret(job),
+        "items": [{"key": "token", "path": "token"}],
+        "defaultMode": 0o440,  # the pod's user reads it through fsGroup; no one else
+    }
+    pod_spec: Obj = {
+        "restartPolicy": "Never",  # a failed pod becomes a new pod of the same Job
+        "terminationGracePeriodSeconds": SANDBOX_GRACE_SECONDS,
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        "securityContext": _pod_security(),
+        "containers": [container],
+        "volumes": [{"name": SANDBOX_TOKEN_VOLUME, "secret": token}, *_writable_volumes()],
+    }
+    if sandbox.runtime_class_name:
+        pod_spec["runtimeClassName"] = sandbox.runtime_class_name
+    if spec.learner.image_pull_secrets:  # the learner's image
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.learner.image_pull_secrets]
+    # The job's priority, scheduler and tolerations; not its nodeSelector or affinity, which
+    # place the learner and the servers on accelerator nodes (a RuntimeClass's own
+    # scheduling places the sandbox pods on the nodes that run it).
+    sched = _scheduling(spec)
+    pod_spec.update(
+        {
+            k: v
+            for k, v in sched.items()
+            if k in ("priorityClassName", "schedulerName", "tolerations")
+        }
+    )
+    return {"metadata": {"labels": names.labels(job, names.SANDBOX)}, "spec": pod_spec}
+
+
+def render_sandbox_service(ctx: _Ctx) -> Obj:
+    """The sandbox pods' ClusterIP Service: the learner's $GSPO_SANDBOX_URL."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": ctx.meta(names.sandbox_service(ctx.job), names.SANDBOX),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": names.selector(ctx.job, names.SANDBOX),
+            "ports": [_service_port("sandbox", ports.SANDBOX_HTTP_PORT)],
+        },
+    }
+
+
+def render_sandbox_network_policy(ctx: _Ctx) -> Obj:
+    """The sandbox pods admit the job's learner pods on the sandbox port, and nothing else;
+    they reach nothing at all (Egress isolated with no egress rule: not even DNS). The
+    job's own policy (render_network_policy) leaves them out, so its rules do not add to
+    these. Traffic from the pod's own node (the kubelet's probes) passes, as NetworkPolicy
+    defines it."""
+    learners = {"podSelector": {"matchLabels": names.selector(ctx.job, names.LEARNER)}}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": ctx.meta(names.sandbox_network_policy(ctx.job), names.SANDBOX),
+        "spec": {
+            "podSelector": {"matchLabels": names.selector(ctx.job, names.SANDBOX)},
+            # No `egress` key: an empty list is dropped by the API server on the way back
+            # (omitempty), and with Egress in policyTypes no rule means nothing goes out.
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [
+                {
+                    "from": [learners],
+                    "ports": [{"protocol": "TCP", "port": ports.SANDBOX_HTTP_PORT}],
+                }
+            ],
+        },
+    }
+
+
 def render_pod_dns_service(ctx: _Ctx) -> Obj:
     """The headless Service that gives the job's pods their DNS names (`<host>.<subdomain>`;
     the learner's rendezvous address is rank 0's), as JobSet would create it.
@@ -559,7 +722,7 @@ def render_network_policy(ctx: _Ctx) -> Obj:
     A rule's empty `from` admits everyone, so with no scrapers configured the rollout port's
     rule is left out rather than rendered empty; the learner's always names the operator.
     """
-    own = {"podSelector": {"matchLabels": names.selector(ctx.job)}}
+    own = {"podSelector": _job_pods(ctx)}
     scrapers = [copy.deepcopy(peer) for peer in ctx.policy.metrics_from]
     ingress: list[Obj] = [
         # Rendezvous, weight sync and NCCL/gloo's own ephemeral ports: the job only.
@@ -583,11 +746,23 @@ def render_network_policy(ctx: _Ctx) -> Obj:
         "kind": "NetworkPolicy",
         "metadata": ctx.meta(names.network_policy(ctx.job), "network"),
         "spec": {
-            "podSelector": {"matchLabels": names.selector(ctx.job)},
+            "podSelector": _job_pods(ctx),
             "policyTypes": ["Ingress"],
             "ingress": ingress,
         },
     }
+
+
+def _job_pods(ctx: _Ctx) -> Obj:
+    """The job's pods but its sandbox pods: policies add up, so a rule of the job's own
+    policy that selected the sandbox pods would let the rollout servers reach them (and
+    theirs would let them out); sandbox pods are never a peer of the job's pods either."""
+    selector: Obj = {"matchLabels": names.selector(ctx.job)}
+    if runs_sandbox_pods(ctx.spec):
+        selector["matchExpressions"] = [
+            {"key": names.ROLE_LABEL, "operator": "NotIn", "values": [names.SANDBOX]}
+        ]
+    return selector
 
 
 def render_pod_monitor(ctx: _Ctx) -> Obj:

@@ -274,11 +274,12 @@ def _code_sandbox(st: _Status, spec: GSPOJobSpec) -> None:
     reward = spec.reward
     if reward.kind != "code" and not any(f.kind == "code" for f in reward.functions or []):
         return
+    where = "the learner pod" if reward.sandbox.mode == "local" else "the sandbox pods"
     if reward.sandbox.isolation == "none":
         message = (
-            "reward.sandbox.isolation is none: model-written programs run in the learner pod "
-            "with resource limits only (they can read the job's files and reach the network); "
-            "docs/rewards.md"
+            f"reward.sandbox.isolation is none: model-written programs run in {where} "
+            "with resource limits only (they can read the pod's files and reach the network "
+            "it may reach); docs/rewards.md"
         )
         st.condition("CodeSandboxed", False, "IsolationNone", message)
     else:
@@ -535,6 +536,8 @@ def _failure(
         reason = "BackoffLimitExceeded"
     elif any(p.role == names.ROLLOUT for p in pods) and not why:
         reason = "RolloutFailed"
+    elif any(p.role == names.SANDBOX for p in pods) and not why:
+        reason = "SandboxFailed"
     text = f"JobSet: {message}" + (f"; {why}" if why else "")
     return reason or "JobSetFailed", text
 

@@ -7,7 +7,7 @@ import re
 import pytest
 from checkout import run_gspo
 
-POD_COMMANDS = ["operator", "rollout-server", "learner", "train"]
+POD_COMMANDS = ["operator", "rollout-server", "learner", "sandbox-server", "train"]
 
 
 def flags_without_help(text: str) -> list[str]:

@@ -9,11 +9,11 @@ import threading
 
 import pytest
 
-from gspo_trainer.code.runner import CodeRunner, CodeScorer, build_code_scorer
-from gspo_trainer.code.sandbox import LocalSandbox
+from gspo_trainer.code.runner import CodeRunner, CodeScorer, build_code_scorer, wait_for_service
+from gspo_trainer.code.sandbox import LocalSandbox, RunResult
 from gspo_trainer.code.service import RemoteSandbox, serve_sandbox
 from gspo_trainer.config import CodeConfig, SandboxConfig
-from gspo_trainer.ports import ENV_SYNC_TOKEN
+from gspo_trainer.ports import ENV_SANDBOX_URL, ENV_SYNC_TOKEN
 from gspo_trainer.rewards import Scored
 from gspo_trainer.validation import SpecError, parse_spec
 
@@ -63,9 +63,89 @@ def test_mode_service_probes_the_service_with_the_jobs_token(service, monkeypatc
         build_code_scorer(CodeConfig(), cfg)
 
 
-def test_service_url_goes_with_mode_service() -> None:
-    base = {"model": {"name": "builtin:tiny-qwen3"}, "data": {"source": "builtin:addition"}}
-    for sandbox, says in (({"mode": "service"}, "must be set"),
-                          ({"serviceUrl": "http://x:1"}, "only read")):  # fmt: skip
-        with pytest.raises(SpecError, match=says):
-            parse_spec({**base, "reward": {"kind": "code", "sandbox": sandbox}})
+BASE = {"model": {"name": "builtin:tiny-qwen3"}, "data": {"source": "builtin:addition"}}
+
+
+@pytest.mark.parametrize(
+    ("sandbox", "field", "says"),
+    [
+        ({"serviceUrl": "http://x:1"}, "serviceUrl", "only read when reward.sandbox.mode is"),
+        ({"replicas": 2}, "replicas", "only read when reward.sandbox.mode is service"),
+        ({"runtimeClassName": "gvisor"}, "runtimeClassName", "only read when"),
+        (
+            {"mode": "service", "serviceUrl": "http://x:1", "resources": {}},
+            "resources",
+            "not read when serviceUrl names your own sandbox service",
+        ),
+        ({"mode": "service", "runtimeClassName": "Not_A_Name"}, "runtimeClassName", "match"),
+        ({"mode": "service", "replicas": 11}, "replicas", "10"),
+    ],
+)
+def test_sandbox_pod_settings_are_refused_where_no_sandbox_pods_run(sandbox, field, says) -> None:
+    with pytest.raises(SpecError) as err:
+        parse_spec({**BASE, "reward": {"kind": "code", "sandbox": sandbox}})
+    (problem,) = err.value.problems
+    assert problem.path == f"spec.reward.sandbox.{field}" and says in problem.message, problem
+
+
+def test_mode_service_is_read_only_with_a_code_reward() -> None:
+    with pytest.raises(SpecError, match=r"reward.sandbox.mode: is only read when a code reward"):
+        parse_spec({**BASE, "reward": {"kind": "math", "sandbox": {"mode": "service"}}})
+    pods = {"mode": "service", "replicas": 3, "runtimeClassName": "gvisor"}
+    spec = parse_spec({**BASE, "reward": {"kind": "code", "sandbox": pods}})
+    assert spec.reward.sandbox.replicas == 3  # the operator runs them (tests/operator)
+
+
+def test_mode_service_with_no_url_and_no_cluster_names_the_field(monkeypatch) -> None:
+    """Under gspo train no operator runs sandbox pods: the preflight names serviceUrl."""
+    from gspo_trainer.code.preflight import check_code_reward
+
+    monkeypatch.delenv(ENV_SANDBOX_URL, raising=False)
+    spec = parse_spec({**BASE, "reward": {"kind": "code", "sandbox": {"mode": "service"}}})
+    ((field, message),) = check_code_reward(spec)
+    assert field == "spec.reward.sandbox.serviceUrl"
+    assert message.startswith("must be set when reward.sandbox.mode is service and no operator")
+    assert "gspo train" in message and "mode: local" in message
+
+
+def test_the_learner_finds_the_jobs_sandbox_pods_in_its_env(service, monkeypatch) -> None:
+    """On a cluster the operator puts the sandbox Service's URL in the learner's env; the
+    learner sends concurrency x replicas test cases at once (each pod runs concurrency)."""
+    monkeypatch.setenv(ENV_SANDBOX_URL, service)
+    monkeypatch.setenv(ENV_SYNC_TOKEN, TOKEN)
+    cfg = SandboxConfig(mode="service", replicas=3, concurrency=2)
+    scorer = build_code_scorer(CodeConfig(), cfg)
+    assert scorer.concurrency == 6
+    assert scorer.score([item("a, b = map(int, input().split())\nprint(a + b)")]) == [1.0]
+
+
+class FlakyStart:
+    """A sandbox service that answers only from its `up_at`-th probe on (a pod starting)."""
+
+    def __init__(self, up_at: int) -> None:
+        self.up_at, self.calls = up_at, 0
+
+    def run(self, files, argv, stdin=b"", env=None) -> RunResult:
+        self.calls += 1
+        if self.calls < self.up_at:
+            return RunResult(None, b"", b"", 0.0, failure=f"unreachable ({self.calls})")
+        return RunResult(0, b"ok\n", b"", 0.01)
+
+
+def test_the_learner_waits_for_the_sandbox_pods_to_start_then_names_why() -> None:
+    now = [0.0]
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+
+    flaky = FlakyStart(up_at=4)
+    assert wait_for_service(flaky, 600, clock=lambda: now[0], sleep=sleep) is None
+    assert flaky.calls == 4 and sum(slept) == 6.0
+    never = FlakyStart(up_at=10**6)
+    now[0] = 0.0
+    why = wait_for_service(never, 10, clock=lambda: now[0], sleep=sleep)
+    assert why is not None and why.startswith("unreachable") and now[0] >= 10
+    once = FlakyStart(up_at=2)
+    assert wait_for_service(once, 0, clock=lambda: now[0], sleep=sleep) == "unreachable (1)"

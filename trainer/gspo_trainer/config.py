@@ -76,6 +76,9 @@ MAX_CONDITIONS = 16  # the status holds one condition per ConditionType
 MAX_REWARD_FUNCTIONS = 16  # reward.functions: its rules compare every pair of names
 MAX_REWARD_NAME = 63
 MAX_REWARD_FUNCTION = 256
+# reward.sandbox.replicas: `<job>-sandbox-<9>-0` is never longer than the learner's pod name
+# `<job>-learner-0-<i>`, so JobSet's name limit (names.longest_pod_name) is unchanged.
+MAX_SANDBOX_REPLICAS = 10
 
 
 class Section(BaseModel):
@@ -351,16 +354,52 @@ class SandboxConfig(Section):
         "local",
         description=(
             "local: programs run in the learner's pod (or process); service: each test case is "
-            "sent to a sandbox service at serviceUrl (code/service.py), with the job's token."
+            "sent over HTTP, with the job's token, to sandbox pods the operator runs for the "
+            "job (replicas, resources, runtimeClassName), or to the service at serviceUrl."
         ),
     )
     service_url: str | None = Field(
         None,
         max_length=MAX_REWARD_FUNCTION,
         pattern=r"^https?://",
-        description="For mode service: the sandbox service's base URL, e.g. http://sandbox:8080.",
+        description=(
+            "For mode service: the base URL of a sandbox service you run (code/service.py), "
+            "e.g. http://sandbox:8080. Unset on a cluster: the operator runs the sandbox pods."
+        ),
     )
-    concurrency: int = Field(4, ge=1, le=256, description="Programs run at once.")
+    replicas: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_SANDBOX_REPLICAS,
+        description=(
+            "For mode service without serviceUrl: sandbox pods the operator runs (default 1); "
+            "the learner sends up to concurrency x replicas test cases at once."
+        ),
+    )
+    runtime_class_name: str | None = Field(
+        None,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description=(
+            "For mode service without serviceUrl: the sandbox pods' RuntimeClass, e.g. gvisor "
+            "(a kernel of its own between programs and the node). Unset: the node's default."
+        ),
+    )
+    resources: ResourceRequirements | None = Field(
+        None,
+        description=(
+            "For mode service without serviceUrl: each sandbox pod's requests and limits "
+            "(cpu, memory), room for concurrency programs of memoryMib each."
+        ),
+    )
+    concurrency: int = Field(
+        4,
+        ge=1,
+        le=256,
+        description=(
+            "Programs run at once: in the learner (mode local), or per sandbox pod (mode service)."
+        ),
+    )
     timeout_seconds: float = Field(
         5.0, gt=0, le=600, description="Wall-clock limit per test case (also its CPU limit)."
     )

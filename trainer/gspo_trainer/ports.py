@@ -76,3 +76,13 @@ WEIGHTS_SUBDIR = "weights"
 # GSPO_ROLLOUT_URLS may name a headless Service instead of fixed servers:
 # "dns+http://HOST:PORT" means "every address HOST resolves to, re-resolved each step".
 ROLLOUT_DNS_SCHEME = "dns+http"
+
+# reward.sandbox.mode service with no serviceUrl: the operator runs the job's sandbox pods
+# (`gspo sandbox-server`, code/service.py) behind a Service and points the learner at it.
+SANDBOX_HTTP_PORT = 8080  # a sandbox pod's POST /run and GET /healthz
+SANDBOX_COMMAND = ("gspo", "sandbox-server")
+ENV_SANDBOX_URL = "GSPO_SANDBOX_URL"  # the learner's: base URL of the job's sandbox Service
+# The job's token file in a sandbox pod (the Secret's `token` key, nothing else of it).
+SANDBOX_TOKEN_DIR = "/var/run/gspo/sandbox"
+# How long the learner waits for the job's sandbox pods to answer (they start with it).
+SANDBOX_STARTUP_SECONDS = 600

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from pydantic.alias_generators import to_snake
 
-from gspo_trainer.config import BUILTIN_MODELS, GSPOJobSpec, PodSettings
+from gspo_trainer.config import BUILTIN_MODELS, GSPOJobSpec, PodSettings, SandboxConfig
 from gspo_trainer.ports import RESERVED_PORTS
 from gspo_trainer.rollout.engine_args import engine_arg_problems
 
@@ -379,16 +379,45 @@ def _module_function(path: str | None) -> bool:
     return bool(module and attr)
 
 
+SANDBOX_POD_FIELDS = ("replicas", "runtimeClassName", "resources")
+
+
+def _sandbox_problems(sandbox: SandboxConfig) -> list[tuple[str, str]]:
+    """reward.sandbox: serviceUrl only with mode service; the sandbox pods' settings only
+    where the operator runs those pods (mode service, no serviceUrl). Mode service with
+    neither a serviceUrl nor a cluster (`gspo train`) is the learner's preflight's to refuse:
+    on a cluster the operator points the learner at the pods it runs."""
+    out: list[tuple[str, str]] = []
+    if sandbox.mode == "local" and sandbox.service_url is not None:
+        why = "is only read when reward.sandbox.mode is service; remove it or set mode: service"
+        out.append(("reward.sandbox.serviceUrl", why))
+    for name in SANDBOX_POD_FIELDS:
+        if getattr(sandbox, to_snake(name)) is None:
+            continue
+        if sandbox.mode == "local":
+            why = (
+                "is only read when reward.sandbox.mode is service (the operator then runs the "
+                "sandbox pods); remove it or set mode: service"
+            )
+        elif sandbox.service_url is not None:
+            why = (
+                "is not read when serviceUrl names your own sandbox service (the operator runs "
+                "no sandbox pods then); remove it, or remove serviceUrl to have them run"
+            )
+        else:
+            continue
+        out.append((f"reward.sandbox.{name}", why))
+    return out
+
+
 def _reward_problems(spec: GSPOJobSpec) -> list[tuple[str, str]]:
     """reward.kind/function, or reward.functions (never both): (field, problem) pairs."""
     reward, out = spec.reward, []
-    sandbox = reward.sandbox
-    if sandbox.mode == "service" and sandbox.service_url is None:
-        out.append(("reward.sandbox.serviceUrl", "must be set when reward.sandbox.mode is "
-                    "service: the sandbox service's URL, e.g. http://sandbox:8080"))  # fmt: skip
-    elif sandbox.mode == "local" and sandbox.service_url is not None:
-        out.append(("reward.sandbox.serviceUrl", "is only read when reward.sandbox.mode is "
-                    "service; remove it or set mode: service"))  # fmt: skip
+    out += _sandbox_problems(reward.sandbox)
+    scores_code = reward.kind == "code" or any(f.kind == "code" for f in reward.functions or [])
+    if reward.sandbox.mode == "service" and not scores_code:
+        why = "is only read when a code reward is scored (reward.kind code or a code component)"
+        out.append(("reward.sandbox.mode", f"{why}; remove it"))
     if reward.functions is None:
         fn = reward.function
         if reward.kind == "python" and not _module_function(fn):

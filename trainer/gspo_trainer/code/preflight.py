@@ -26,8 +26,9 @@ def check_code_reward(spec: GSPOJobSpec) -> list[Problem]:
 
     try:
         build_code_scorer(spec.reward.code, spec.reward.sandbox)
-    except ValueError as exc:
-        return [("spec.reward.sandbox.isolation", str(exc).removeprefix("reward.sandbox."))]
+    except ValueError as exc:  # "reward.sandbox.<field> ...: why; the fix"
+        field, _, why = str(exc).removeprefix("reward.sandbox.").partition(" ")
+        return [(f"spec.reward.sandbox.{field.rstrip(':')}", why)]
     sets = [("spec.data.source", lambda: load_examples(spec.data))]
     if spec.data.eval_source:
         sets.append(("spec.data.evalSource", lambda: load_eval_examples(spec.data) or []))

@@ -259,23 +259,62 @@ def build_code_scorer(
 def _service_scorer(
     code: CodeConfig, sandbox: SandboxConfig, on_failure: Callable[[str], None] | None
 ) -> CodeScorer:
-    """mode service: the same runner, its programs sent to the service with the job's token."""
+    """mode service: the same runner, its programs sent to the service with the job's token:
+    the one at serviceUrl, or the job's own sandbox pods (the operator's Service, named in
+    $GSPO_SANDBOX_URL), which start with the learner and are waited for."""
     import os
 
-    from gspo_trainer.code.sandbox import probe
     from gspo_trainer.code.service import RemoteSandbox
-    from gspo_trainer.ports import ENV_SYNC_TOKEN
+    from gspo_trainer.ports import ENV_SANDBOX_URL, ENV_SYNC_TOKEN, SANDBOX_STARTUP_SECONDS
 
-    remote = RemoteSandbox(
-        sandbox.service_url or "",
-        os.environ.get(ENV_SYNC_TOKEN, ""),
-        timeout_s=sandbox.timeout_seconds + 30,
-    )
-    why = probe(remote)
-    if why is not None:
+    url, wait_s, pods = sandbox.service_url, 0.0, 1
+    if url is None:
+        url = os.environ.get(ENV_SANDBOX_URL)
+        wait_s, pods = SANDBOX_STARTUP_SECONDS, sandbox.replicas or 1
+    if not url:
         raise ValueError(
-            f"reward.sandbox.serviceUrl {sandbox.service_url}: a program cannot run "
-            f"there ({why}); check that the sandbox service is up and has this "
-            "job's token"
+            "reward.sandbox.serviceUrl: must be set when reward.sandbox.mode is service and no "
+            "operator runs the job's sandbox pods (as under gspo train): the URL of a sandbox "
+            "service you run (gspo sandbox-server), or use mode: local"
         )
-    return CodeScorer(CodeRunner(remote, code), sandbox.concurrency, code.scoring, on_failure)
+    remote = RemoteSandbox(
+        url, os.environ.get(ENV_SYNC_TOKEN, ""), timeout_s=sandbox.timeout_seconds + 30
+    )
+    why = wait_for_service(remote, wait_s)
+    if why is not None:
+        where = (
+            f"reward.sandbox.serviceUrl {url}"
+            if sandbox.service_url
+            else (f"reward.sandbox.mode service: the job's sandbox pods at {url}")
+        )
+        raise ValueError(
+            f"{where}: a program cannot run there ({why}); check that the sandbox service is "
+            "up and has this job's token"
+        )
+    concurrency = sandbox.concurrency * pods  # each pod runs `concurrency` at once
+    return CodeScorer(CodeRunner(remote, code), concurrency, code.scoring, on_failure)
+
+
+def wait_for_service(
+    remote: Sandbox,
+    timeout_s: float,
+    *,
+    clock: Callable[[], float] | None = None,
+    sleep: Callable[[float], None] | None = None,
+) -> str | None:
+    """Probe `remote` until it runs a trivial program or `timeout_s` has passed (0: once):
+    None when it did, else why the last probe failed."""
+    import time
+
+    from gspo_trainer.code.sandbox import probe
+
+    clock, sleep = clock or time.monotonic, sleep or time.sleep
+    deadline, said = clock() + timeout_s, False
+    while True:
+        why = probe(remote)
+        if why is None or clock() >= deadline:
+            return why
+        if not said:
+            log.info("Waiting up to %.0f s for the sandbox service: %s", timeout_s, why)
+            said = True
+        sleep(2.0)

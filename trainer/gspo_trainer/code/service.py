@@ -7,7 +7,7 @@ server's reward.sandbox), so a program meets the same sandbox in both modes. A f
 down, refuses the token or answers garbage is a `sandbox_failure` for that test case, counted
 and logged, never a wrong answer.
 
-    python -m gspo_trainer.code.service --port 8080 --token-file /var/run/gspo/token
+    gspo sandbox-server --port 8080 --token-file /var/run/gspo/token
 """
 
 from __future__ import annotations
@@ -139,9 +139,13 @@ def _decode(body: dict) -> RunResult:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="gspo-sandbox", description=__doc__.split("\n")[0])
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8080)
+    p = argparse.ArgumentParser(
+        prog="gspo sandbox-server",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument("--port", type=int, default=8080, help="port of POST /run and GET /healthz")
     p.add_argument("--token-file", required=True, help="file holding the job's bearer token")
     p.add_argument("--sandbox", default="{}", help="reward.sandbox as JSON (camelCase keys)")
     args = p.parse_args(argv)
