@@ -96,7 +96,7 @@ process group, and those that called setsid, found by an environment variable ev
 of the container inherits), kube-proxy (a ClusterIP Service
 name resolves straight to the ready pods' IPs and port/targetPort mapping does not happen),
 service-link and KUBERNETES_SERVICE_* variables, a service-account token mount,
-hostNetwork/hostPID/hostIPC, hostPort, sidecar (restartPolicy Always) init
+hostNetwork/hostPID/hostIPC, hostPort, runtimeClassName, sidecar (restartPolicy Always) init
 containers, ephemeral containers, lifecycle hooks (postStart/preStop), grpc probes,
 activeDeadlineSeconds, image pull states, node conditions or pressure eviction, PDBs,
 taints, more than one node, ConfigMap/Secret updates reaching running pods. A non-root
