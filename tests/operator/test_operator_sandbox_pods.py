@@ -227,3 +227,26 @@ def test_only_the_jobs_learner_reaches_the_sandbox_and_the_sandbox_reaches_nothi
     for role in ("learner", "rollout"):
         assert not ingress_admits(policies, sandbox, pods[role], ports.RENDEZVOUS_PORT), role
         assert not egress_isolated_with_no_rule(policies, pods[role]), role
+
+
+def test_a_sandbox_job_out_of_retries_fails_the_job_as_sandbox_failed() -> None:
+    from test_operator_status import NOW, RAW, cond, js, observed, pods, servers
+
+    from gspo_operator.status import PodView, compute
+    from gspo_trainer.validation import parse_spec
+
+    raw = {**RAW, "reward": {"kind": "code", "sandbox": {"mode": "service"}}}
+    failed_pod = PodView(
+        f"{NAME}-sandbox-0-0-abcde",
+        role="sandbox",
+        phase="Failed",
+        exit_code=1,
+        message="the sandbox cannot run a program here",
+    )
+    failed = js(Failed=("FailurePolicyRuleMatched", "SandboxOutOfRetries matched"))
+    obs = observed(pods("Running"), servers(1), [failed_pod], jobset=failed)
+    out = compute(parse_spec(raw), obs, {"phase": "Running"}, NOW, generation=1)
+    assert out.status["phase"] == "Failed"
+    assert cond(out.status, "Failed")["reason"] == "SandboxFailed"
+    sandboxed = cond(out.status, "CodeSandboxed")
+    assert sandboxed["status"] == "True"
