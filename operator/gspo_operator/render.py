@@ -35,6 +35,7 @@ SANDBOX_GRACE_SECONDS = 10  # a sandbox pod keeps nothing: its programs die with
 # server's default: a pod lost to its node is replaced, one that cannot start fails the job.
 SANDBOX_BACKOFF_LIMIT = 20
 SANDBOX_TOKEN_VOLUME = "sandbox-token"
+TOKEN_SHA256_KEY = "token-sha256"  # the Secret's key a sandbox pod checks requests against
 # What of reward.sandbox a sandbox pod applies to each program (code/sandbox.py reads these).
 SANDBOX_LIMITS = {
     "isolation",
@@ -183,12 +184,17 @@ def render_config_map(ctx: _Ctx, job: Mapping[str, Any]) -> Obj:
 
 
 def render_secret(ctx: _Ctx, token: str) -> Obj:
+    """The job's token; with sandbox pods also its SHA-256, all they get of it (a program
+    that reads it there cannot use it on the job's other pods)."""
+    data = {"token": token}
+    if runs_sandbox_pods(ctx.spec):
+        data[TOKEN_SHA256_KEY] = hashlib.sha256(token.encode()).hexdigest()
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": ctx.meta(names.sync_token_secret(ctx.job), "sync-token"),
         "type": "Opaque",
-        "stringData": {"token": token},
+        "stringData": data,
     }
 
 
@@ -567,18 +573,18 @@ def sandbox_args(spec: GSPOJobSpec) -> list[str]:
     return [
         "--host=0.0.0.0",
         f"--port={ports.SANDBOX_HTTP_PORT}",
-        f"--token-file={ports.SANDBOX_TOKEN_DIR}/token",
+        f"--token-sha256-file={ports.SANDBOX_TOKEN_DIR}/{TOKEN_SHA256_KEY}",
         f"--sandbox={json.dumps(limits, sort_keys=True)}",
     ]
 
 
 def render_sandbox_pod_template(ctx: _Ctx) -> Obj:
     """A sandbox pod: the code reward's programs run here, away from the job. It holds the
-    job's token (to check the learner's requests) and nothing else of the job: no checkpoint,
-    model or cache volume, no service-account token, no user env or volumes, no Secret but
-    the token's key. The image is the learner's (the same runner code as mode local); the
-    RuntimeClass, resources and replicas are reward.sandbox's; its NetworkPolicy admits only
-    the learner and lets nothing out (render_sandbox_network_policy)."""
+    job token's SHA-256 (to check the learner's requests) and nothing else of the job: no
+    checkpoint, model or cache volume, no service-account token, no user env or volumes. The
+    image is the learner's (the same runner code as mode local); the RuntimeClass, resources
+    and replicas are reward.sandbox's; its NetworkPolicy admits only the learner and lets
+    nothing out (render_sandbox_network_policy)."""
     spec, job = ctx.spec, ctx.job
     sandbox = spec.reward.sandbox
     resources = sandbox.resources.model_dump() if sandbox.resources is not None else {}
@@ -604,7 +610,7 @@ def render_sandbox_pod_template(ctx: _Ctx) -> Obj:
     }
     token = {
         "secretName": names.sync_token_secret(job),
-        "items": [{"key": "token", "path": "token"}],
+        "items": [{"key": TOKEN_SHA256_KEY, "path": TOKEN_SHA256_KEY}],
         "defaultMode": 0o440,  # the pod's user reads it through fsGroup; no one else
     }
     pod_spec: Obj = {

@@ -8,6 +8,8 @@ else of the job. The NetworkPolicies are read with the local cluster's NetworkPo
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 from netpol import PodAddress, peer_pods, policy_types, selector_matches, selects
 from rendered_checks import check_rendered
@@ -105,16 +107,20 @@ def test_the_sandbox_pod_holds_the_token_and_nothing_else_of_the_job() -> None:
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert sorted(volumes) == ["home", "sandbox-token", "tmp"]  # no config, checkpoint, cache
     assert volumes["home"] == {"name": "home", "emptyDir": {}}
+    # Of the job's token, only its SHA-256: a program that reads it cannot use it elsewhere.
     token = volumes["sandbox-token"]["secret"]
     assert token["secretName"] == names.sync_token_secret(NAME)
-    assert token["items"] == [{"key": "token", "path": "token"}] and token["defaultMode"] == 0o440
+    assert token["items"] == [{"key": "token-sha256", "path": "token-sha256"}]
+    assert token["defaultMode"] == 0o440
+    (secret,) = by_kind(objs, "Secret")
+    assert secret["stringData"]["token-sha256"] == hashlib.sha256(b"t0ken").hexdigest()
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
     assert mounts[ports.SANDBOX_TOKEN_DIR]["readOnly"] is True
     env = env_of(c)
     assert not {"WANDB_API_KEY", "HF_TOKEN", ports.ENV_SYNC_TOKEN} & set(env)
     assert all("valueFrom" not in e for e in c["env"])  # no Secret reaches its environment
     assert c["command"] == list(ports.SANDBOX_COMMAND)
-    assert f"--token-file={ports.SANDBOX_TOKEN_DIR}/token" in c["args"]
+    assert f"--token-sha256-file={ports.SANDBOX_TOKEN_DIR}/token-sha256" in c["args"]
     (limits,) = [a for a in c["args"] if a.startswith("--sandbox=")]
     applied = SandboxConfig.model_validate_json(limits.removeprefix("--sandbox="))
     assert applied.isolation == "namespaces" and applied.concurrency == 8
@@ -152,6 +158,8 @@ def test_no_sandbox_pods_in_mode_local_or_with_a_service_url(reward: dict) -> No
     replicated = by_kind(objs, "JobSet")[0]["spec"]["replicatedJobs"]
     assert [r["name"] for r in replicated] == ["learner", "rollout"]
     assert ports.ENV_SANDBOX_URL not in env_of(container(objs, "learner"))
+    (secret,) = by_kind(objs, "Secret")
+    assert list(secret["stringData"]) == ["token"]
     (policy,) = by_kind(objs, "NetworkPolicy")
     assert policy["spec"]["podSelector"] == {"matchLabels": {names.JOB_LABEL: NAME}}
 

@@ -4,6 +4,7 @@ hostile programs run through it in test_code_sandbox_hostile.py.)"""
 
 from __future__ import annotations
 
+import hashlib
 import socket
 import threading
 
@@ -149,3 +150,21 @@ def test_the_learner_waits_for_the_sandbox_pods_to_start_then_names_why() -> Non
     assert why is not None and why.startswith("unreachable") and now[0] >= 10
     once = FlakyStart(up_at=2)
     assert wait_for_service(once, 0, clock=lambda: now[0], sleep=sleep) == "unreachable (1)"
+
+
+def test_a_service_holding_the_tokens_sha256_accepts_the_token_alone() -> None:
+    """What the operator's sandbox pods hold: a program that reads it has no usable token."""
+    digest = hashlib.sha256(TOKEN.encode()).hexdigest()
+    server = serve_sandbox(LocalSandbox(LIMITS), digest, "127.0.0.1", 0, hashed=True)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        program = item("a, b = map(int, input().split())\nprint(a + b)")
+        assert scorer_for(url, TOKEN).score([program]) == [1.0]
+        for wrong in (digest, "", "not-the-token"):
+            scores, stats = scorer_for(url, wrong).score_components([program])
+            assert scores == [0.0] and stats["code_tests/sandbox_failure"] == 1, wrong
+    finally:
+        server.shutdown()
+        server.server_close()

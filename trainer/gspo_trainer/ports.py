@@ -82,7 +82,7 @@ ROLLOUT_DNS_SCHEME = "dns+http"
 SANDBOX_HTTP_PORT = 8080  # a sandbox pod's POST /run and GET /healthz
 SANDBOX_COMMAND = ("gspo", "sandbox-server")
 ENV_SANDBOX_URL = "GSPO_SANDBOX_URL"  # the learner's: base URL of the job's sandbox Service
-# The job's token file in a sandbox pod (the Secret's `token` key, nothing else of it).
+# Where a sandbox pod holds the job token's SHA-256 (not the token: what it checks against).
 SANDBOX_TOKEN_DIR = "/var/run/gspo/sandbox"
 # How long the learner waits for the job's sandbox pods to answer (they start with it).
 SANDBOX_STARTUP_SECONDS = 600

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import hashlib
 import hmac
 import json
 import logging
@@ -30,9 +31,19 @@ RUN_PATH, HEALTH_PATH = "/run", "/healthz"
 MAX_REQUEST_BYTES = 8 << 20  # a program, its tests and stdin
 
 
-def serve_sandbox(sandbox: LocalSandbox, token: str, host: str, port: int) -> ThreadingHTTPServer:
-    """Serve `sandbox` on (host, port); every /run needs `Authorization: Bearer <token>`."""
-    want = f"Bearer {token}".encode()
+def serve_sandbox(
+    sandbox: LocalSandbox, token: str, host: str, port: int, *, hashed: bool = False
+) -> ThreadingHTTPServer:
+    """Serve `sandbox` on (host, port); every /run needs `Authorization: Bearer <token>`.
+    With `hashed`, `token` is the token's hex SHA-256: what the operator's sandbox pods hold,
+    so a program that reads it there holds nothing the job's other pods accept."""
+    want = token.encode()
+
+    def authorized(header: str) -> bool:
+        presented = header.removeprefix("Bearer ") if header.startswith("Bearer ") else ""
+        if hashed:
+            presented = hashlib.sha256(presented.encode()).hexdigest()
+        return bool(presented) and hmac.compare_digest(presented.encode(), want)
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -45,7 +56,7 @@ def serve_sandbox(sandbox: LocalSandbox, token: str, host: str, port: int) -> Th
             if self.path != RUN_PATH:
                 self.send_error(404)
                 return
-            if not hmac.compare_digest(self.headers.get("Authorization", "").encode(), want):
+            if not authorized(self.headers.get("Authorization", "")):
                 self._reply(401, {"error": "a bearer token is needed: the job's token"})
                 return
             length = int(self.headers.get("Content-Length") or 0)
@@ -146,16 +157,18 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--host", default="0.0.0.0", help="address to listen on")
     p.add_argument("--port", type=int, default=8080, help="port of POST /run and GET /healthz")
-    p.add_argument("--token-file", required=True, help="file holding the job's bearer token")
+    token = p.add_mutually_exclusive_group(required=True)
+    token.add_argument("--token-file", help="file holding the job's bearer token")
+    token.add_argument("--token-sha256-file", help="file holding its hex SHA-256 instead")
     p.add_argument("--sandbox", default="{}", help="reward.sandbox as JSON (camelCase keys)")
     args = p.parse_args(argv)
-    with open(args.token_file, encoding="utf-8") as f:
+    with open(args.token_file or args.token_sha256_file, encoding="utf-8") as f:
         token = f.read().strip()
     sandbox = LocalSandbox(SandboxConfig.model_validate(json.loads(args.sandbox)))
     why = sandbox.probe()
     if why is not None:
         raise SystemExit(f"the sandbox cannot run a program here: {why}")
-    server = serve_sandbox(sandbox, token, args.host, args.port)
+    server = serve_sandbox(sandbox, token, args.host, args.port, hashed=not args.token_file)
     log.info("Serving the code sandbox on %s:%d (pid %d)", args.host, args.port, os.getpid())
     server.serve_forever()
 
