@@ -80,6 +80,11 @@ BASE = {"model": {"name": "builtin:tiny-qwen3"}, "data": {"source": "builtin:add
         ),
         ({"mode": "service", "runtimeClassName": "Not_A_Name"}, "runtimeClassName", "match"),
         ({"mode": "service", "replicas": 11}, "replicas", "10"),
+        (
+            {"mode": "service", "resources": {"limits": {"nvidia.com/gpu": 1}}},
+            "resources.limits[nvidia.com/gpu]",
+            "get no GPU",
+        ),
     ],
 )
 def test_sandbox_pod_settings_are_refused_where_no_sandbox_pods_run(sandbox, field, says) -> None:

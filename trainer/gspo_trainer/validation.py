@@ -407,6 +407,11 @@ def _sandbox_problems(sandbox: SandboxConfig) -> list[tuple[str, str]]:
         else:
             continue
         out.append((f"reward.sandbox.{name}", why))
+    for section, values in (sandbox.resources.model_dump() if sandbox.resources else {}).items():
+        for name in values:
+            if name.endswith("/gpu"):  # render_resources writes GPUs from gpusPerReplica only
+                why = "sandbox pods run programs on CPUs and get no GPU; remove it"
+                out.append((f"reward.sandbox.resources.{section}[{name}]", why))
     return out
 
 
