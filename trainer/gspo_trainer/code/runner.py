@@ -282,11 +282,9 @@ def _service_scorer(
     )
     why = wait_for_service(remote, wait_s)
     if why is not None:
-        where = (
-            f"reward.sandbox.serviceUrl {url}"
-            if sandbox.service_url
-            else (f"reward.sandbox.mode service: the job's sandbox pods at {url}")
-        )
+        where = f"reward.sandbox.serviceUrl {url}"
+        if sandbox.service_url is None:
+            where = f"reward.sandbox.mode service: the job's sandbox pods at {url}"
         raise ValueError(
             f"{where}: a program cannot run there ({why}); check that the sandbox service is "
             "up and has this job's token"
