@@ -201,9 +201,8 @@ def render_secret(ctx: _Ctx, token: str) -> Obj:
 def runs_sandbox_pods(spec: GSPOJobSpec) -> bool:
     """Whether the job has sandbox pods of its own: a code reward, scored in mode service,
     with no serviceUrl naming the user's own sandbox service."""
-    reward = spec.reward
-    scores_code = reward.kind == "code" or any(f.kind == "code" for f in reward.functions or [])
-    return scores_code and reward.sandbox.mode == "service" and reward.sandbox.service_url is None
+    sandbox = spec.reward.sandbox
+    return spec.reward.scores_code() and sandbox.mode == "service" and sandbox.service_url is None
 
 
 def checkpoint_access_modes(spec: GSPOJobSpec) -> list[str]:

@@ -506,6 +506,11 @@ class RewardConfig(Section):
         description="For kind code (or a code component): how programs are isolated and limited.",
     )
 
+    def scores_code(self) -> bool:
+        """Whether a code reward is scored (kind code, or a code component): the sandbox
+        settings are read only then."""
+        return self.kind == "code" or any(f.kind == "code" for f in self.functions or [])
+
     @model_validator(mode="after")
     def _fill_kind_default(self) -> RewardConfig:
         if self.kind is None and self.functions is None:

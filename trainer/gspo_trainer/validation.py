@@ -419,8 +419,7 @@ def _reward_problems(spec: GSPOJobSpec) -> list[tuple[str, str]]:
     """reward.kind/function, or reward.functions (never both): (field, problem) pairs."""
     reward, out = spec.reward, []
     out += _sandbox_problems(reward.sandbox)
-    scores_code = reward.kind == "code" or any(f.kind == "code" for f in reward.functions or [])
-    if reward.sandbox.mode == "service" and not scores_code:
+    if reward.sandbox.mode == "service" and not reward.scores_code():
         why = "is only read when a code reward is scored (reward.kind code or a code component)"
         out.append(("reward.sandbox.mode", f"{why}; remove it"))
     if reward.functions is None:

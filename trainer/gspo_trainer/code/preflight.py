@@ -12,8 +12,7 @@ Problem = tuple[str, str]  # (field path, message)
 
 
 def uses_code(spec: GSPOJobSpec) -> bool:
-    reward = spec.reward
-    return reward.kind == "code" or any(f.kind == "code" for f in reward.functions or [])
+    return spec.reward.scores_code()
 
 
 def check_code_reward(spec: GSPOJobSpec) -> list[Problem]:
