@@ -173,3 +173,22 @@ def test_a_service_holding_the_tokens_sha256_accepts_the_token_alone() -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_sandbox_pods_that_never_answer_stop_the_learner_naming_them(monkeypatch) -> None:
+    """The learner's preflight: the job's sandbox pods not answering within the wait is an
+    error naming reward.sandbox.mode and where to look, not a run of sandbox failures."""
+    from gspo_trainer import ports
+    from gspo_trainer.code.preflight import check_code_reward
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{free.getsockname()[1]}"
+    monkeypatch.setenv(ENV_SANDBOX_URL, down)
+    monkeypatch.setenv(ports.ENV_JOB_NAME, "exp")
+    monkeypatch.setattr(ports, "SANDBOX_STARTUP_SECONDS", 0)
+    spec = parse_spec({**BASE, "reward": {"kind": "code", "sandbox": {"mode": "service"}}})
+    ((field, message),) = check_code_reward(spec)
+    assert field == "spec.reward.sandbox.mode"
+    assert message.startswith(f"service: the job's sandbox pods at {down}: a program cannot")
+    assert "gspo.dev/job-name=exp,gspo.dev/role=sandbox" in message

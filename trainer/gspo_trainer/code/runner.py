@@ -265,7 +265,12 @@ def _service_scorer(
     import os
 
     from gspo_trainer.code.service import RemoteSandbox
-    from gspo_trainer.ports import ENV_SANDBOX_URL, ENV_SYNC_TOKEN, SANDBOX_STARTUP_SECONDS
+    from gspo_trainer.ports import (
+        ENV_JOB_NAME,
+        ENV_SANDBOX_URL,
+        ENV_SYNC_TOKEN,
+        SANDBOX_STARTUP_SECONDS,
+    )
 
     url, wait_s, pods = sandbox.service_url, 0.0, 1
     if url is None:
@@ -283,12 +288,15 @@ def _service_scorer(
     why = wait_for_service(remote, wait_s)
     if why is not None:
         where = f"reward.sandbox.serviceUrl {url}"
+        fix = "check that the sandbox service is up and has this job's token"
         if sandbox.service_url is None:
             where = f"reward.sandbox.mode service: the job's sandbox pods at {url}"
-        raise ValueError(
-            f"{where}: a program cannot run there ({why}); check that the sandbox service is "
-            "up and has this job's token"
-        )
+            job = os.environ.get(ENV_JOB_NAME, "<job>")
+            fix = (
+                f"none answered within {wait_s:.0f} s; see why with kubectl describe pods -l "
+                f"gspo.dev/job-name={job},gspo.dev/role=sandbox (docs/rewards.md, runbook)"
+            )
+        raise ValueError(f"{where}: a program cannot run there ({why}); {fix}")
     concurrency = sandbox.concurrency * pods  # each pod runs `concurrency` at once
     return CodeScorer(CodeRunner(remote, code), concurrency, code.scoring, on_failure)
 
