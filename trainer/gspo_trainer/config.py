@@ -65,6 +65,7 @@ BUILTIN_MODELS = (
     "builtin:tiny-qwen3",
     "builtin:small-qwen3-moe",
     "builtin:small-qwen3",
+    "builtin:tiny-qwen3-moe-16e",
 )
 # Bounds on what the CRD's CEL rules iterate or compare (crd_rules.py): the API server refuses a
 # CRD whose rules it cannot bound, estimating an unbounded list from the 3 MiB request limit.
@@ -132,7 +133,8 @@ class ModelConfig(Section):
         description=(
             "HF model name, local path, or a built-in random model: builtin:tiny-qwen3-moe, "
             "builtin:tiny-qwen3 (hidden 64), builtin:small-qwen3-moe, builtin:small-qwen3 "
-            "(hidden 128)."
+            "(hidden 128), builtin:tiny-qwen3-moe-16e (hidden 64, 4 layers of 16 experts, "
+            "2 routed per token: routing that drifts)."
         ),
     )
     revision: str | None = Field(None, description="HF revision (branch, tag or commit).")
@@ -560,6 +562,16 @@ class AlgorithmConfig(Section):
         "learner",
         description=(
             "learner: recompute pi_old before the first update; engine: use rollout logprobs."
+        ),
+    )
+    routing_replay: bool = Field(
+        False,
+        description=(
+            "Routing Replay (the GSPO paper's baseline for GRPO on MoE models): each update's "
+            "forward routes every token to the experts the learner's pi_old forward chose for "
+            "it, gate weights recomputed by the current router over those experts. For any "
+            "lossLevel (the paper uses it with grpo only; gspo needs none); needs a model with "
+            "experts and oldLogprobSource learner."
         ),
     )
     max_steps: int = Field(1000, ge=1, description="Training steps (rollout batches).")

@@ -31,6 +31,7 @@ from gspo_trainer.metrics import LearnerMetrics
 from gspo_trainer.progress import LearnerProgress
 from gspo_trainer.ranks import Ranks, control_timeout_s, data_timeout_s
 from gspo_trainer.rewards import build_scorer
+from gspo_trainer.routing_replay import RoutingReplay
 from gspo_trainer.samples import pick_samples
 from gspo_trainer.step.batch import Packed, pack
 from gspo_trainer.step.collect import Collector, Rollouts, RolloutSource, RunAhead
@@ -102,13 +103,16 @@ class Learner:
         if spec.algorithm.kl_coef > 0:
             reference, self.reference_engine = eng.build_reference(spec, path, self.engine.device)
         moe = moe_shape(model.config) if spec.model.moe is not None else None
+        # Routing Replay's hooks go on the engine's own router modules (ConfigError without).
+        replay = RoutingReplay(self.engine.module) if spec.algorithm.routing_replay else None
         self.policy = Policy(self.engine, moe, reference, spec.learner.pack_sequences,
-                             spec.model.attn_implementation)  # fmt: skip
-        if moe is not None and spec.algorithm.loss_level == "grpo" and self.rank == 0:
+                             spec.model.attn_implementation, replay)  # fmt: skip
+        grpo = spec.algorithm.loss_level == "grpo" and replay is None
+        if moe is not None and grpo and self.rank == 0:
             log.warning("algorithm.lossLevel grpo on a mixture-of-experts model: token ratios "
                         "swing when one update changes a token's experts, and the GSPO paper "
-                        "trains GRPO on MoE models only with Routing Replay, which this learner "
-                        "does not do; gspo (or gspo-token) needs none")  # fmt: skip
+                        "trains GRPO on MoE models only with Routing Replay "
+                        "(algorithm.routingReplay); gspo (or gspo-token) needs none")  # fmt: skip
         scorer = build_scorer(
             spec.reward,
             on_failure=lambda r: self.metrics.reward_failures.labels(r).inc(),

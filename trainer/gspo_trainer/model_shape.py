@@ -23,27 +23,47 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 PACKAGED = Path(__file__).with_name("model_configs")
 
-# name -> (architecture, hidden size): the built-in random models (tiny.py builds them).
+
+class TinyKind(NamedTuple):
+    """A built-in random model's architecture (tiny.py builds it)."""
+
+    kind: str  # "qwen3" or "qwen3_moe"
+    hidden: int
+    layers: int = 2
+    experts: int = 4  # routed experts per layer, 2 of them per token (MoE kinds only)
+
+
+# name -> shape: the built-in random models. The 16-expert one has routing that can drift
+# (with 4 experts of which 2 route, almost any choice overlaps the last one).
 TINY_KINDS = {
-    "builtin:tiny-qwen3-moe": ("qwen3_moe", 64),
-    "builtin:tiny-qwen3": ("qwen3", 64),
-    "builtin:small-qwen3-moe": ("qwen3_moe", 128),
-    "builtin:small-qwen3": ("qwen3", 128),
+    "builtin:tiny-qwen3-moe": TinyKind("qwen3_moe", 64),
+    "builtin:tiny-qwen3": TinyKind("qwen3", 64),
+    "builtin:small-qwen3-moe": TinyKind("qwen3_moe", 128),
+    "builtin:small-qwen3": TinyKind("qwen3", 128),
+    "builtin:tiny-qwen3-moe-16e": TinyKind("qwen3_moe", 64, layers=4, experts=16),
 }
 TINY_HEAD_DIM = 32
 TINY_VOCAB = 15  # tiny.build_tokenizer(): pad, eos, unk and the 12 characters of "0123456789+="
 
 
 def tiny_config_fields(
-    kind: str, vocab_size: int, *, pad_id: int, eos_id: int, hidden: int = 64
+    kind: str,
+    vocab_size: int,
+    *,
+    pad_id: int,
+    eos_id: int,
+    hidden: int = 64,
+    layers: int = 2,
+    experts: int = 4,
 ) -> dict[str, Any]:
     """The config.json fields of a small Qwen3 (dense) or Qwen3-MoE model of width `hidden`
-    (a multiple of 64): heads of 32, one key/value head per two query heads, MLPs twice as
-    wide as the model, 4 experts of the model's width with 2 routed per token."""
+    (a multiple of 64) and `layers` layers: heads of 32, one key/value head per two query
+    heads, MLPs twice as wide as the model, `experts` experts of the model's width with 2
+    routed per token in every layer."""
     if hidden % 64:
         raise ValueError(f"hidden must be a multiple of 64, got {hidden}")
     if kind not in ("qwen3", "qwen3_moe"):
@@ -53,7 +73,7 @@ def tiny_config_fields(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=hidden // TINY_HEAD_DIM,
         num_key_value_heads=hidden // (2 * TINY_HEAD_DIM),
         head_dim=TINY_HEAD_DIM,
@@ -67,7 +87,7 @@ def tiny_config_fields(
     if kind == "qwen3_moe":
         fields.update(
             moe_intermediate_size=hidden,
-            num_experts=4,
+            num_experts=experts,
             num_experts_per_tok=2,
             decoder_sparse_step=1,
             norm_topk_prob=True,
@@ -195,8 +215,16 @@ def find_model_config(name: str, revision: str | None = None) -> tuple[dict[str,
     """(config.json as a dict, where it was found) for model `name`, or None (see the module
     docstring for the order). A file that is there but not JSON raises ModelConfigError."""
     if name in TINY_KINDS:
-        kind, hidden = TINY_KINDS[name]
-        fields = tiny_config_fields(kind, TINY_VOCAB, pad_id=0, eos_id=1, hidden=hidden)
+        tiny = TINY_KINDS[name]
+        fields = tiny_config_fields(
+            tiny.kind,
+            TINY_VOCAB,
+            pad_id=0,
+            eos_id=1,
+            hidden=tiny.hidden,
+            layers=tiny.layers,
+            experts=tiny.experts,
+        )
         return fields, "built in"
     for candidate in (
         Path(name) / "config.json",

@@ -21,11 +21,13 @@ from gspo_trainer.model_shape import TINY_KINDS, tiny_config_fields
 ARITHMETIC_ALPHABET = "0123456789+="
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, EOS, UNK)
-# TINY_KINDS: name -> (architecture, hidden size). `tiny` (hidden 64, ~0.1M parameters) is
-# what tests train: cheapest per step. `small` (hidden 128, ~0.5M) is the embedded default's:
-# on the built-in addition task it reaches a given greedy accuracy in about a third of tiny's
-# steps, at about 1.5x the cost of a step on CPU (BENCHMARKS.md). Their config fields live in
-# model_shape.py, which the memory plan reads without transformers.
+# TINY_KINDS: name -> architecture, width, layers, experts. `tiny` (hidden 64, ~0.1M
+# parameters) is what tests train: cheapest per step. `small` (hidden 128, ~0.5M) is the
+# embedded default's: on the built-in addition task it reaches a given greedy accuracy in
+# about a third of tiny's steps, at about 1.5x the cost of a step on CPU (BENCHMARKS.md).
+# `tiny-qwen3-moe-16e` (hidden 64, 4 layers of 16 experts, 2 routed: ~0.85M) is the one whose
+# routing drifts enough to measure. Their config fields live in model_shape.py, which the
+# memory plan reads without transformers.
 
 
 def build_tokenizer(alphabet: str = ARITHMETIC_ALPHABET) -> Any:
@@ -43,12 +45,29 @@ def build_tokenizer(alphabet: str = ARITHMETIC_ALPHABET) -> Any:
     )
 
 
-def tiny_config(kind: str, vocab_size: int, *, pad_id: int, eos_id: int, hidden: int = 64) -> Any:
+def tiny_config(
+    kind: str,
+    vocab_size: int,
+    *,
+    pad_id: int,
+    eos_id: int,
+    hidden: int = 64,
+    layers: int = 2,
+    experts: int = 4,
+) -> Any:
     """A transformers config for a small Qwen3 (dense) or Qwen3-MoE model of width `hidden`
     (model_shape.tiny_config_fields says what it holds)."""
     from transformers import AutoConfig
 
-    fields = tiny_config_fields(kind, vocab_size, pad_id=pad_id, eos_id=eos_id, hidden=hidden)
+    fields = tiny_config_fields(
+        kind,
+        vocab_size,
+        pad_id=pad_id,
+        eos_id=eos_id,
+        hidden=hidden,
+        layers=layers,
+        experts=experts,
+    )
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
@@ -60,10 +79,10 @@ def build_tiny_model(name: str, *, seed: int = 0, alphabet: str = ARITHMETIC_ALP
     if name not in TINY_KINDS:
         raise ValueError(f"unknown built-in model {name!r}; use one of {sorted(TINY_KINDS)}")
     tokenizer = build_tokenizer(alphabet)
-    kind, hidden = TINY_KINDS[name]
+    tiny = TINY_KINDS[name]
     config = tiny_config(
-        kind, len(tokenizer), pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
-        hidden=hidden,
+        tiny.kind, len(tokenizer), pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
+        hidden=tiny.hidden, layers=tiny.layers, experts=tiny.experts,
     )  # fmt: skip
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

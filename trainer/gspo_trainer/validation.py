@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.alias_generators import to_snake
 
 from gspo_trainer.config import BUILTIN_MODELS, GSPOJobSpec, PodSettings, SandboxConfig
+from gspo_trainer.model_shape import TINY_KINDS
 from gspo_trainer.ports import RESERVED_PORTS
 from gspo_trainer.rollout.engine_args import engine_arg_problems
 
@@ -55,6 +56,35 @@ def parse_spec(raw: Any, *, prefix: str = "spec") -> GSPOJobSpec:
     if problems:
         raise SpecError(problems)
     return spec
+
+
+def _routing_replay_problems(spec: GSPOJobSpec) -> list[tuple[str, str]]:
+    """What algorithm.routingReplay needs that the spec shows: experts in a built-in model (a
+    Hub or local model's config is read by the learner, which refuses it there) and a
+    learner pi_old forward to record the experts in."""
+    alg, name = spec.algorithm, spec.model.name
+    if not alg.routing_replay:
+        return []
+    out = []
+    if name in TINY_KINDS and TINY_KINDS[name].kind == "qwen3":
+        out.append(
+            (
+                "algorithm.routingReplay",
+                f"{name} is dense: it has no experts to replay; "
+                "use a built-in MoE (e.g. builtin:tiny-qwen3-moe-16e) or set it to false",
+            )
+        )
+    if alg.old_logprob_source == "engine":
+        out.append(
+            (
+                "algorithm.routingReplay",
+                "replays the experts the learner's pi_old forward "
+                "chose, which oldLogprobSource engine skips (the rollout servers' routing "
+                "is not sent back); set oldLogprobSource to learner or routingReplay to "
+                "false",
+            )
+        )
+    return out
 
 
 def _join(prefix: str, loc: tuple[Any, ...]) -> str:
@@ -241,6 +271,8 @@ def check_spec(spec: GSPOJobSpec, *, prefix: str = "spec") -> list[Problem]:
         bad(
             "model.name", f"unknown built-in model {name!r}; use one of {', '.join(BUILTIN_MODELS)}"
         )
+    for path, message in _routing_replay_problems(spec):
+        bad(path, message)
     longest = spec.data.max_prompt_tokens + alg.max_response_tokens
     if longest > spec.model.max_model_len:
         bad(

@@ -57,7 +57,7 @@ def old_policy(policy: Policy, packed: Packed, plan: list[MiniBatch], alg: Algor
                 old[here, : L - 1] = engine_logp
                 if forward:
                     # router logits only where the experts are read: the first mini-batch
-                    fwd = policy.forward(packed, sub, router=k == 0)
+                    fwd = policy.forward(packed, sub, router=k == 0, routing="record")
                     logp = score_with_head(policy.module, _logp, fwd.hidden, targets, mask,
                                            alg.temperature, policy.chunk_tokens)  # fmt: skip
                     gap = torch.where(mask, (logp - engine_logp).abs(), 0).sum()

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from gspo_trainer.engine import begin_forward
 from gspo_trainer.moe import MoEShape
+from gspo_trainer.routing_replay import Mode, RoutingReplay, token_slots
 from gspo_trainer.step.batch import Packed
 
 if TYPE_CHECKING:
@@ -93,6 +94,7 @@ class Policy:
     reference: Any = None  # the frozen starting policy (algorithm.klCoef > 0), else None
     pack: bool = True  # learner.packSequences: run each micro-batch packed when the model can
     attention: str | None = None  # model.attnImplementation; None: as the model was loaded
+    replay: RoutingReplay | None = None  # algorithm.routingReplay: on the policy's routers
 
     def __post_init__(self) -> None:
         if self.attention is not None:
@@ -123,7 +125,15 @@ class Policy:
         model that keeps packed sequences apart (`can_pack`)."""
         return self.pack and can_pack(self.module if model is None else model)
 
-    def forward(self, packed: Packed, rows: slice, *, router: bool, model: Any = None) -> Forward:
+    def forward(
+        self,
+        packed: Packed,
+        rows: slice,
+        *,
+        router: bool,
+        model: Any = None,
+        routing: Mode | None = None,
+    ) -> Forward:
         """The policy's (or `model`'s: the KL reference) forward over `rows`, cut to their own
         length. Padded, the rows run right-padded to the longest with an attention mask.
         Packed (`packs`), the sequences run without padding (`pack_rows`): as one row of their
@@ -133,7 +143,9 @@ class Policy:
         look for packed sequences), so that transformers builds the block-diagonal causal mask
         (or runs flash attention varlen). The last hidden states and router logits are
         scattered back into the padded layout (zeros at padding; the scatter passes
-        gradients), so everything downstream reads the same tensors either way."""
+        gradients), so everything downstream reads the same tensors either way.
+        `routing` (with algorithm.routingReplay): the policy's forward records its experts
+        (πold) or replays them (an update); any other forward of the policy routes freely."""
         module = model
         if module is None:
             begin_forward(self.engine)
@@ -143,7 +155,14 @@ class Policy:
         base = getattr(module, module.base_model_prefix)
         kw = {"output_router_logits": True} if (router and self.moe) else {}
         n = rows.stop - rows.start
+        replay = self.replay if model is None else None
+        if replay is not None and routing is None:
+            replay.end()
+            replay = None
         if not self.packs(module):
+            if replay is not None:
+                slots = token_slots(packed.seq_lengths, rows, L).to(packed.ids.device)
+                replay.forward_slots(routing, packed, rows, slots)
             out = as_forward_of(module, base, input_ids=packed.ids[rows, :L],
                                 attention_mask=packed.attn[rows, :L], **kw)  # fmt: skip
             return Forward(out.last_hidden_state[:, : L - 1], L,
@@ -151,6 +170,10 @@ class Policy:
         one_row = base.config._attn_implementation in ONE_ROW_ATTENTION
         ids, positions, src, dst = pack_rows(packed.ids[rows, :L], lengths,
                                              sum(lengths) if one_row else L)  # fmt: skip
+        if replay is not None:  # each real token's slot, from the padded layout to the packed
+            padded = token_slots(packed.seq_lengths, rows, L).to(dst.device)
+            slots = padded.new_full((ids.numel(),), sum(packed.seq_lengths))
+            replay.forward_slots(routing, packed, rows, slots.index_copy(0, src, padded[dst]))
         out = as_forward_of(module, base, input_ids=ids, position_ids=positions, use_cache=False,
                             **kw)  # fmt: skip
 

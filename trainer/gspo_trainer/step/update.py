@@ -6,7 +6,9 @@ Off-policy (`behaviour=True`: rollouts may come from an older version than πold
 decoupled objective: each response weighted by its truncated importance weight πold / μ,
 μ being the engine's log-probs of the version that sampled (loss.py). On a diagnostics step
 of an MoE model, routing drift as the GSPO paper counts it: per layer, the share of the
-first mini-batch's activated experts that its one update changed (nothing replays routing).
+first mini-batch's activated experts that its one update changed, measured by a forward that
+routes freely (with algorithm.routingReplay the updates' forwards replay πold's experts, and
+the drift is then the router's, not the one the updates ran with).
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def update(policy: Policy, packed: Packed, plan: list[MiniBatch], old: OldPolicy
     for k, mb in enumerate(plan):
         for j, sub in enumerate(mb.micro):
             here, share = mb.local(sub), mb.share(sub)
-            fwd = policy.forward(packed, sub, router=aux_coef > 0)
+            fwd = policy.forward(packed, sub, router=aux_coef > 0, routing="replay")
             out.positions, out.tokens = out.positions + fwd.positions, out.tokens + fwd.tokens
             mask, targets = fwd.mask(packed, sub), fwd.targets(packed, sub)
             extra: dict[str, Any] = {}
