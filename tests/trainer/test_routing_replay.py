@@ -20,7 +20,7 @@ from gspo_trainer.step.batch import Packed, pack
 from gspo_trainer.step.plan import MiniBatch
 from gspo_trainer.step.policy import Policy, per_layer
 from gspo_trainer.step.update import routing_drift_after
-from gspo_trainer.tiny import build_tiny_model
+from gspo_trainer.tiny import build_tiny_model, materialize
 from gspo_trainer.validation import ConfigError, SpecError, parse_spec
 
 MODEL = "builtin:tiny-qwen3-moe-16e"
@@ -211,6 +211,14 @@ def test_refused_for_a_model_without_experts_and_without_a_learner_pi_old() -> N
     spec = tiny_spec(routingReplay=True, oldLogprobSource="engine")["spec"]
     with pytest.raises(SpecError, match=r"spec\.algorithm\.routingReplay: .*oldLogprobSource"):
         parse_spec(spec)
+
+
+def test_the_learner_refuses_it_for_a_dense_model_it_reads_from_a_path(tmp_path: Path) -> None:
+    """A local (or Hub) model's experts are known only once its config is read: at start."""
+    manifest = tiny_spec(routingReplay=True)
+    manifest["spec"]["model"]["name"] = str(materialize("builtin:tiny-qwen3", tmp_path))
+    with pytest.raises(ConfigError, match=r"spec\.algorithm\.routingReplay: .* no experts"):
+        make_learner(tmp_path, None, manifest)
 
 
 def test_a_learner_step_with_routing_replay(tmp_path: Path) -> None:

@@ -94,6 +94,9 @@ class Learner:
         self.ranks.barrier()  # on the control group: every rank has the files
         # Under ZeRO-3 loaded sharded: each rank builds and keeps only its partition.
         model, self.tokenizer = eng.load_model(spec, path, shard=True)
+        # Routing Replay's hooks on the model's routers, which the engine runs as they are
+        # (ConfigError for a model without, before the engine's set-up).
+        replay = RoutingReplay(model) if spec.algorithm.routing_replay else None
         self.engine = eng.build_engine(spec, model)
         # The KL reference is the starting policy, frozen: loaded again from `path`, so a
         # resume (which restores the policy later) leaves it at the run's first weights.
@@ -103,8 +106,6 @@ class Learner:
         if spec.algorithm.kl_coef > 0:
             reference, self.reference_engine = eng.build_reference(spec, path, self.engine.device)
         moe = moe_shape(model.config) if spec.model.moe is not None else None
-        # Routing Replay's hooks go on the engine's own router modules (ConfigError without).
-        replay = RoutingReplay(self.engine.module) if spec.algorithm.routing_replay else None
         self.policy = Policy(self.engine, moe, reference, spec.learner.pack_sequences,
                              spec.model.attn_implementation, replay)  # fmt: skip
         grpo = spec.algorithm.loss_level == "grpo" and replay is None
