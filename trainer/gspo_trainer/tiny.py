@@ -25,7 +25,7 @@ SPECIAL_TOKENS = (PAD, EOS, UNK)
 # parameters) is what tests train: cheapest per step. `small` (hidden 128, ~0.5M) is the
 # embedded default's: on the built-in addition task it reaches a given greedy accuracy in
 # about a third of tiny's steps, at about 1.5x the cost of a step on CPU (BENCHMARKS.md).
-# `tiny-qwen3-moe-16e` (hidden 64, 4 layers of 16 experts, 2 routed: ~0.85M) is the one whose
+# `tiny-qwen3-moe-16e` (hidden 64, 4 layers of 16 experts, 2 routed: ~0.84M) is the one whose
 # routing drifts enough to measure. Their config fields live in model_shape.py, which the
 # memory plan reads without transformers.
 
