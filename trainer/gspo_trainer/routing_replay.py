@@ -89,9 +89,7 @@ class RoutingReplay:
         for layer, router in enumerate(self.routers):
             router.register_forward_hook(self._hook(layer))
 
-    def forward_slots(
-        self, mode: Mode | None, packed: Packed, rows: slice, slots: torch.Tensor | None
-    ) -> None:
+    def forward_slots(self, mode: Mode | None, packed: Packed, slots: torch.Tensor | None) -> None:
         """Route the next forward (and its recompute in backward) by `mode`: record into the
         record of `packed` (a new one for a new batch), replay from it, or neither (None).
         `slots`: each row the router sees, its slot (`token_slots`)."""

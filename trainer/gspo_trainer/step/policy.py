@@ -162,7 +162,7 @@ class Policy:
         if not self.packs(module):
             if replay is not None:
                 slots = token_slots(packed.seq_lengths, rows, L).to(packed.ids.device)
-                replay.forward_slots(routing, packed, rows, slots)
+                replay.forward_slots(routing, packed, slots)
             out = as_forward_of(module, base, input_ids=packed.ids[rows, :L],
                                 attention_mask=packed.attn[rows, :L], **kw)  # fmt: skip
             return Forward(out.last_hidden_state[:, : L - 1], L,
@@ -173,7 +173,7 @@ class Policy:
         if replay is not None:  # each real token's slot, from the padded layout to the packed
             padded = token_slots(packed.seq_lengths, rows, L).to(dst.device)
             slots = padded.new_full((ids.numel(),), sum(packed.seq_lengths))
-            replay.forward_slots(routing, packed, rows, slots.index_copy(0, src, padded[dst]))
+            replay.forward_slots(routing, packed, slots.index_copy(0, src, padded[dst]))
         out = as_forward_of(module, base, input_ids=ids, position_ids=positions, use_cache=False,
                             **kw)  # fmt: skip
 
