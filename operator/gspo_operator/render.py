@@ -316,7 +316,15 @@ def render_jobset(ctx: _Ctx) -> Obj:
             render_sandbox_pod_template(ctx),
             pods=1,
             backoff_limit=SANDBOX_BACKOFF_LIMIT,  # replaces a failed sandbox pod alone
-            pod_failure_rules=[{"action": "Ignore", "onPodConditions": [DISRUPTED]}],
+            pod_failure_rules=[
+                # A pod whose isolation the node refuses exits 2: every pod would, so the
+                # Job fails at once (and SandboxOutOfRetries the job), not after 20 tries.
+                {
+                    "action": "FailJob",
+                    "onExitCodes": _exit_codes(ports.INVALID_CONFIG_EXIT_CODE, names.SANDBOX),
+                },
+                {"action": "Ignore", "onPodConditions": [DISRUPTED]},
+            ],
         )
         pods = spec.reward.sandbox.replicas or 1
         replicated.append({"name": names.SANDBOX, "replicas": pods, "template": sandbox_job})
@@ -345,8 +353,8 @@ def render_jobset(ctx: _Ctx) -> Obj:
     }
 
 
-def _exit_codes(code: int) -> Obj:
-    return {"containerName": names.LEARNER, "operator": "In", "values": [code]}
+def _exit_codes(code: int, container: str = names.LEARNER) -> Obj:
+    return {"containerName": container, "operator": "In", "values": [code]}
 
 
 def _job_template(

@@ -8,6 +8,7 @@ docs/operator.md), so every transition is tested as a table without an API serve
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -531,15 +532,41 @@ def _failure(
             f"learner pod {invalid.name} refused its configuration (exit code 2, not retried): "
             f"{invalid.message}"
         )
+    refused = next((p for p in pods if p.role == names.SANDBOX and p.exit_code == 2), None)
+    if refused is not None:
+        return "SandboxRefused", (
+            f"sandbox pod {refused.name} cannot run programs on its node (exit code 2, not "
+            f"retried): {refused.message}"
+        )
     why = _why_failed(observed, js.restarts)
+    role = first_failed_role(message)
+    if role is None:  # a message without the Job's name: the failed pods say which role
+        roles = {p.role for p in pods}
+        role = next((r for r in (names.ROLLOUT, names.SANDBOX) if r in roles), None)
     if js.restarts >= spec.run_policy.backoff_limit and "Restart" in reason + message:
         reason = "BackoffLimitExceeded"
-    elif any(p.role == names.ROLLOUT for p in pods) and not why:
+    elif role == names.ROLLOUT and not why:
         reason = "RolloutFailed"
-    elif any(p.role == names.SANDBOX for p in pods) and not why:
+    elif role == names.SANDBOX and not why:
         reason = "SandboxFailed"
     text = f"JobSet: {message}" + (f"; {why}" if why else "")
     return reason or "JobSetFailed", text
+
+
+def first_failed_role(message: str) -> str | None:
+    """The replicated job (role) of the Job a JobSet failure message names, else None.
+
+    JobSet appends " (first failed job: <jobset>-<replicatedJob>-<index>)" to the Failed
+    condition's message (messageWithFirstFailedJob, pkg/controllers/failure_policy.go); the
+    role names hold no '-', so the role is the part before the index."""
+    match = re.search(r"\(first failed job: ([^)\s]+)\)", message)
+    if match is None:
+        return None
+    head, _, index = match.group(1).rpartition("-")
+    role = head.rpartition("-")[2]
+    return (
+        role if index.isdigit() and role in (names.LEARNER, names.ROLLOUT, names.SANDBOX) else None
+    )
 
 
 def _remembered_failure(prev: Mapping[str, Any], attempt: int) -> str:

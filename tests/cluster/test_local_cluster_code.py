@@ -54,7 +54,8 @@ def code_job(tmp: Path, data: str) -> Path:
     doc = copy.deepcopy(CODE)
     spec = doc["spec"]
     spec["data"]["source"] = data
-    spec["reward"]["sandbox"].update(mode="service", replicas=1)
+    # runtimeClassName: needed with isolation namespaces (validation); kubelet.py ignores it.
+    spec["reward"]["sandbox"].update(mode="service", replicas=1, runtimeClassName="gvisor")
     spec["algorithm"].update(maxSteps=2, promptsPerStep=2, groupSize=2, maxResponseTokens=16)
     spec["checkpoint"].update(everySteps=2, size="1Gi")
     for role in ("learner", "rollout"):

@@ -169,7 +169,7 @@ def test_sandbox_pod_names_stay_within_jobsets_limit_at_the_most_replicas() -> N
     learner's pod names allow is never refused for its sandbox pods."""
     spec = EXAMPLE["spec"]
     longest = names.max_job_name(spec["learner"]["replicas"], spec["rollout"]["replicas"])
-    sandbox = {"mode": "service", "replicas": MAX_SANDBOX_REPLICAS}
+    sandbox = {"mode": "service", "replicas": MAX_SANDBOX_REPLICAS, "runtimeClassName": "gvisor"}
     objs = rendered(code_job(sandbox, metadata_name="a" * longest))
     assert check_rendered(objs) == []
     assert replicated_names(objs)[-1] == ("sandbox", MAX_SANDBOX_REPLICAS)
@@ -243,18 +243,87 @@ def test_a_sandbox_job_out_of_retries_fails_the_job_as_sandbox_failed() -> None:
     from gspo_operator.status import PodView, compute
     from gspo_trainer.validation import parse_spec
 
-    raw = {**RAW, "reward": {"kind": "code", "sandbox": {"mode": "service"}}}
+    sandbox = {"mode": "service", "runtimeClassName": "gvisor"}
+    raw = {**RAW, "reward": {"kind": "code", "sandbox": sandbox}}
     failed_pod = PodView(
         f"{NAME}-sandbox-0-0-abcde",
         role="sandbox",
         phase="Failed",
         exit_code=1,
-        message="the sandbox cannot run a program here",
+        message="Traceback (most recent call last): ... MemoryError",
     )
-    failed = js(Failed=("FailurePolicyRuleMatched", "SandboxOutOfRetries matched"))
-    obs = observed(pods("Running"), servers(1), [failed_pod], jobset=failed)
+    # A rollout server that failed once earlier (its Job replaced it) does not make the
+    # sandbox's failure a rollout one: JobSet's message names the Job that failed first.
+    old_rollout = PodView(
+        f"{NAME}-rollout-0-0-fghij", role="rollout", phase="Failed", exit_code=1, message="OOM"
+    )
+    # What JobSet writes (failJobSetActionApplier, pkg/controllers/failure_policy.go).
+    message = (
+        "applying FailJobSet failure policy action (first failed job: "
+        f"{names.jobset(NAME)}-sandbox-0)"
+    )
+    failed = js(Failed=("FailJobSetFailurePolicyAction", message))
+    obs = observed(pods("Running"), servers(1), [old_rollout, failed_pod], jobset=failed)
     out = compute(parse_spec(raw), obs, {"phase": "Running"}, NOW, generation=1)
     assert out.status["phase"] == "Failed"
     assert cond(out.status, "Failed")["reason"] == "SandboxFailed"
     sandboxed = cond(out.status, "CodeSandboxed")
     assert sandboxed["status"] == "True"
+
+
+@pytest.mark.parametrize(
+    ("message", "role"),
+    [
+        (
+            "applying FailJobSet failure policy action (first failed job: exp-a-rollout-1)",
+            "rollout",
+        ),
+        (
+            "jobset failed due to one or more job failures (first failed job: x-sandbox-10)",
+            "sandbox",
+        ),
+        ("applying FailJobSet failure policy action (first failed job: x-learner-0)", "learner"),
+        ("reached maximum restarts", None),
+    ],
+)
+def test_the_failed_role_is_read_from_jobsets_first_failed_job(message, role) -> None:
+    from gspo_operator.status import first_failed_role
+
+    assert first_failed_role(message) == role
+
+
+def test_a_sandbox_pod_refused_its_isolation_fails_the_job_at_once_with_its_words() -> None:
+    """`gspo sandbox-server` exits 2 when its node refuses the isolation: the sandbox Job's
+    podFailurePolicy fails it at once (every pod would refuse), not after 20 replacements,
+    and the pod's termination message reaches the job's Failed condition."""
+    from test_operator_status import NOW, RAW, cond, js, observed, pods, servers
+
+    from gspo_operator.status import PodView, compute
+    from gspo_trainer.validation import parse_spec
+
+    objs = rendered(code_job())
+    sandbox_job = next(
+        r for r in by_kind(objs, "JobSet")[0]["spec"]["replicatedJobs"] if r["name"] == "sandbox"
+    )
+    rules = sandbox_job["template"]["spec"]["podFailurePolicy"]["rules"]
+    assert rules[0] == {
+        "action": "FailJob",
+        "onExitCodes": {
+            "containerName": "sandbox",
+            "operator": "In",
+            "values": [ports.INVALID_CONFIG_EXIT_CODE],
+        },
+    }
+    sandbox = {"mode": "service", "runtimeClassName": "gvisor"}
+    raw = {**RAW, "reward": {"kind": "code", "sandbox": sandbox}}
+    why = "the sandbox cannot run a program here: unshare(CLONE_NEWUSER) refused"
+    refused = PodView(
+        f"{NAME}-sandbox-0-0-abcde", role="sandbox", phase="Failed", exit_code=2, message=why
+    )
+    message = f"applying FailJobSet failure policy action (first failed job: {NAME}-sandbox-0)"
+    failed = js(Failed=("FailJobSetFailurePolicyAction", message))
+    obs = observed(pods("Running"), servers(1), [refused], jobset=failed)
+    out = compute(parse_spec(raw), obs, {"phase": "Running"}, NOW, generation=1)
+    failed_cond = cond(out.status, "Failed")
+    assert failed_cond["reason"] == "SandboxRefused"
+    assert why in failed_cond["message"] and "not retried" in failed_cond["message"]

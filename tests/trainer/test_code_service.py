@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import socket
+import tempfile
 import threading
 
 import pytest
@@ -81,7 +82,11 @@ BASE = {"model": {"name": "builtin:tiny-qwen3"}, "data": {"source": "builtin:add
         ({"mode": "service", "runtimeClassName": "Not_A_Name"}, "runtimeClassName", "match"),
         ({"mode": "service", "replicas": 11}, "replicas", "10"),
         (
-            {"mode": "service", "resources": {"limits": {"nvidia.com/gpu": 1}}},
+            {
+                "mode": "service",
+                "isolation": "none",
+                "resources": {"limits": {"nvidia.com/gpu": 1}},
+            },
             "resources.limits[nvidia.com/gpu]",
             "get no GPU",
         ),
@@ -92,6 +97,34 @@ def test_sandbox_pod_settings_are_refused_where_no_sandbox_pods_run(sandbox, fie
         parse_spec({**BASE, "reward": {"kind": "code", "sandbox": sandbox}})
     (problem,) = err.value.problems
     assert problem.path == f"spec.reward.sandbox.{field}" and says in problem.message, problem
+
+
+def test_the_operators_sandbox_pods_need_a_runtime_class_for_namespaces() -> None:
+    """Under the node's default seccomp profile and no capabilities, the operator's pods
+    cannot create namespaces (containerd's contrib/seccomp/seccomp_default.go allows unshare
+    and namespace-creating clone only with CAP_SYS_ADMIN): refused at validation, naming
+    runtimeClassName and the explicit way out, not every sandbox pod failing on the cluster."""
+    with pytest.raises(SpecError) as err:
+        parse_spec({**BASE, "reward": {"kind": "code", "sandbox": {"mode": "service"}}})
+    (problem,) = err.value.problems
+    assert problem.path == "spec.reward.sandbox.runtimeClassName"
+    assert "seccomp" in problem.message and "isolation: none" in problem.message
+    for ok in ({"runtimeClassName": "gvisor"}, {"isolation": "none"}, {"serviceUrl": "http://s"}):
+        parse_spec({**BASE, "reward": {"kind": "code", "sandbox": {"mode": "service", **ok}}})
+
+
+def test_a_sandbox_server_refused_its_isolation_exits_2_saying_why(monkeypatch, capsys) -> None:
+    """Exit 2, which the sandbox Job's podFailurePolicy fails at once on (tests/operator)."""
+    from gspo_trainer.code import service
+
+    monkeypatch.setattr(LocalSandbox, "probe", lambda self: "unshare: Operation not permitted")
+    with tempfile.NamedTemporaryFile("w", suffix=".sha256") as f:
+        f.write("0" * 64)
+        f.flush()
+        with pytest.raises(SystemExit) as exit_:
+            service.main(["--port=0", f"--token-sha256-file={f.name}"])
+    assert exit_.value.code == 2
+    assert "cannot run a program here: unshare: Operation not permitted" in capsys.readouterr().err
 
 
 def test_mode_service_is_read_only_with_a_code_reward() -> None:
@@ -107,7 +140,8 @@ def test_mode_service_with_no_url_and_no_cluster_names_the_field(monkeypatch) ->
     from gspo_trainer.code.preflight import check_code_reward
 
     monkeypatch.delenv(ENV_SANDBOX_URL, raising=False)
-    spec = parse_spec({**BASE, "reward": {"kind": "code", "sandbox": {"mode": "service"}}})
+    sandbox = {"mode": "service", "runtimeClassName": "gvisor"}
+    spec = parse_spec({**BASE, "reward": {"kind": "code", "sandbox": sandbox}})
     ((field, message),) = check_code_reward(spec)
     assert field == "spec.reward.sandbox.serviceUrl"
     assert message.startswith("must be set when reward.sandbox.mode is service and no operator")
@@ -187,7 +221,8 @@ def test_sandbox_pods_that_never_answer_stop_the_learner_naming_them(monkeypatch
     monkeypatch.setenv(ENV_SANDBOX_URL, down)
     monkeypatch.setenv(ports.ENV_JOB_NAME, "exp")
     monkeypatch.setattr(ports, "SANDBOX_STARTUP_SECONDS", 0)
-    spec = parse_spec({**BASE, "reward": {"kind": "code", "sandbox": {"mode": "service"}}})
+    sandbox = {"mode": "service", "runtimeClassName": "gvisor"}
+    spec = parse_spec({**BASE, "reward": {"kind": "code", "sandbox": sandbox}})
     ((field, message),) = check_code_reward(spec)
     assert field == "spec.reward.sandbox.mode"
     assert message.startswith(f"service: the job's sandbox pods at {down}: a program cannot")

@@ -412,6 +412,17 @@ def _module_function(path: str | None) -> bool:
 
 
 SANDBOX_POD_FIELDS = ("replicas", "runtimeClassName", "resources")
+# The operator's pods run under the container runtime's default seccomp profile with every
+# capability dropped; containerd's and CRI-O's refuse unshare and namespace-creating clone to
+# a process without CAP_SYS_ADMIN, so isolation namespaces cannot start there. A RuntimeClass
+# such as gVisor or Kata gives the pod a kernel of its own (docs/rewards.md).
+NAMESPACES_NEED_A_RUNTIME = (
+    "is needed with isolation: namespaces in the sandbox pods the operator runs: the node's "
+    "default seccomp profile refuses the namespaces to a pod without privileges, so every "
+    "sandbox pod would fail. Name a RuntimeClass that isolates the pod (e.g. gvisor, kata), "
+    "or set reward.sandbox.isolation: none explicitly (programs then share the sandbox pod, "
+    "apart from the job, under process limits only)"
+)
 
 
 def _sandbox_problems(sandbox: SandboxConfig) -> list[tuple[str, str]]:
@@ -439,6 +450,13 @@ def _sandbox_problems(sandbox: SandboxConfig) -> list[tuple[str, str]]:
         else:
             continue
         out.append((f"reward.sandbox.{name}", why))
+    if (
+        sandbox.mode == "service"
+        and sandbox.service_url is None
+        and sandbox.isolation == "namespaces"
+        and sandbox.runtime_class_name is None
+    ):
+        out.append(("reward.sandbox.runtimeClassName", NAMESPACES_NEED_A_RUNTIME))
     for section, values in (sandbox.resources.model_dump() if sandbox.resources else {}).items():
         for name in values:
             if name.endswith("/gpu"):  # render_resources writes GPUs from gpusPerReplica only

@@ -19,12 +19,14 @@ import hmac
 import json
 import logging
 import os
+import sys
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from gspo_trainer.code.sandbox import LocalSandbox, RunResult
 from gspo_trainer.config import SandboxConfig
+from gspo_trainer.ports import INVALID_CONFIG_EXIT_CODE
 
 log = logging.getLogger("gspo.rewards.code")
 RUN_PATH, HEALTH_PATH = "/run", "/healthz"
@@ -167,7 +169,11 @@ def main(argv: list[str] | None = None) -> None:
     sandbox = LocalSandbox(SandboxConfig.model_validate(json.loads(args.sandbox)))
     why = sandbox.probe()
     if why is not None:
-        raise SystemExit(f"the sandbox cannot run a program here: {why}")
+        # Exit 2, as a learner that cannot run as configured: the operator's podFailurePolicy
+        # fails the sandbox Job at once (every pod on these nodes would refuse the same way),
+        # and these last lines become the pod's termination message, copied into the job.
+        print(f"the sandbox cannot run a program here: {why}", file=sys.stderr, flush=True)
+        raise SystemExit(INVALID_CONFIG_EXIT_CODE)
     server = serve_sandbox(sandbox, token, args.host, args.port, hashed=not args.token_file)
     log.info("Serving the code sandbox on %s:%d (pid %d)", args.host, args.port, os.getpid())
     server.serve_forever()
