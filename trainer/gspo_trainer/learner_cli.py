@@ -269,9 +269,19 @@ async def run(args: argparse.Namespace, spec: GSPOJobSpec) -> int:
     rollout = build_rollout(args, spec) if rank == 0 else None
     ckpt_dir = Path(args.checkpoint_dir)
     history = args.history or (ckpt_dir / "history.jsonl")
-    learner = Learner(spec, rollout, checkpoint_dir=ckpt_dir, metrics=metrics,
-                      history_path=history if rank == 0 else None,
-                      tracker_dir=args.tracker_dir)  # fmt: skip
+    from gspo_trainer.code.runner import SandboxUnavailable
+
+    try:
+        learner = Learner(spec, rollout, checkpoint_dir=ckpt_dir, metrics=metrics,
+                          history_path=history if rank == 0 else None,
+                          tracker_dir=args.tracker_dir)  # fmt: skip
+    except SandboxUnavailable as exc:  # the cluster's state, not the spec's: exit 1, retried
+        log.error("The learner stopped: %s", exc)  # the pod's termination message
+        if rollout is not None:
+            await rollout.close()
+        if server is not None:
+            server.shutdown()
+        return 1
     loaded.append(learner)
 
     def request_stop(signum: int, _frame: object) -> None:

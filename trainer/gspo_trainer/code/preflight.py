@@ -24,7 +24,9 @@ def check_code_reward(spec: GSPOJobSpec) -> list[Problem]:
     from gspo_trainer.data import load_eval_examples, load_examples
 
     try:
-        build_code_scorer(spec.reward.code, spec.reward.sandbox)
+        # Not waiting for the job's sandbox pods: they start with the learner, which waits
+        # for them once its status server serves (Kueue's WaitForPodsReady counts on it).
+        build_code_scorer(spec.reward.code, spec.reward.sandbox, wait=False)
     except ValueError as exc:  # "reward.sandbox.<field> ...: why; the fix"
         field, _, why = str(exc).removeprefix("reward.sandbox.").partition(" ")
         return [(f"spec.reward.sandbox.{field.rstrip(':')}", why)]

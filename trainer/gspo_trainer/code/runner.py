@@ -226,14 +226,26 @@ class CodeScorer:
         log.warning("Code reward for item %d: sandbox failure (%s); scored 0", i, detail)
 
 
+class SandboxUnavailable(RuntimeError):
+    """The job's own sandbox pods did not answer within ports.SANDBOX_STARTUP_SECONDS: a
+    state of the cluster (pods Pending, or failing at start), not of the spec, so the
+    learner exits 1 and JobSet may retry, where a configuration error (exit 2) is final."""
+
+
 def build_code_scorer(
-    code: CodeConfig, sandbox: SandboxConfig, on_failure: Callable[[str], None] | None = None
+    code: CodeConfig,
+    sandbox: SandboxConfig,
+    on_failure: Callable[[str], None] | None = None,
+    *,
+    wait: bool = True,
 ) -> CodeScorer:
     """The scorer for reward.kind code. Refuses to start when reward.sandbox.isolation asks
     for namespaces and this machine forbids them (naming the setting), or when the sandbox
-    service (mode service) cannot run a program; warns loudly when isolation is off."""
+    service (mode service) cannot run a program; warns loudly when isolation is off. With
+    `wait` False (the learner's preflight, before its status server serves) the job's own
+    sandbox pods are not waited for: the learner does that once its pod reports Ready."""
     if sandbox.mode == "service":
-        return _service_scorer(code, sandbox, on_failure)
+        return _service_scorer(code, sandbox, on_failure, wait)
     local = LocalSandbox(sandbox)
     why = local.probe()
     if why is not None:
@@ -257,7 +269,10 @@ def build_code_scorer(
 
 
 def _service_scorer(
-    code: CodeConfig, sandbox: SandboxConfig, on_failure: Callable[[str], None] | None
+    code: CodeConfig,
+    sandbox: SandboxConfig,
+    on_failure: Callable[[str], None] | None,
+    wait: bool,
 ) -> CodeScorer:
     """mode service: the same runner, its programs sent to the service with the job's token:
     the one at serviceUrl, or the job's own sandbox pods (the operator's Service, named in
@@ -285,19 +300,21 @@ def _service_scorer(
     remote = RemoteSandbox(
         url, os.environ.get(ENV_SYNC_TOKEN, ""), timeout_s=sandbox.timeout_seconds + 30
     )
+    concurrency = sandbox.concurrency * pods  # each pod runs `concurrency` at once
+    if sandbox.service_url is None and not wait:
+        return CodeScorer(CodeRunner(remote, code), concurrency, code.scoring, on_failure)
     why = wait_for_service(remote, wait_s)
+    if why is not None and sandbox.service_url is None:
+        job = os.environ.get(ENV_JOB_NAME, "<job>")
+        raise SandboxUnavailable(
+            f"reward.sandbox.mode service: the job's sandbox pods at {url} did not run a "
+            f"program within {wait_s:.0f} s ({why}); see why with kubectl describe pods -l "
+            f"gspo.dev/job-name={job},gspo.dev/role=sandbox (docs/rewards.md, runbook)"
+        )
     if why is not None:
         where = f"reward.sandbox.serviceUrl {url}"
         fix = "check that the sandbox service is up and has this job's token"
-        if sandbox.service_url is None:
-            where = f"reward.sandbox.mode service: the job's sandbox pods at {url}"
-            job = os.environ.get(ENV_JOB_NAME, "<job>")
-            fix = (
-                f"none answered within {wait_s:.0f} s; see why with kubectl describe pods -l "
-                f"gspo.dev/job-name={job},gspo.dev/role=sandbox (docs/rewards.md, runbook)"
-            )
         raise ValueError(f"{where}: a program cannot run there ({why}); {fix}")
-    concurrency = sandbox.concurrency * pods  # each pod runs `concurrency` at once
     return CodeScorer(CodeRunner(remote, code), concurrency, code.scoring, on_failure)
 
 
