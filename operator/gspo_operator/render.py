@@ -35,6 +35,7 @@ SANDBOX_GRACE_SECONDS = 10  # a sandbox pod keeps nothing: its programs die with
 # server's default: a pod lost to its node is replaced, one that cannot start fails the job.
 SANDBOX_BACKOFF_LIMIT = 20
 SANDBOX_TOKEN_VOLUME = "sandbox-token"
+SANDBOX_SERVER_MIB = 256  # the sandbox server's own memory, beside its programs
 TOKEN_SHA256_KEY = "token-sha256"  # the Secret's key a sandbox pod checks requests against
 # What of reward.sandbox a sandbox pod applies to each program (code/sandbox.py reads these).
 SANDBOX_LIMITS = {
@@ -585,6 +586,17 @@ def sandbox_args(spec: GSPOJobSpec) -> list[str]:
     ]
 
 
+def sandbox_default_resources(concurrency: int, memory_mib: int) -> Obj:
+    """A sandbox pod's requests and limits when reward.sandbox.resources is unset: a CPU and
+    memoryMib per program it runs at once, and the server's own. Not BestEffort, so Kueue
+    counts it against the queue's quota and the kubelet does not evict it first."""
+    memory = f"{concurrency * memory_mib + SANDBOX_SERVER_MIB}Mi"
+    return {
+        "requests": {"cpu": str(concurrency), "memory": memory},
+        "limits": {"memory": memory},
+    }
+
+
 def render_sandbox_pod_template(ctx: _Ctx) -> Obj:
     """A sandbox pod: the code reward's programs run here, away from the job. It holds the
     job token's SHA-256 (to check the learner's requests) and nothing else of the job: no
@@ -594,7 +606,11 @@ def render_sandbox_pod_template(ctx: _Ctx) -> Obj:
     nothing out (render_sandbox_network_policy)."""
     spec, job = ctx.spec, ctx.job
     sandbox = spec.reward.sandbox
-    resources = sandbox.resources.model_dump() if sandbox.resources is not None else {}
+    resources = (
+        sandbox.resources.model_dump()
+        if sandbox.resources is not None
+        else sandbox_default_resources(sandbox.concurrency, sandbox.memory_mib)
+    )
     container: Obj = {
         "name": names.SANDBOX,
         "image": spec.learner.image,

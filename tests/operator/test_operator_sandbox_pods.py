@@ -327,3 +327,15 @@ def test_a_sandbox_pod_refused_its_isolation_fails_the_job_at_once_with_its_word
     failed_cond = cond(out.status, "Failed")
     assert failed_cond["reason"] == "SandboxRefused"
     assert why in failed_cond["message"] and "not retried" in failed_cond["message"]
+
+
+def test_sandbox_pods_without_resources_request_room_for_concurrency_programs() -> None:
+    """Unset resources would make the pods BestEffort: not counted by Kueue, evicted first,
+    and with no room for concurrency programs of memoryMib each."""
+    sandbox = {"mode": "service", "runtimeClassName": "gvisor", "concurrency": 4}
+    c = container(rendered(code_job({**sandbox, "memoryMib": 1024})), "sandbox")
+    memory = f"{4 * 1024 + 256}Mi"
+    assert c["resources"] == {
+        "requests": {"cpu": "4", "memory": memory},
+        "limits": {"memory": memory},
+    }

@@ -8,6 +8,7 @@ import hashlib
 import socket
 import tempfile
 import threading
+import time
 
 import pytest
 
@@ -236,3 +237,54 @@ def test_sandbox_pods_that_never_answer_stop_the_learner_naming_them(monkeypatch
     message = str(err.value)
     assert message.startswith(f"reward.sandbox.mode service: the job's sandbox pods at {down}")
     assert "gspo.dev/job-name=exp,gspo.dev/role=sandbox" in message
+
+
+class Gate:
+    """A sandbox whose programs run until the test lets them go; counts those running."""
+
+    def __init__(self) -> None:
+        self.running, self.most = 0, 0
+        self.lock, self.entered, self.release = (
+            threading.Lock(),
+            threading.Event(),
+            threading.Event(),
+        )
+
+    def run(self, files, argv, stdin=b"", env=None) -> RunResult:
+        with self.lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+        self.entered.set()
+        self.release.wait(30)
+        with self.lock:
+            self.running -= 1
+        return RunResult(0, b"ok\n", b"", 0.01)
+
+
+def test_a_sandbox_pod_runs_at_most_concurrency_programs_at_once() -> None:
+    """More requests than reward.sandbox.concurrency (the Service spreads them unevenly) wait
+    for a slot rather than running beside the others past the pod's memory."""
+    gate = Gate()
+    server = serve_sandbox(gate, TOKEN, "127.0.0.1", 0, concurrency=2)  # type: ignore[arg-type]
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    remote = RemoteSandbox(f"http://127.0.0.1:{server.server_address[1]}", TOKEN, 30)
+    results: list[RunResult] = []
+    callers = [
+        threading.Thread(target=lambda: results.append(remote.run({}, ["x"]))) for _ in range(5)
+    ]
+    try:
+        for t in callers:
+            t.start()
+        assert gate.entered.wait(10)
+        deadline = time.monotonic() + 0.3  # time for the other requests to arrive
+        while time.monotonic() < deadline and gate.running < 5:
+            time.sleep(0.01)
+        assert gate.running == 2
+        gate.release.set()
+        for t in callers:
+            t.join(30)
+        assert gate.most == 2 and [r.exit_code for r in results] == [0] * 5
+    finally:
+        gate.release.set()
+        server.shutdown()
+        server.server_close()

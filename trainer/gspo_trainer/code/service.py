@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -34,12 +35,23 @@ MAX_REQUEST_BYTES = 8 << 20  # a program, its tests and stdin
 
 
 def serve_sandbox(
-    sandbox: LocalSandbox, token: str, host: str, port: int, *, hashed: bool = False
+    sandbox: LocalSandbox,
+    token: str,
+    host: str,
+    port: int,
+    *,
+    hashed: bool = False,
+    concurrency: int | None = None,
 ) -> ThreadingHTTPServer:
     """Serve `sandbox` on (host, port); every /run needs `Authorization: Bearer <token>`.
     With `hashed`, `token` is the token's hex SHA-256: what the operator's sandbox pods hold,
-    so a program that reads it there holds nothing the job's other pods accept."""
+    so a program that reads it there holds nothing the job's other pods accept.
+
+    At most `concurrency` programs run at once (reward.sandbox.concurrency by default): the
+    Service spreads the learner's concurrency x replicas requests over the pods unevenly, and
+    each pod's memory is sized for that many. A request beyond it waits for a slot."""
     want = token.encode()
+    slots = threading.BoundedSemaphore(concurrency or sandbox.cfg.concurrency)
 
     def authorized(header: str) -> bool:
         presented = header.removeprefix("Bearer ") if header.startswith("Bearer ") else ""
@@ -72,7 +84,9 @@ def serve_sandbox(
             except (ValueError, KeyError, TypeError) as exc:
                 self._reply(400, {"error": f"malformed request: {exc}"})
                 return
-            self._reply(200, _encode(sandbox.run(files, argv, stdin, env)))
+            with slots:
+                result = sandbox.run(files, argv, stdin, env)
+            self._reply(200, _encode(result))
 
         def _reply(self, code: int, body: dict) -> None:
             data = json.dumps(body).encode()
