@@ -288,3 +288,22 @@ def test_a_sandbox_pod_runs_at_most_concurrency_programs_at_once() -> None:
         gate.release.set()
         server.shutdown()
         server.server_close()
+
+
+def test_the_learner_sends_test_cases_past_any_proxy_its_environment_names(
+    service, monkeypatch
+) -> None:
+    """A proxy env var (inherited by the learner) must not receive the job's bearer token."""
+    with socket.socket() as proxy:
+        proxy.bind(("127.0.0.1", 0))
+        proxy.listen(8)
+        proxy.setblocking(False)
+        at = f"http://127.0.0.1:{proxy.getsockname()[1]}"
+        for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy"):
+            monkeypatch.setenv(var, at)
+        for var in ("no_proxy", "NO_PROXY"):
+            monkeypatch.delenv(var, raising=False)
+        program = item("a, b = map(int, input().split())\nprint(a + b)")
+        assert scorer_for(service, TOKEN).score([program]) == [1.0]
+        with pytest.raises(BlockingIOError):
+            proxy.accept()  # nothing connected to the proxy
