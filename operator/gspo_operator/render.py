@@ -35,6 +35,7 @@ SANDBOX_GRACE_SECONDS = 10  # a sandbox pod keeps nothing: its programs die with
 # server's default: a pod lost to its node is replaced, one that cannot start fails the job.
 SANDBOX_BACKOFF_LIMIT = 20
 SANDBOX_TOKEN_VOLUME = "sandbox-token"
+NO_MESH = {"sidecar.istio.io/inject": "false", "linkerd.io/inject": "disabled"}
 SANDBOX_SERVER_MIB = 256  # the sandbox server's own memory, beside its programs
 TOKEN_SHA256_KEY = "token-sha256"  # the Secret's key a sandbox pod checks requests against
 # What of reward.sandbox a sandbox pod applies to each program (code/sandbox.py reads these).
@@ -649,18 +650,16 @@ def render_sandbox_pod_template(ctx: _Ctx) -> Obj:
         pod_spec["runtimeClassName"] = sandbox.runtime_class_name
     if spec.learner.image_pull_secrets:  # the learner's image
         pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.learner.image_pull_secrets]
-    # The job's priority, scheduler and tolerations; not its nodeSelector or affinity, which
-    # place the learner and the servers on accelerator nodes (a RuntimeClass's own
-    # scheduling places the sandbox pods on the nodes that run it).
+    # The job's priority and scheduler; not its nodeSelector, affinity or tolerations, which
+    # place the learner and the servers on accelerator nodes (tolerations usually of GPU
+    # taints): model-written code stays off them. A RuntimeClass's own scheduling places
+    # the sandbox pods on the nodes that run it, its tolerations included.
     sched = _scheduling(spec)
-    pod_spec.update(
-        {
-            k: v
-            for k, v in sched.items()
-            if k in ("priorityClassName", "schedulerName", "tolerations")
-        }
-    )
-    return {"metadata": {"labels": names.labels(job, names.SANDBOX)}, "spec": pod_spec}
+    pod_spec.update({k: v for k, v in sched.items() if k in ("priorityClassName", "schedulerName")})
+    # No service-mesh proxy: under the sandbox's egress deny-all an injected one never
+    # reaches its control plane, and the pod would never be Ready.
+    meta: Obj = {"labels": names.labels(job, names.SANDBOX), "annotations": dict(NO_MESH)}
+    return {"metadata": meta, "spec": pod_spec}
 
 
 def render_sandbox_service(ctx: _Ctx) -> Obj:

@@ -84,8 +84,13 @@ def test_rendered_sandbox_pods_pass_the_api_server_and_jobset_checks() -> None:
     assert out_of_retries["action"] == "FailJobSet"
     pod = pod_template(objs, "sandbox")["spec"]
     assert pod["runtimeClassName"] == "gvisor"
-    assert pod["priorityClassName"] == "research" and pod["tolerations"]
-    assert "nodeSelector" not in pod  # the accelerator pool is the learner's
+    assert pod["priorityClassName"] == "research"
+    # The accelerator pool and its (GPU) taints are the learner's: no model code there.
+    assert "nodeSelector" not in pod and "tolerations" not in pod
+    assert pod_template(objs, "learner")["spec"]["tolerations"]
+    # No injected mesh proxy: under the egress deny-all it would keep the pod un-Ready.
+    annotations = pod_template(objs, "sandbox")["metadata"]["annotations"]
+    assert annotations == {"sidecar.istio.io/inject": "false", "linkerd.io/inject": "disabled"}
     assert pod["imagePullSecrets"] == [{"name": "registry"}]  # the learner's image
 
 
