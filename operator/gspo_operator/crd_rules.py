@@ -43,6 +43,7 @@ from gspo_trainer.config import BUILTIN_MODELS, VOLUME_SOURCES
 from gspo_trainer.ports import RESERVED_PORTS
 from gspo_trainer.validation import (
     GPU_RESOURCE,
+    NAMESPACES_NEED_A_RUNTIME,
     RESERVED_MOUNT_PATHS,
     RESERVED_VOLUMES,
     REWARD_CONVENTION_PER_ENTRY,
@@ -51,6 +52,10 @@ from gspo_trainer.validation import (
     REWARD_NAMES_UNIQUE,
     REWARD_PYTHON_NEEDS,
     REWARD_TARGET_FIX,
+    SANDBOX_ONLY_IN_SERVICE,
+    SANDBOX_POD_FIELD_LOCAL,
+    SANDBOX_POD_FIELD_OWN_SERVICE,
+    SANDBOX_POD_FIELDS,
 )
 
 Rule = dict[str, Any]
@@ -111,6 +116,7 @@ def add_rules(root: Node) -> None:
     _attach(functions, _reward_functions_rules())
     _attach(functions["items"], _reward_function_rules())
     _attach(spec, _reward_target_rules())
+    _attach(sections["reward"]["properties"]["sandbox"], _sandbox_rules())
     _attach(sections["checkpoint"], _checkpoint_rules())
     _attach(sections["metrics"], _metrics_rules())
     _attach(sections["rollout"], _rollout_rules())
@@ -389,6 +395,46 @@ def _reward_rules() -> list[Rule]:
             reason=FORBIDDEN,
         ),
     ]
+
+
+def _sandbox_rules() -> list[Rule]:
+    """On reward.sandbox (validation._sandbox_problems): the sandbox pods' settings only where
+    the operator runs them, and a RuntimeClass for their namespaces."""
+    local = "(!has(self.mode) || self.mode == 'local')"
+    pods = "(has(self.mode) && self.mode == 'service' && !has(self.serviceUrl))"
+    out = [
+        rule(
+            f"!{pods} || has(self.runtimeClassName) || "
+            "(has(self.isolation) && self.isolation == 'none')",
+            NAMESPACES_NEED_A_RUNTIME,
+            field_path=".runtimeClassName",
+        ),
+        rule(
+            f"!has(self.serviceUrl) || !{local}",
+            SANDBOX_ONLY_IN_SERVICE,
+            field_path=".serviceUrl",
+            reason=FORBIDDEN,
+        ),
+    ]
+    for name in SANDBOX_POD_FIELDS:
+        field = f"self.{prop(name)}"
+        out.append(
+            rule(
+                f"!has({field}) || !{local}",
+                SANDBOX_POD_FIELD_LOCAL,
+                field_path=f".{name}",
+                reason=FORBIDDEN,
+            )
+        )
+        out.append(
+            rule(
+                f"!has({field}) || !has(self.serviceUrl)",
+                SANDBOX_POD_FIELD_OWN_SERVICE,
+                field_path=f".{name}",
+                reason=FORBIDDEN,
+            )
+        )
+    return out
 
 
 def _reward_functions_rules() -> list[Rule]:

@@ -74,6 +74,31 @@ def test_list_items_are_indexed_in_paths() -> None:
 # refuse the same specs (tests/contract/test_crd_cel.py).
 FORMAT = {"name": "format", "kind": "format"}
 CROSS_FIELD_CASES = [
+    (
+        {"reward": {"kind": "code", "sandbox": {"mode": "service"}}},
+        "spec.reward.sandbox.runtimeClassName",
+        "seccomp",
+    ),
+    (
+        {"reward": {"kind": "code", "sandbox": {"replicas": 2}}},
+        "spec.reward.sandbox.replicas",
+        "only read when reward.sandbox.mode is service",
+    ),
+    (
+        {"reward": {"kind": "code", "sandbox": {"serviceUrl": "http://s:1"}}},
+        "spec.reward.sandbox.serviceUrl",
+        "only read when",
+    ),
+    (
+        {
+            "reward": {
+                "kind": "code",
+                "sandbox": {"mode": "service", "serviceUrl": "http://s:1", "resources": {}},
+            }
+        },
+        "spec.reward.sandbox.resources",
+        "your own sandbox service",
+    ),
     ({"algorithm": {"groupSize": 1}}, "spec.algorithm.groupSize", "2 or more"),
     ({"algorithm": {"clipLow": 0}}, "spec.algorithm.clipLow", "(0, 1)"),
     ({"algorithm": {"clipHigh": -0.1}}, "spec.algorithm.clipHigh", "> 0"),

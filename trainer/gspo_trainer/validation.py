@@ -412,6 +412,18 @@ def _module_function(path: str | None) -> bool:
 
 
 SANDBOX_POD_FIELDS = ("replicas", "runtimeClassName", "resources")
+# The sandbox's cross-field refusals, shared with the CRD's CEL rules (crd_rules.py).
+SANDBOX_ONLY_IN_SERVICE = (
+    "is only read when reward.sandbox.mode is service; remove it or set mode: service"
+)
+SANDBOX_POD_FIELD_LOCAL = (
+    "is only read when reward.sandbox.mode is service (the operator then runs the sandbox "
+    "pods); remove it or set mode: service"
+)
+SANDBOX_POD_FIELD_OWN_SERVICE = (
+    "is not read when serviceUrl names your own sandbox service (the operator runs no sandbox "
+    "pods then); remove it, or remove serviceUrl to have them run"
+)
 # The operator's pods run under the container runtime's default seccomp profile with every
 # capability dropped; containerd's and CRI-O's refuse unshare and namespace-creating clone to
 # a process without CAP_SYS_ADMIN, so isolation namespaces cannot start there. A RuntimeClass
@@ -432,21 +444,14 @@ def _sandbox_problems(sandbox: SandboxConfig) -> list[tuple[str, str]]:
     on a cluster the operator points the learner at the pods it runs."""
     out: list[tuple[str, str]] = []
     if sandbox.mode == "local" and sandbox.service_url is not None:
-        why = "is only read when reward.sandbox.mode is service; remove it or set mode: service"
-        out.append(("reward.sandbox.serviceUrl", why))
+        out.append(("reward.sandbox.serviceUrl", SANDBOX_ONLY_IN_SERVICE))
     for name in SANDBOX_POD_FIELDS:
         if getattr(sandbox, to_snake(name)) is None:
             continue
         if sandbox.mode == "local":
-            why = (
-                "is only read when reward.sandbox.mode is service (the operator then runs the "
-                "sandbox pods); remove it or set mode: service"
-            )
+            why = SANDBOX_POD_FIELD_LOCAL
         elif sandbox.service_url is not None:
-            why = (
-                "is not read when serviceUrl names your own sandbox service (the operator runs "
-                "no sandbox pods then); remove it, or remove serviceUrl to have them run"
-            )
+            why = SANDBOX_POD_FIELD_OWN_SERVICE
         else:
             continue
         out.append((f"reward.sandbox.{name}", why))
