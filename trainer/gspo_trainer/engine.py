@@ -23,8 +23,6 @@ from gspo_trainer.config import GSPOJobSpec
 if TYPE_CHECKING:
     import torch
 
-DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
-
 
 def has_gpu() -> bool:
     import torch

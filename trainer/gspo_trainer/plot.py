@@ -42,41 +42,6 @@ def _save(fig: Any, out: str | Path) -> Path:
     return path
 
 
-def plot_rewards(
-    curves: Mapping[str, Sequence[tuple[int, float]]],
-    out: str | Path,
-    *,
-    window: int = 10,
-    title: str = "Mean reward per step",
-    target: float | None = None,
-) -> Path:
-    """curves: label -> [(step, reward)]. Writes `out` (PNG) and returns its path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    for i, (label, points) in enumerate(curves.items()):
-        if not points:
-            continue
-        steps = [s for s, _ in points]
-        rewards = [r for _, r in points]
-        color = f"C{i}"
-        ax.plot(steps, rewards, color=color, alpha=0.25, linewidth=0.8)
-        ax.plot(steps, moving_average(rewards, window), color=color, linewidth=2,
-                label=f"{label} ({window}-step mean)")  # fmt: skip
-    if target is not None:
-        ax.axhline(target, color="grey", linestyle="--", linewidth=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("mean reward")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper left")
-    return _save(fig, out)
-
-
 def plot_training(
     runs: Mapping[str, Sequence[Mapping[str, float]]],
     out: str | Path,
