@@ -444,4 +444,4 @@ class Learner:
         moe = self.spec.model.moe
         if not old.experts or self.policy.moe is None or not (moe and moe.report_expert_load):
             return None
-        return expert_load(old.experts[0], self.policy.moe.experts)
+        return expert_load(old.experts, self.policy.moe.experts)
