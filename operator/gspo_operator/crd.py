@@ -127,7 +127,7 @@ def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         out["default"] = copy.deepcopy(schema["default"])  # shared $defs: no YAML anchors
     if description:
         out["description"] = description
-    first = {k: out[k] for k in ("type", "description") if k in out}
+    first: dict[str, Any] = {k: out[k] for k in ("type", "description") if k in out}
     return {**first, **{k: v for k, v in out.items() if k not in first}}
 
 

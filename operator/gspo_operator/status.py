@@ -11,14 +11,23 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, get_args
 
 from gspo_operator import names
-from gspo_trainer.config import GSPOJobSpec
+from gspo_trainer.config import GSPOJobSpec, Phase
 from gspo_trainer.progress import LearnerProgress
 from gspo_trainer.validation import Problem
 
 TERMINAL = ("Succeeded", "Failed")
+_PHASES: dict[str, Phase] = {phase: phase for phase in get_args(Phase)}
+
+
+def phase_of(st: Mapping[str, Any]) -> Phase:
+    """A status's phase as a Phase (the CRD's enum admits no other); Pending before the
+    operator's first write."""
+    return _PHASES.get(st.get("phase") or "Pending", "Pending")
+
+
 # Fields that change in flight; any other spec change is refused while the job exists. The
 # JobSet's own spec is immutable but for suspend, so these are the operator's to apply.
 MUTABLE_FIELDS = (

@@ -270,7 +270,7 @@ def save_state(engine: Any, tmp: Path, rank: int,
     mine = tmp / f"trainer-rank{rank}.pt"
     torch.save(trainer_state, mine)
     rels = {Path(p).resolve().relative_to(tmp.resolve()).as_posix()
-            for p in [*recorder.written, mine]}  # fmt: skip
+            for p in [*recorder.written, str(mine)]}  # fmt: skip
     return hash_files(tmp, sorted(rels), rank)
 
 

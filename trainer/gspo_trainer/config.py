@@ -622,7 +622,7 @@ class ResourceRequirements(Section):
     limits: dict[str, Quantity] = Field(default_factory=dict)
 
 
-_FREE = {"x-kubernetes-preserve-unknown-fields": True}
+_FREE: dict[str, Any] = {"x-kubernetes-preserve-unknown-fields": True}  # a pydantic JsonDict
 
 
 class EnvVar(Section):

@@ -420,7 +420,7 @@ class PromptStream:
         return order
 
     def next_batch(self, n: int) -> list[Example]:
-        batch = []
+        batch: list[Example] = []
         while len(batch) < n:
             if self.index == len(self._order):
                 self.epoch, self.index = self.epoch + 1, 0

@@ -51,7 +51,7 @@ def init_distributed(timeout_s: float | None = None) -> None:
         os.environ.setdefault(key, value)
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(_free_port())
-    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    timeout: dict[str, Any] = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     backend = "nccl" if has_gpu() else "gloo"
     if os.environ["WORLD_SIZE"] == "1":
         # A lone process has no peer to meet: its group's store stays in memory. env://
@@ -238,7 +238,8 @@ def load_model(spec: GSPOJobSpec, path: str, *, shard: bool = False) -> tuple[An
 
     model = _from_pretrained(spec, path, shard=shard and spec.learner.zero_stage == 3)
     tokenizer = AutoTokenizer.from_pretrained(spec.model.tokenizer or path, **_hf_kwargs(spec))
-    if spec.model.gradient_checkpointing and getattr(model, "supports_gradient_checkpointing", 0):
+    checkpointing = getattr(model, "supports_gradient_checkpointing", False)
+    if spec.model.gradient_checkpointing and checkpointing:
         model.gradient_checkpointing_enable()
     model.config.use_cache = False
     return model, tokenizer

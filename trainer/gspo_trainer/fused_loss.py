@@ -56,14 +56,14 @@ def _fused_fn() -> Any:
 
     class _FusedLoss(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, hidden, weight, run):  # type: ignore[override]
+        def forward(ctx, hidden, weight, run):
             # Held as attributes, not saved tensors, so backward can hand them over without a
             # copy (autograd steals a gradient nobody else references).
             ctx.grads = run(hidden, weight)
             return torch.zeros((), dtype=_compute_dtype(weight.dtype), device=weight.device)
 
         @staticmethod
-        def backward(ctx, g):  # type: ignore[override]
+        def backward(ctx, g):
             if ctx.grads is None:
                 raise RuntimeError("policy_loss_from_hidden supports one backward per forward")
             grad_h, grad_w = ctx.grads
@@ -150,7 +150,7 @@ def policy_loss_from_hidden(
                     z.div_(temperature)
                 lse, lp, ent = _chunk_forward(z, flat_tokens[g_rows[s:e]], with_entropy)
                 logp[g_rows[s:e]] = lp
-                if entropy is not None:
+                if entropy is not None and ent is not None:  # both or neither: with_entropy
                     entropy[g_rows[s:e]] = ent
                 lses.append(lse)
                 ents.append(ent)
@@ -164,9 +164,11 @@ def policy_loss_from_hidden(
                                       ref_logprobs=ref, behaviour_logprobs=mu, **kw)  # fmt: skip
                 (g_logp,) = torch.autograd.grad(part * ((b - a) / B), leaf)
             g_flat = g_logp.reshape(-1)[g_rows - a * T]  # aligned with g_rows
-            for (s, e), z, lse, ent in zip(spans, kept, lses, ents, strict=True):
+            for (s, e), z_kept, lse, ent in zip(spans, kept, lses, ents, strict=True):
                 h = h_flat[g_rows[s:e]]
-                if z is None:
+                if z_kept is not None:
+                    z = z_kept
+                else:
                     z = _upcast(h @ weight.T)
                     if temperature != 1.0:
                         z.div_(temperature)

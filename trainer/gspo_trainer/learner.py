@@ -323,7 +323,9 @@ class Learner:
             stats["weight_sync_bytes"] = sent
         stats.update(evaluation)  # rank 0 only, like the history and the metrics
         self.state.step, self.state.reward = step, stats["reward_mean"]
-        self.positions = {k: v for k, v in self.positions.items() if k >= step}
+        self.positions: dict[int, dict[str, int]] = {
+            k: v for k, v in self.positions.items() if k >= step
+        }
         if self.rank == 0:
             self.report.record(step, stats, seconds, float(packed.lengths.sum()),
                                self._expert_load(learned.old), learned.update.drift)  # fmt: skip

@@ -9,6 +9,7 @@ field and the fix, like validation's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from gspo_trainer.code.preflight import check_code_reward
@@ -73,7 +74,9 @@ def check_data(spec: GSPOJobSpec) -> list[Problem]:
     set is downloaded here, once, into the cache the learner then reads."""
     from gspo_trainer.data import DataError, load_eval_examples, load_examples
 
-    sets = [("spec.data.source", lambda: load_examples(spec.data))]
+    sets: list[tuple[str, Callable[[], object]]] = [
+        ("spec.data.source", lambda: load_examples(spec.data))
+    ]
     if spec.data.eval_source:
         sets.append(("spec.data.evalSource", lambda: load_eval_examples(spec.data)))
     for where, load in sets:

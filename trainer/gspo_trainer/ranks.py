@@ -100,7 +100,7 @@ class Ranks:
             return obj
         box: list[Any] = [obj if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=self.group, device=self._cpu)
-        return box[0]  # type: ignore[no-any-return]
+        return box[0]
 
     def gather(self, obj: T) -> list[T] | None:
         """Every rank's `obj`, in rank order, on rank 0 (None on the others)."""

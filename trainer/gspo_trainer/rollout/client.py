@@ -470,6 +470,7 @@ class RolloutClient:
                 outcomes[0].close(abort=True)
             raise RolloutError(f"forming the weight-sync group failed: {errors[0]}")
         group = outcomes[0]
+        assert not isinstance(group, BaseException)  # none raised
         self._group = _Group(
             members, group, weight_sync.WeightSender(group, bucket_mb=opts.bucket_mb)
         )
@@ -504,7 +505,9 @@ class RolloutClient:
         if errors:
             self._drop_group(abort=True)  # a broken collective leaves it unusable: re-form it
             raise RolloutError(f"weight update to version {version} failed: {errors[0]}")
-        return outcomes[0].bytes_total, bcast_s
+        sent = outcomes[0]
+        assert not isinstance(sent, BaseException)  # none raised
+        return sent.bytes_total, bcast_s
 
 
 def _error_text(payload: Any) -> str:

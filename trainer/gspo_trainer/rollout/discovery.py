@@ -23,7 +23,7 @@ Resolver = Callable[[str, int], list[str]]
 
 def system_resolver(host: str, port: int) -> list[str]:
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return sorted({info[4][0] for info in infos})
+    return sorted({str(info[4][0]) for info in infos})  # the address (a str; typeshed: str | int)
 
 
 def _url(address: str, port: int) -> str:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
+    from torch import Tensor  # for functions whose local `torch` is torch_module()
 
 log = logging.getLogger("gspo.weight_sync")
 
@@ -122,7 +123,7 @@ class SendBuffers:
         size = max((b.nbytes for b in buckets), default=0)
         slots = 2 if len(buckets) > 1 else 1
         self.buffers = [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(slots)]
-        self.views: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self.views: dict[tuple[int, int], list[Tensor]] = {}
 
     def fill(
         self, k: int, bucket: Bucket, tensors: Iterator[tuple[str, torch.Tensor]]
@@ -533,11 +534,11 @@ def receive_weights(group: SyncGroup) -> tuple[int, Iterator[tuple[str, torch.Te
     version, layout = _receive_header(group)
     buckets = decode_layout(layout)
 
-    def post(bucket: Bucket) -> tuple[Bucket, torch.Tensor, Any]:
+    def post(bucket: Bucket) -> tuple[Bucket, Tensor, Any]:
         buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=group.device)
         return bucket, buffer, group.broadcast_async(buffer)
 
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors() -> Iterator[tuple[str, Tensor]]:
         # Receive bucket k+1 while the caller loads bucket k.
         with gc_paused():
             pending = post(buckets[0]) if buckets else None
