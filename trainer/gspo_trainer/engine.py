@@ -46,8 +46,12 @@ def init_distributed(timeout_s: float | None = None) -> None:
         return
     if not has_gpu():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
-                       ("MASTER_ADDR", "127.0.0.1")):  # fmt: skip
+    for key, value in (
+        ("RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("LOCAL_RANK", "0"),
+        ("MASTER_ADDR", "127.0.0.1"),
+    ):
         os.environ.setdefault(key, value)
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(_free_port())
@@ -121,8 +125,12 @@ def optimizer_config(spec: GSPOJobSpec, gpu: bool) -> dict[str, Any]:
     multi-tensor AdamW on the device (DeepSpeed's FusedAdam would compile a CUDA kernel at
     start-up), and on a CPU-only machine torch's (no C++ op compiled for a tiny run)."""
     alg = spec.algorithm
-    params: dict[str, Any] = {"lr": alg.learning_rate, "betas": [0.9, 0.999], "eps": 1e-8,
-                              "weight_decay": alg.weight_decay}  # fmt: skip
+    params: dict[str, Any] = {
+        "lr": alg.learning_rate,
+        "betas": [0.9, 0.999],
+        "eps": 1e-8,
+        "weight_decay": alg.weight_decay,
+    }
     if not (gpu and offloads_optimizer(spec)):
         params["torch_adam"] = True
     return {"type": "AdamW", "params": params}
@@ -155,8 +163,9 @@ def ds_config(spec: GSPOJobSpec, gpu: bool | None = None) -> dict[str, Any]:
     return cfg
 
 
-def lr_factor(update: int, warmup_updates: int, total_updates: int,
-              schedule: str = "constant") -> float:  # fmt: skip
+def lr_factor(
+    update: int, warmup_updates: int, total_updates: int, schedule: str = "constant"
+) -> float:
     """The lr multiplier of optimizer update `update` (0-based): (update + 1) / warmup_updates
     during the warm-up (the first update already moves: DeepSpeed's WarmupLR starts at its
     minimum, 0, and would spend the first updates at lr 0), then by `schedule` over the
@@ -366,9 +375,12 @@ def build_engine(spec: GSPOJobSpec, model: Any) -> Any:
     if spec.learner.zero_stage == 3:
         _prepare_zero3(model)
     params = [p for p in model.parameters() if p.requires_grad]
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=params,
-                                      config=ds_config(spec),
-                                      lr_scheduler=_lr_scheduler(spec))  # fmt: skip
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        model_parameters=params,
+        config=ds_config(spec),
+        lr_scheduler=_lr_scheduler(spec),
+    )
     # from_pretrained returns the model in eval mode, and transformers recomputes activations
     # (model.gradientCheckpointing) only in training mode: without this it silently kept
     # every activation. The models trained here have no dropout, so nothing else changes.

@@ -160,8 +160,15 @@ def policy_loss_from_hidden(
                 leaf = logp.view(B, T)[a:b].detach().requires_grad_(True)
                 ref = ref_logprobs[a:b] if ref_logprobs is not None else None
                 mu = behaviour_logprobs[a:b] if behaviour_logprobs is not None else None
-                part, _ = policy_loss(leaf, old_logprobs[a:b], advantages[a:b], mask[a:b],
-                                      ref_logprobs=ref, behaviour_logprobs=mu, **kw)  # fmt: skip
+                part, _ = policy_loss(
+                    leaf,
+                    old_logprobs[a:b],
+                    advantages[a:b],
+                    mask[a:b],
+                    ref_logprobs=ref,
+                    behaviour_logprobs=mu,
+                    **kw,
+                )
                 (g_logp,) = torch.autograd.grad(part * ((b - a) / B), leaf)
             g_flat = g_logp.reshape(-1)[g_rows - a * T]  # aligned with g_rows
             for (s, e), z_kept, lse, ent in zip(spans, kept, lses, ents, strict=True):
@@ -183,7 +190,14 @@ def policy_loss_from_hidden(
     zero = _FUSED[0].apply(h_in, lm_head_weight, run)  # 0-dim; carries the gradient
     logp_bt = logp.view(B, T)
     # Value and stats from the finished log-probs (cheap: (B, T) work, no vocabulary).
-    value, stats = policy_loss(logp_bt, old_logprobs, advantages, mask, ref_logprobs=ref_logprobs,
-                               behaviour_logprobs=behaviour_logprobs, **kw)  # fmt: skip
+    value, stats = policy_loss(
+        logp_bt,
+        old_logprobs,
+        advantages,
+        mask,
+        ref_logprobs=ref_logprobs,
+        behaviour_logprobs=behaviour_logprobs,
+        **kw,
+    )
     scores = TokenScores(logp_bt, entropy.view(B, T) if entropy is not None else None)
     return zero + value.detach(), stats, scores

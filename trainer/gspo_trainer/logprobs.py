@@ -175,9 +175,14 @@ def _hidden_fn() -> Any:
         def forward(ctx, hidden, weight, tokens, chunk, temperature, want_entropy):
             # hidden (n, H), weight (V, H), tokens (n,)
             lse, logp, entropy = _forward_chunks(
-                hidden.shape[0], chunk, lambda s, e: hidden[s:e] @ weight.T,
-                tokens, temperature, want_entropy, hidden,
-            )  # fmt: skip
+                hidden.shape[0],
+                chunk,
+                lambda s, e: hidden[s:e] @ weight.T,
+                tokens,
+                temperature,
+                want_entropy,
+                hidden,
+            )
             ctx.set_materialize_grads(False)
             ctx.save_for_backward(hidden, weight, tokens, lse, entropy)
             ctx.chunk, ctx.temperature = chunk, temperature
@@ -227,9 +232,14 @@ def _logits_fn() -> Any:
         @staticmethod
         def forward(ctx, logits, rows, tokens, chunk, temperature, want_entropy):
             lse, logp, entropy = _forward_chunks(
-                rows.shape[0], chunk, lambda s, e: logits.index_select(0, rows[s:e]),
-                tokens, temperature, want_entropy, logits,
-            )  # fmt: skip
+                rows.shape[0],
+                chunk,
+                lambda s, e: logits.index_select(0, rows[s:e]),
+                tokens,
+                temperature,
+                want_entropy,
+                logits,
+            )
             ctx.set_materialize_grads(False)
             ctx.save_for_backward(logits, rows, tokens, lse, entropy)
             ctx.chunk, ctx.temperature = chunk, temperature

@@ -272,8 +272,12 @@ TRACKERS: dict[TrackerName, Callable[[Path], Tracker]] = {
 class Trackers:
     """The run's trackers: failures are warned about once per tracker, counted, never raised."""
 
-    def __init__(self, trackers: Sequence[Tracker] = (), run_name: str = DEFAULT_PROJECT,
-                 on_failure: Callable[[str], None] = lambda name: None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        trackers: Sequence[Tracker] = (),
+        run_name: str = DEFAULT_PROJECT,
+        on_failure: Callable[[str], None] = lambda name: None,
+    ) -> None:
         self.trackers = list(trackers)
         self.run_name = run_name
         self.on_failure = on_failure
@@ -286,17 +290,23 @@ class Trackers:
             self.on_failure(tracker.name)
             if tracker.name not in self.warned:
                 self.warned.add(tracker.name)
-                log.warning("Tracker %s could not %s (training goes on; later failures are "
-                            "counted in gspo_tracker_failures_total): %s: %s", tracker.name,
-                            what, type(exc).__name__, exc)  # fmt: skip
+                log.warning(
+                    "Tracker %s could not %s (training goes on; later failures are "
+                    "counted in gspo_tracker_failures_total): %s: %s",
+                    tracker.name,
+                    what,
+                    type(exc).__name__,
+                    exc,
+                )
             return False
         return True
 
     def start(self, spec: Mapping[str, Any]) -> None:
         """Start each tracker with the spec (a manifest dict); one that cannot is dropped."""
         config, name = run_config(spec), self.run_name
-        self.trackers = [t for t in self.trackers
-                         if self._call(t, "start", partial(t.start, name, config))]  # fmt: skip
+        self.trackers = [
+            t for t in self.trackers if self._call(t, "start", partial(t.start, name, config))
+        ]
         if self.trackers:
             log.info("Reporting to %s as run %s", ", ".join(t.name for t in self.trackers), name)
 
@@ -320,8 +330,12 @@ class Trackers:
         self.trackers = []
 
 
-def build_trackers(names: Sequence[TrackerName], directory: str | Path | None, rank: int,
-                   failures: Counter | None = None) -> Trackers:  # fmt: skip
+def build_trackers(
+    names: Sequence[TrackerName],
+    directory: str | Path | None,
+    rank: int,
+    failures: Counter | None = None,
+) -> Trackers:
     """The trackers spec.metrics.reportTo names, writing under `directory` (default: the
     current one), for a run named after $GSPO_JOB_NAME; none on ranks other than 0.
     `failures` (labelled by tracker) counts what fails. Nothing is imported or started yet."""

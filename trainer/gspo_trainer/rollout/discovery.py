@@ -66,8 +66,12 @@ class FleetDiscovery:
         try:
             urls = await asyncio.to_thread(resolve_urls, self.value, self.resolver)
         except OSError as exc:
-            log.warning("Resolving %s failed (%s); keeping %d servers", self.value, exc,
-                        len(self.client.servers))  # fmt: skip
+            log.warning(
+                "Resolving %s failed (%s); keeping %d servers",
+                self.value,
+                exc,
+                len(self.client.servers),
+            )
             return []
         if not urls:
             log.warning("%s resolved to no address; keeping the current servers", self.value)
