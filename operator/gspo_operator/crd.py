@@ -54,6 +54,7 @@ class _FactoryDefaults(GenerateJsonSchema):
         factory = schema.get("default_factory")
         if factory is None or schema.get("default_factory_takes_data"):
             return super().get_default_value(schema)
+        # Not default_factory_takes_data: a factory of no arguments.
         value = factory()  # type: ignore[call-arg]
         return {} if isinstance(value, BaseModel) else value
 

@@ -98,6 +98,7 @@ def _add(total: Score, weight: float, score: Score) -> Score:
     """total + weight x score, a number counting on every token of a per-token score."""
     if not isinstance(total, tuple) and not isinstance(score, tuple):
         return total + weight * score
+    # One of the two is a tuple (both numbers returned above); mypy cannot follow that.
     n = len(total) if isinstance(total, tuple) else len(score)  # type: ignore[arg-type]
     t = total if isinstance(total, tuple) else (total,) * n
     s = score if isinstance(score, tuple) else (score,) * n

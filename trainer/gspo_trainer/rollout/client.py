@@ -340,6 +340,7 @@ class RolloutClient:
             paused = await self._control_all(live, "/control/pause", body, failed)
             try:
                 regrouped = await self._ensure_group(paused, failed)
+                # _ensure_group formed the group (or raised).
                 members = [self.servers[u] for u in self._group.members]  # type: ignore[union-attr]
                 bytes_total, bcast_s = await self._update(members, tensors, version, failed)
                 break

@@ -212,6 +212,6 @@ def load_version(body: dict[str, Any], weights_dir: Any, setting: str) -> tuple[
             400, f"sync/load: version must be a non-negative integer, got {version!r}"
         )
     try:
-        return version, weight_files.resolve(weights_dir, body.get("name"))  # type: ignore[arg-type]
+        return version, weight_files.resolve(weights_dir, body.get("name"))
     except ValueError as exc:
         raise ControlError(400, f"sync/load: {exc}") from exc

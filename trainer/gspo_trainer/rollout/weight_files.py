@@ -83,8 +83,9 @@ def write_version(
     return final, total
 
 
-def resolve(root: Path, name: str) -> Path:
-    """The version directory `name` under `root`; ValueError for anything else."""
+def resolve(root: Path, name: object) -> Path:
+    """The version directory `name` under `root` (as a request sent it); ValueError for anything
+    else."""
     if not isinstance(name, str) or not NAME.match(name):
         raise ValueError(f"name must be a version directory like {version_name(7)!r}, got {name!r}")
     path = root / name
