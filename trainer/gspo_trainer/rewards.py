@@ -73,9 +73,8 @@ def token_rewards(scores: Sequence[Score], lengths: Sequence[int]) -> list[list[
     when every score is one number (the batch has no per-token reward)."""
     if not any(isinstance(s, tuple) for s in scores):
         return None
-    return [
-        list(s) if isinstance(s, tuple) else [s] * n for s, n in zip(scores, lengths, strict=True)
-    ]
+    return [list(s) if isinstance(s, tuple) else [s] * n
+            for s, n in zip(scores, lengths, strict=True)]  # fmt: skip
 
 
 def as_score(value: Any, tokens: int | None, name: str) -> Score:
@@ -164,9 +163,8 @@ def math_reward(prompt: str, completion: str, answer: str) -> float:
         return 0.0
 
     # Signal-based timeouts only work in the main thread; the scorer bounds the call instead.
-    gold = parse(
-        answer if "$" in answer or "\\boxed" in answer else f"${answer}$", parsing_timeout=None
-    )
+    gold = parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$",
+                 parsing_timeout=None)  # fmt: skip
     pred = parse(final, parsing_timeout=None)
     return 1.0 if gold and pred and verify(gold, pred, timeout_seconds=None) else 0.0
 
@@ -331,13 +329,9 @@ class RewardScorer:
         """`scores`, after one warning for the batch's failures, if any."""
         if self.last.failed_total:
             reasons = ", ".join(f"{n} {r}" for r, n in self.last.failed.items() if n)
-            log.warning(
-                "Reward: %d of %d calls failed (%s) and scored 0; first: %s",
-                self.last.failed_total,
-                self.last.calls,
-                reasons,
-                self.last.first,
-            )
+            log.warning("Reward: %d of %d calls failed (%s) and scored 0; first: %s",
+                        self.last.failed_total, self.last.calls, reasons,
+                        self.last.first)  # fmt: skip
         return scores
 
     def _score_batch(self, items: Sequence[Scored]) -> list[Score]:
@@ -421,9 +415,8 @@ class RewardScorer:
         elif isinstance(outcome, BaseException):
             self._fail("error", f"reward call for item {i} raised {outcome!r}")
         elif _bad(outcome):
-            self._fail(
-                "error", f"reward call for item {i} returned {outcome}, not a finite float32"
-            )
+            self._fail("error", f"reward call for item {i} returned {outcome}, not a finite "
+                       "float32")  # fmt: skip
         else:
             scores[i] = outcome
 
@@ -436,7 +429,8 @@ class RewardScorer:
             if self.takes_item:
                 value = self.fn(item)
             elif self.token_ids:
-                value = self.fn(item.prompt, item.completion, item.answer, token_ids=item.token_ids)
+                value = self.fn(item.prompt, item.completion, item.answer,
+                                token_ids=item.token_ids)  # fmt: skip
             else:
                 value = self.fn(item.prompt, item.completion, item.answer)
             return as_score(value, item.tokens, self.name)
@@ -486,12 +480,11 @@ def build_scorer(
             token_ids=takes_token_ids(fn),
             name=cfg.function or str(cfg.kind),
         )
-    return WeightedScorer(
-        [
-            Component(f.name, f.weight, _component_scorer(f, cfg, on_failure, max_response_tokens))
-            for f in cfg.functions
-        ]
-    )
+    return WeightedScorer([
+        Component(f.name, f.weight,
+                  _component_scorer(f, cfg, on_failure, max_response_tokens))
+        for f in cfg.functions
+    ])  # fmt: skip
 
 
 def _code_scorer(cfg: RewardConfig, on_failure: Callable[[str], None] | None) -> Any:
@@ -501,25 +494,19 @@ def _code_scorer(cfg: RewardConfig, on_failure: Callable[[str], None] | None) ->
     return build_code_scorer(cfg.code, cfg.sandbox, on_failure)
 
 
-def _component_scorer(
-    f: RewardFunctionConfig,
-    cfg: RewardConfig,
-    on_failure: Callable[[str], None] | None,
-    max_response_tokens: int | None,
-) -> Any:
+def _component_scorer(f: RewardFunctionConfig, cfg: RewardConfig,
+                      on_failure: Callable[[str], None] | None,
+                      max_response_tokens: int | None) -> Any:  # fmt: skip
     if f.kind == "code":
         return _code_scorer(cfg, on_failure)
     kw: dict[str, Any] = dict(timeout_s=cfg.timeout_seconds, on_failure=on_failure)
     if f.kind == "format":
-        return RewardScorer(
-            lambda item: format_reward(item, f.pattern), inline=True, takes_item=True, **kw
-        )
+        return RewardScorer(lambda item: format_reward(item, f.pattern), inline=True,
+                            takes_item=True, **kw)  # fmt: skip
     if f.kind == "length":
         if max_response_tokens is None:
-            raise ConfigError(
-                f"reward.functions {f.name!r}: kind length needs the maximum "
-                "response length (algorithm.maxResponseTokens)"
-            )
+            raise ConfigError(f"reward.functions {f.name!r}: kind length needs the maximum "
+                             "response length (algorithm.maxResponseTokens)")  # fmt: skip
         target = f.target_tokens or 0
 
         def length(item: Scored) -> float:
@@ -532,14 +519,9 @@ def _component_scorer(
     if f.kind == "python" and f.convention != "gspo":
         return convention_scorer(reward_function(one), f.convention, **kw)
     fn = reward_function(one)
-    return RewardScorer(
-        fn,
-        require_finished=f.kind in FINISHED_ONLY,
-        inline=f.kind == "arithmetic",
-        token_ids=takes_token_ids(fn),
-        name=f.name,
-        **kw,
-    )
+    return RewardScorer(fn, require_finished=f.kind in FINISHED_ONLY,
+                        inline=f.kind == "arithmetic", token_ids=takes_token_ids(fn),
+                        name=f.name, **kw)  # fmt: skip
 
 
 def convention_scorer(fn: Callable[..., Any], convention: str, **kw: Any) -> RewardScorer:
@@ -582,11 +564,8 @@ class WeightedScorer:
             means[REWARD_COMPONENT_PREFIX + c.name] = sum(flat) / max(1, len(flat))
         for i, total in enumerate(totals):  # in range alone, weighted sums can still overflow
             if _bad(total):
-                log.warning(
-                    "Reward of item %d: the weighted sum %s is not a finite float32; scored 0",
-                    i,
-                    total,
-                )
+                log.warning("Reward of item %d: the weighted sum %s is not a finite float32; "
+                            "scored 0", i, total)  # fmt: skip
                 totals[i] = 0.0
         return totals, means
 
