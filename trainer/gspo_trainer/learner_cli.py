@@ -282,14 +282,9 @@ async def run(args: argparse.Namespace, spec: GSPOJobSpec) -> int:
     rollout = build_rollout(args, spec) if rank == 0 else None
     ckpt_dir = Path(args.checkpoint_dir)
     history = args.history or (ckpt_dir / "history.jsonl")
-    learner = Learner(
-        spec,
-        rollout,
-        checkpoint_dir=ckpt_dir,
-        metrics=metrics,
-        history_path=history if rank == 0 else None,
-        tracker_dir=args.tracker_dir,
-    )
+    learner = Learner(spec, rollout, checkpoint_dir=ckpt_dir, metrics=metrics,
+                      history_path=history if rank == 0 else None,
+                      tracker_dir=args.tracker_dir)  # fmt: skip
     loaded.append(learner)
 
     def request_stop(signum: int, _frame: object) -> None:
