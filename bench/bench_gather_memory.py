@@ -77,11 +77,19 @@ def build(layers: int, bucket_mb: int) -> tuple[Any, Any]:
     manifest["spec"]["weightSync"]["bucketSizeMb"] = bucket_mb
     spec = parse_spec(manifest["spec"])
     config = AutoConfig.for_model(
-        "qwen3_moe", vocab_size=16000, hidden_size=512, intermediate_size=1536,
-        moe_intermediate_size=512, num_experts=16, num_experts_per_tok=4,
-        num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+        "qwen3_moe",
+        vocab_size=16000,
+        hidden_size=512,
+        intermediate_size=1536,
+        moe_intermediate_size=512,
+        num_experts=16,
+        num_experts_per_tok=4,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
         tie_word_embeddings=False,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return build_engine(spec, model), build_tokenizer()
@@ -103,10 +111,18 @@ def main() -> int:
     args = p.parse_args()
     if "RANK" in os.environ:
         return rank_main(args.layers, args.bucket_mb)
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", DS_ACCELERATOR="cpu",
-               OMP_NUM_THREADS="1")  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           __file__, *sys.argv[1:]]  # fmt: skip
+    env = dict(
+        os.environ, MALLOC_MMAP_THRESHOLD_="65536", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        __file__,
+        *sys.argv[1:],
+    ]
     os.execve(sys.executable, cmd, env)
 
 
@@ -124,8 +140,9 @@ def rank_main(layers: int, bucket_mb: int) -> int:
     ranks = Ranks()
     stream = ParamStream.of(engine, ranks)
     model_bytes, layer_bytes = stream.nbytes(), stream.largest_group_bytes()
-    largest_tensor = max(math.prod(shape) * dtype.itemsize for _, shape, dtype in
-                         ws.CheckpointNamed(stream).metas())  # fmt: skip
+    largest_tensor = max(
+        math.prod(shape) * dtype.itemsize for _, shape, dtype in ws.CheckpointNamed(stream).metas()
+    )
     bucket = max(bucket_mb * MiB, largest_tensor)
     sizes = [sum(p.ds_numel * p.element_size() for _, p in g) for g in stream.groups]
     largest = stream.groups[sizes.index(max(sizes))]
@@ -191,11 +208,11 @@ def rank_main(layers: int, bucket_mb: int) -> int:
             f"= {bound / MiB:.1f} MiB ({bound / model_bytes:.3f} of the model)"
         )
         print(f"{'operation':>13} {'peak extra MiB':>15} {'/ model':>8} {'/ bound':>8}")
-        for name in ("one layer", "a pass", "whole model", "sync (first)", "sync (next)",
-                     "export"):  # fmt: skip
+        for name in ("one layer", "a pass", "whole model", "sync (first)", "sync (next)", "export"):
             extra = figures[name]
-            print(f"{name:>13} {extra / MiB:>15.1f} {extra / model_bytes:>8.3f} "
-                  f"{extra / bound:>8.2f}")  # fmt: skip
+            print(
+                f"{name:>13} {extra / MiB:>15.1f} {extra / model_bytes:>8.3f} {extra / bound:>8.2f}"
+            )
         print(f"export: {shards} shards")
     held = all(figures[k] <= bound for k in ("sync (first)", "sync (next)", "export"))
     if ranks.rank == 0:

@@ -82,9 +82,14 @@ def measure_cuda(args: argparse.Namespace, variant: str) -> dict:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     t = statistics.median(times)
-    return {"variant": variant, "peak_mib": (torch.cuda.max_memory_allocated() - base) / 2**20,
-            "peak_hidden_by_setup": False, "time_s": t, "tokens_per_s": args.tokens / t,
-            "threads": torch.get_num_threads()}  # fmt: skip
+    return {
+        "variant": variant,
+        "peak_mib": (torch.cuda.max_memory_allocated() - base) / 2**20,
+        "peak_hidden_by_setup": False,
+        "time_s": t,
+        "tokens_per_s": args.tokens / t,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def step(variant: str, inputs, chunk: int) -> None:
@@ -187,8 +192,10 @@ def main() -> None:
     rows = {v: measure(args, v) for v in chosen}
     for r in rows.values():
         note = "  (peak may be hidden by set-up)" if r["peak_hidden_by_setup"] else ""
-        print(f"{r['variant']:>6}: peak +{r['peak_mib']:8.1f} MiB  time {r['time_s']:6.3f} s  "
-              f"{r['tokens_per_s']:9.0f} tokens/s{note}")  # fmt: skip
+        print(
+            f"{r['variant']:>6}: peak +{r['peak_mib']:8.1f} MiB  time {r['time_s']:6.3f} s  "
+            f"{r['tokens_per_s']:9.0f} tokens/s{note}"
+        )
     if len(rows) == len(VARIANTS):
         naive, trl = rows["naive"], rows["trl"]
         for name in ("ours", "fused"):

@@ -48,8 +48,9 @@ def main() -> int:
         history = learner.state.history[5:]  # past the first steps' warm-up of the allocator
         logprob = statistics.median(r["logprob_seconds"] for r in history)
         update = statistics.median(r["update_seconds"] for r in history)
-        work[source] = statistics.median(r["logprob_seconds"] + r["update_seconds"]
-                                         for r in history)  # fmt: skip
+        work[source] = statistics.median(
+            r["logprob_seconds"] + r["update_seconds"] for r in history
+        )
         print(f"{source:>16} {logprob:>10.4f} {update:>9.4f} {work[source]:>15.4f}")
     print(
         f"\nlearner work per step, engine vs learner πold: "

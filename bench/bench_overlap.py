@@ -65,37 +65,59 @@ def main() -> int:
                 records, wall = run(job, "gspo", seed, args.max_steps, out)
                 histories[staleness].append(records)
                 step_s = statistics.median(r["seconds"] for r in records)
-                phases = {ph: statistics.median(r.get(f"{ph}_seconds", 0.0) for r in records)
-                          for ph in PHASES}  # fmt: skip
+                phases = {
+                    ph: statistics.median(r.get(f"{ph}_seconds", 0.0) for r in records)
+                    for ph in PHASES
+                }
                 evals = [r for r in records if "eval_accuracy" in r]
                 at, secs = reached(records, args.target)
-                rows.append((staleness, seed, step_s, phases, wall, evals[-1]["eval_accuracy"]
-                             if evals else None, at, secs))  # fmt: skip
-                print(f"maxStaleness {staleness} seed {seed}: step {step_s:.3f} s (median), "
-                      f"run {wall:.0f} s, final eval_accuracy "
-                      f"{rows[-1][5] if rows[-1][5] is not None else '-'}", flush=True)  # fmt: skip
+                rows.append(
+                    (
+                        staleness,
+                        seed,
+                        step_s,
+                        phases,
+                        wall,
+                        evals[-1]["eval_accuracy"] if evals else None,
+                        at,
+                        secs,
+                    )
+                )
+                print(
+                    f"maxStaleness {staleness} seed {seed}: step {step_s:.3f} s (median), "
+                    f"run {wall:.0f} s, final eval_accuracy "
+                    f"{rows[-1][5] if rows[-1][5] is not None else '-'}",
+                    flush=True,
+                )
     print()
-    head = (f"{'maxStaleness':>12} {'seed':>4} {'step s':>7} "
-            + " ".join(f"{ph + ' s':>13}" for ph in PHASES)
-            + f" {'to ' + str(args.target):>9} {'train s':>8} {'run s':>6} "
-            f"{'final acc':>9}")  # fmt: skip
+    head = (
+        f"{'maxStaleness':>12} {'seed':>4} {'step s':>7} "
+        + " ".join(f"{ph + ' s':>13}" for ph in PHASES)
+        + f" {'to ' + str(args.target):>9} {'train s':>8} {'run s':>6} "
+        f"{'final acc':>9}"
+    )
     print(head)
     print("-" * len(head))
     for staleness, seed, step_s, phases, wall, final, at, secs in rows:
-        print(f"{staleness:>12} {seed:>4} {step_s:>7.3f} "
-              + " ".join(f"{phases[ph]:>13.3f}" for ph in PHASES)
-              + f" {at if at is not None else 'never':>9} "
-              f"{f'{secs:.0f}' if secs is not None else '-':>8} {wall:>6.0f} "
-              f"{f'{final:.2f}' if final is not None else '-':>9}")  # fmt: skip
+        print(
+            f"{staleness:>12} {seed:>4} {step_s:>7.3f} "
+            + " ".join(f"{phases[ph]:>13.3f}" for ph in PHASES)
+            + f" {at if at is not None else 'never':>9} "
+            f"{f'{secs:.0f}' if secs is not None else '-':>8} {wall:>6.0f} "
+            f"{f'{final:.2f}' if final is not None else '-':>9}"
+        )
     median = {s: statistics.median(r[2] for r in rows if r[0] == s) for s in (0, 1)}
     print(
         f"\nstep time, maxStaleness 1 vs 0: {median[1] / median[0]:.2f}x "
         f"({median[1]:.3f} s vs {median[0]:.3f} s, medians over runs)"
     )
     job_name = args.config or "the embedded default"
-    plot_accuracy_over_time({f"maxStaleness {s}": histories[s] for s in (0, 1)}, args.out,
-                            target=args.target,
-                            title=f"gspo train ({job_name}): eval_accuracy vs time")  # fmt: skip
+    plot_accuracy_over_time(
+        {f"maxStaleness {s}": histories[s] for s in (0, 1)},
+        args.out,
+        target=args.target,
+        title=f"gspo train ({job_name}): eval_accuracy vs time",
+    )
     print(f"plot: {args.out}")
     return 0
 

@@ -50,10 +50,17 @@ def model(seed: int = 0):  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     config = Qwen3Config(
-        vocab_size=32000, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        max_position_embeddings=8192, tie_word_embeddings=False, use_cache=False,
-    )  # fmt: skip
+        vocab_size=32000,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
@@ -66,8 +73,9 @@ def rows(n: int, group: int, seed: int = 0):  # type: ignore[no-untyped-def]
     from gspo_trainer.step.batch import pack
 
     rng = random.Random(seed)
-    prompts = [[rng.randrange(3, 32000) for _ in range(rng.randint(100, 300))]
-               for _ in range(n // group)]  # fmt: skip
+    prompts = [
+        [rng.randrange(3, 32000) for _ in range(rng.randint(100, 300))] for _ in range(n // group)
+    ]
     lengths = [round(math.exp(rng.uniform(math.log(50), math.log(4000)))) for _ in range(n)]
     responses = [[rng.randrange(3, 32000) for _ in range(k)] for k in lengths]
     logps = [[-rng.uniform(0.1, 3.0) for _ in range(k)] for k in lengths]
@@ -95,10 +103,17 @@ def step(policy, packed, budget: int) -> tuple[float, float, float]:  # type: ig
             fwd = policy.forward(packed, sub, router=False)
             positions, tokens = positions + fwd.positions, tokens + fwd.tokens
             loss, _, _ = score_with_head(
-                policy.module, policy_loss_from_hidden, fwd.hidden, fwd.targets(packed, sub),
-                fwd.mask(packed, sub), packed.engine_logp[sub, : fwd.L - 1], advantages[sub],
-                level="sequence", clip_low=3e-4, clip_high=4e-4,
-            )  # fmt: skip
+                policy.module,
+                policy_loss_from_hidden,
+                fwd.hidden,
+                fwd.targets(packed, sub),
+                fwd.mask(packed, sub),
+                packed.engine_logp[sub, : fwd.L - 1],
+                advantages[sub],
+                level="sequence",
+                clip_low=3e-4,
+                clip_high=4e-4,
+            )
             (loss * mb.share(sub)).backward()
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     assert all(
@@ -125,9 +140,11 @@ def main() -> int:
     packed = rows(args.rows, 4)
     real = int(packed.attn.sum())
     lengths = packed.lengths.int().tolist()
-    print(f"{args.rows} rows, {real} real tokens (responses {min(lengths)}-{max(lengths)}, "
-          f"longest row {packed.ids.shape[1]}), microBatchTokens {args.micro_batch_tokens}, "
-          f"{torch.get_num_threads()} threads")  # fmt: skip
+    print(
+        f"{args.rows} rows, {real} real tokens (responses {min(lengths)}-{max(lengths)}, "
+        f"longest row {packed.ids.shape[1]}), microBatchTokens {args.micro_batch_tokens}, "
+        f"{torch.get_num_threads()} threads"
+    )
     modes = ["padded", "packed", *(["one-row"] if args.one_row else [])]
     policies = {mode: Policy(_Engine(net), None, None, mode != "padded") for mode in modes}
     assert policies["packed"].packs() and not policies["padded"].packs()
@@ -146,19 +163,25 @@ def main() -> int:
             times[mode].append(seconds)
             cpus[mode].append(cpu)
     policy_module.ONE_ROW_ATTENTION = layout
-    print(f"{'mode':>7} {'fwd+bwd s':>10} {'tokens/s':>9} {'CPU s':>7} {'tokens/CPU s':>13} "
-          f"{'padded fraction':>16}")  # fmt: skip
+    print(
+        f"{'mode':>7} {'fwd+bwd s':>10} {'tokens/s':>9} {'CPU s':>7} {'tokens/CPU s':>13} "
+        f"{'padded fraction':>16}"
+    )
     rate, cpu_rate = {}, {}
     for mode in modes:
         s, c = statistics.median(times[mode]), statistics.median(cpus[mode])
         rate[mode], cpu_rate[mode] = real / s, real / c
-        print(f"{mode:>7} {s:>10.2f} {rate[mode]:>9.0f} {c:>7.2f} {cpu_rate[mode]:>13.0f} "
-              f"{fraction[mode]:>16.3f}")  # fmt: skip
+        print(
+            f"{mode:>7} {s:>10.2f} {rate[mode]:>9.0f} {c:>7.2f} {cpu_rate[mode]:>13.0f} "
+            f"{fraction[mode]:>16.3f}"
+        )
     print()
     for mode in modes[1:]:
-        print(f"{mode} vs padded: tokens/s {rate[mode] / rate['padded']:.2f}x, tokens per CPU "
-              f"second {cpu_rate[mode] / cpu_rate['padded']:.2f}x (medians of "
-              f"{args.repeats})")  # fmt: skip
+        print(
+            f"{mode} vs padded: tokens/s {rate[mode] / rate['padded']:.2f}x, tokens per CPU "
+            f"second {cpu_rate[mode] / cpu_rate['padded']:.2f}x (medians of "
+            f"{args.repeats})"
+        )
     return 0
 
 

@@ -236,12 +236,17 @@ def summarize(results: list[Result], target: float) -> str:
             return None
         return statistics.median(vals)
 
-    for attr, what in [("seconds", "train s to target"), ("wall_s", "run s"),
-                       ("step_s", "s per step")]:  # fmt: skip
+    for attr, what in [
+        ("seconds", "train s to target"),
+        ("wall_s", "run s"),
+        ("step_s", "s per step"),
+    ]:
         ours, trl = median("ours", attr), median("trl", attr)
         ratio = f"{ours / trl:.2f}" if ours is not None and trl else "-"
-        lines.append(f"median {what:<18} ours {fmt(ours, '.2f'):>8}  TRL {fmt(trl, '.2f'):>8}  "
-                     f"ratio ours/TRL {ratio}")  # fmt: skip
+        lines.append(
+            f"median {what:<18} ours {fmt(ours, '.2f'):>8}  TRL {fmt(trl, '.2f'):>8}  "
+            f"ratio ours/TRL {ratio}"
+        )
     return "\n".join(lines)
 
 
@@ -268,9 +273,12 @@ def main() -> int:
             else:
                 records, wall = run_trl(args.config, seed, args.max_steps, out)
             r = result(side, seed, records, wall, args.target)
-            print(f"{side} seed {seed}: {args.target} at step {r.step} "
-                  f"({'-' if r.seconds is None else f'{r.seconds:.0f}'} s), run {wall:.0f} s, "
-                  f"final {r.final_accuracy}", flush=True)  # fmt: skip
+            print(
+                f"{side} seed {seed}: {args.target} at step {r.step} "
+                f"({'-' if r.seconds is None else f'{r.seconds:.0f}'} s), run {wall:.0f} s, "
+                f"final {r.final_accuracy}",
+                flush=True,
+            )
             results.append(r)
     print()
     print(summarize(results, args.target))

@@ -62,8 +62,9 @@ class ReplayEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
-    async def generate(self, prompt: Any, params: Any, request_id: str,
-                       **kwargs: Any) -> AsyncIterator[Any]:  # fmt: skip
+    async def generate(
+        self, prompt: Any, params: Any, request_id: str, **kwargs: Any
+    ) -> AsyncIterator[Any]:
         key = tuple(prompt["prompt_token_ids"])
         if self.replaying and key in self._answers:
             yield self._answers[key]
@@ -100,11 +101,13 @@ class CannedResponder(asyncio.Protocol):
             if key in self.store:
                 self.transport.write(self.store[key])
             else:
-                self.pending.add(asyncio.ensure_future(self._record(key, method, path, body,
-                                                                    fields)))  # fmt: skip
+                self.pending.add(
+                    asyncio.ensure_future(self._record(key, method, path, body, fields))
+                )
 
-    async def _record(self, key: bytes, method: str, path: str, body: bytes,
-                      fields: dict[str, str]) -> None:  # fmt: skip
+    async def _record(
+        self, key: bytes, method: str, path: str, body: bytes, fields: dict[str, str]
+    ) -> None:
         import aiohttp
 
         from gspo_trainer import ports
@@ -142,26 +145,39 @@ async def bench(args: argparse.Namespace) -> None:
     from gspo_trainer.tiny import materialize
 
     model = materialize("builtin:tiny-qwen3", tempfile.mkdtemp())
-    opts = ServeOptions(model=str(model), served_name="builtin:tiny-qwen3", host="127.0.0.1",
-                        port=free_port(), dtype="float32", max_model_len=128,
-                        max_num_seqs=256, enforce_eager=True, initial_version=0,
-                        engine_args={"disable_log_stats": True})  # fmt: skip
+    opts = ServeOptions(
+        model=str(model),
+        served_name="builtin:tiny-qwen3",
+        host="127.0.0.1",
+        port=free_port(),
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=256,
+        enforce_eager=True,
+        initial_version=0,
+        engine_args={"disable_log_stats": True},
+    )
     os.environ.update(serve_env(opts, TOKEN))  # VLLM_PLUGINS=gspo, the token, the version
     server_args = make_arg_parser(FlexibleArgumentParser()).parse_args(serve_argv(opts)[3:])
     validate_parsed_serve_args(server_args)
     prompts = [[3 + i % 10, 13, 3 + (i * 7) % 10, 14, 5] for i in range(args.prompts)]
     params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=1.0, seed=7)
     # What vLLM's generate route asks of the engine for the client's request (not streamed).
-    engine_params = VLLMSamplingParams(n=params.n, max_tokens=params.max_tokens,
-                                       temperature=params.temperature, logprobs=0,
-                                       output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
+    engine_params = VLLMSamplingParams(
+        n=params.n,
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        logprobs=0,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
     ids = iter(range(10**9))
 
     async with build_async_engine_client(server_args) as engine:
 
         async def generate(prompt: list[int]) -> Any:
-            request = engine.generate({"prompt_token_ids": prompt}, engine_params,
-                                      f"bench-{next(ids)}")  # fmt: skip
+            request = engine.generate(
+                {"prompt_token_ids": prompt}, engine_params, f"bench-{next(ids)}"
+            )
             outputs = [out async for out in request]  # FINAL_ONLY: one output
             return outputs[-1]
 
@@ -174,8 +190,7 @@ async def bench(args: argparse.Namespace) -> None:
         url = await server.start()
         store: dict[bytes, bytes] = {}
         loop = asyncio.get_running_loop()
-        canned = await loop.create_server(lambda: CannedResponder(url, store),
-                                          "127.0.0.1", 0)  # fmt: skip
+        canned = await loop.create_server(lambda: CannedResponder(url, store), "127.0.0.1", 0)
         canned_url = f"http://127.0.0.1:{canned.sockets[0].getsockname()[1]}"
 
         async def direct() -> int:
@@ -194,9 +209,12 @@ async def bench(args: argparse.Namespace) -> None:
             RolloutClient([url], TOKEN, chunk_prompts=args.chunk) as client,
             RolloutClient([canned_url], TOKEN, chunk_prompts=args.chunk) as alone,
         ):
-            paths = (("direct", direct), ("client", through(client, replaying=False)),
-                     ("server", through(client, replaying=True)),
-                     ("alone", through(alone, replaying=True)))  # fmt: skip
+            paths = (
+                ("direct", direct),
+                ("client", through(client, replaying=False)),
+                ("server", through(client, replaying=True)),
+                ("alone", through(alone, replaying=True)),
+            )
             for _, fn in paths:
                 await fn()  # warm every path (and record the canned replies)
             assert {s.model for s in client.servers.values()} == {opts.served_name}
@@ -212,19 +230,28 @@ async def bench(args: argparse.Namespace) -> None:
     report(args, times, tokens)
 
 
-def report(args: argparse.Namespace, times: dict[str, list[float]],
-           tokens: dict[str, list[int]]) -> None:  # fmt: skip
+def report(
+    args: argparse.Namespace, times: dict[str, list[float]], tokens: dict[str, list[int]]
+) -> None:
     # Sampled lengths differ run to run: compare time per generated token.
-    per_tok = {k: statistics.median(t / n for t, n in zip(times[k], tokens[k], strict=True))
-               for k in times}  # fmt: skip
-    print(f"{args.prompts} prompts x n={args.n}, max_tokens={args.max_tokens}, "
-          f"chunk {args.chunk} prompts; median of {REPEATS}")  # fmt: skip
-    labels = {"direct": "engine directly", "client": "via the client (vLLM server + plugin)",
-              "server": "server path alone (replay engine)",
-              "alone": "client alone (recorded replies)"}  # fmt: skip
+    per_tok = {
+        k: statistics.median(t / n for t, n in zip(times[k], tokens[k], strict=True)) for k in times
+    }
+    print(
+        f"{args.prompts} prompts x n={args.n}, max_tokens={args.max_tokens}, "
+        f"chunk {args.chunk} prompts; median of {REPEATS}"
+    )
+    labels = {
+        "direct": "engine directly",
+        "client": "via the client (vLLM server + plugin)",
+        "server": "server path alone (replay engine)",
+        "alone": "client alone (recorded replies)",
+    }
     for k, label in labels.items():
-        print(f"  {label:<38} {statistics.median(times[k]) * 1e3:8.1f} ms/batch  "
-              f"{per_tok[k] * 1e6:7.1f} us/token")  # fmt: skip
+        print(
+            f"  {label:<38} {statistics.median(times[k]) * 1e3:8.1f} ms/batch  "
+            f"{per_tok[k] * 1e6:7.1f} us/token"
+        )
     share = {k: per_tok[k] / per_tok["direct"] for k in ("server", "alone")}
     end_to_end = per_tok["client"] / per_tok["direct"] - 1
     print(f"end to end, per generated token: {end_to_end * 100:+.1f}% (noisy on a shared CPU)")

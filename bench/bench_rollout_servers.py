@@ -57,50 +57,75 @@ def baseline_tree(rev: str | None, into: Path) -> str:
     `into`; returns the commit."""
 
     def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(REPO), *args], check=True, text=True,
-                              capture_output=True).stdout.strip()  # fmt: skip
+        return subprocess.run(
+            ["git", "-C", str(REPO), *args], check=True, text=True, capture_output=True
+        ).stdout.strip()
 
     if rev is None:  # the newest commit whose tree still holds it (either side of a merge)
         touched = git("rev-list", "--full-history", "HEAD", "--", REPLACED).split()
-        holding = (c for c in touched if subprocess.run(
-            ["git", "-C", str(REPO), "cat-file", "-e", f"{c}:{REPLACED}"],
-            capture_output=True).returncode == 0)  # fmt: skip
+        holding = (
+            c
+            for c in touched
+            if subprocess.run(
+                ["git", "-C", str(REPO), "cat-file", "-e", f"{c}:{REPLACED}"], capture_output=True
+            ).returncode
+            == 0
+        )
         rev = next(holding, None)
         if rev is None:
             raise SystemExit(f"no commit in this clone's history holds {REPLACED}")
     commit = git("rev-parse", rev)
     into.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", commit, "operator", "trainer"],
-                             check=True, capture_output=True).stdout  # fmt: skip
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", commit, "operator", "trainer"],
+        check=True,
+        capture_output=True,
+    ).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
     return commit
 
 
-def start(kind: str, model: str, cache: str, log: Path,
-          baseline: Path) -> tuple[subprocess.Popen[bytes], str]:  # fmt: skip
+def start(
+    kind: str, model: str, cache: str, log: Path, baseline: Path
+) -> tuple[subprocess.Popen[bytes], str]:
     from gspo_trainer import ports
 
     port = free_port()
     root = baseline if kind == "replaced" else REPO
-    env = {**os.environ, ports.ENV_SYNC_TOKEN: TOKEN, "HF_HUB_OFFLINE": "1",
-           "VLLM_CPU_KVCACHE_SPACE": "1",
-           "PYTHONPATH": f"{root / 'operator'}:{root / 'trainer'}"}  # fmt: skip
+    env = {
+        **os.environ,
+        ports.ENV_SYNC_TOKEN: TOKEN,
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "PYTHONPATH": f"{root / 'operator'}:{root / 'trainer'}",
+    }
+    # fmt: skip: each flag beside its value, as on a command line (ruff splits the pairs).
     common = ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
               "--max-model-len", "128", "--max-num-seqs", "128"]  # fmt: skip
     if kind == "replaced":
+        # fmt: skip: each flag beside its value, as on a command line (ruff splits the pairs).
         argv = [sys.executable, "-m", "gspo_operator.cli", "rollout-server", "--model", model,
                 "--cache-dir", cache, "--initial-policy-version", "0", *common]  # fmt: skip
     else:
         from gspo_trainer.rollout.serve_command import ServeOptions, serve_argv, serve_env
         from gspo_trainer.tiny import materialize
 
-        opts = ServeOptions(model=str(materialize(model, cache)), served_name=model,
-                            host="127.0.0.1", port=port, dtype="float32", max_model_len=128,
-                            max_num_seqs=128, enforce_eager=True, initial_version=0)  # fmt: skip
+        opts = ServeOptions(
+            model=str(materialize(model, cache)),
+            served_name=model,
+            host="127.0.0.1",
+            port=port,
+            dtype="float32",
+            max_model_len=128,
+            max_num_seqs=128,
+            enforce_eager=True,
+            initial_version=0,
+        )
         argv, env = serve_argv(opts), {**env, **serve_env(opts, TOKEN)}
     with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -142,6 +167,7 @@ async def measure(url: str, model_name: str, version: int) -> tuple[float, float
 def measure_in(tree: Path, url: str, model_name: str, version: int) -> tuple[float, ...]:
     """`measure` in a child process that imports `tree`'s client."""
     env = {**os.environ, "GSPO_BENCH_TREE": str(tree), "HF_HUB_OFFLINE": "1"}
+    # fmt: skip: each flag beside its value, as on a command line (ruff splits the pairs).
     argv = [sys.executable, __file__, "--measure", url, "--model", model_name,
             "--version", str(version)]  # fmt: skip
     out = subprocess.run(argv, env=env, check=True, capture_output=True, text=True).stdout
@@ -152,8 +178,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--model", default="builtin:small-qwen3-moe")
-    p.add_argument("--baseline", default=None,
-                   help="the commit whose rollout server to compare against")  # fmt: skip
+    p.add_argument(
+        "--baseline", default=None, help="the commit whose rollout server to compare against"
+    )
     p.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # a child: one round
     p.add_argument("--version", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -165,8 +192,9 @@ def main() -> int:
         commit = baseline_tree(args.baseline, Path(tmp) / "baseline")
         try:
             for kind in ("replaced", "plugin"):
-                procs[kind] = start(kind, args.model, tmp, Path(tmp) / f"{kind}.log",
-                                    Path(tmp) / "baseline")  # fmt: skip
+                procs[kind] = start(
+                    kind, args.model, tmp, Path(tmp) / f"{kind}.log", Path(tmp) / "baseline"
+                )
             trees = {"replaced": Path(tmp) / "baseline", "plugin": REPO}
             times: dict[str, list[tuple[float, ...]]] = {"replaced": [], "plugin": []}
             for r in range(1, args.rounds + 2):
@@ -178,8 +206,10 @@ def main() -> int:
             for proc, _ in procs.values():
                 os.killpg(proc.pid, signal.SIGTERM)
     print(f"{args.model}; the replaced server from {commit[:12]}; medians of {args.rounds}")
-    med = {kind: [statistics.median(r[i] for r in rows) for i in (0, 1, 2)]
-           for kind, rows in times.items()}  # fmt: skip
+    med = {
+        kind: [statistics.median(r[i] for r in rows) for i in (0, 1, 2)]
+        for kind, rows in times.items()
+    }
     names = ("first sync (forms the group)", "sync", "generate")
     labels = {"replaced": "replaced aiohttp server", "plugin": "vLLM server + plugin"}
     print(f"  {'':<24}" + "".join(f"{n:>31}" for n in names))

@@ -48,14 +48,16 @@ class Result:
     steps: int
 
 
-def run(config: str | None, level: str, seed: int, steps: int | None,
-        out: Path, core: int | None = None) -> tuple[list[dict], float]:  # fmt: skip
+def run(
+    config: str | None, level: str, seed: int, steps: int | None, out: Path, core: int | None = None
+) -> tuple[list[dict], float]:
     """One `gspo train` run in a fresh directory (a leftover one would resume), on one core
     when `core` is given (`taskset`: the rollout server and the learner share it)."""
     import shutil
 
     shutil.rmtree(out, ignore_errors=True)
     pin = ["taskset", "-c", str(core)] if core is not None else []
+    # fmt: skip: each flag beside its value, as on a command line (ruff splits the pairs).
     cmd = [*pin, sys.executable, "-m", "gspo_operator.cli", "train", *([config] if config else []),
            "--output-dir", str(out), "--loss-level", level, "--seed", str(seed),
            "--no-progress", *(["--max-steps", str(steps)] if steps else [])]  # fmt: skip
@@ -87,8 +89,10 @@ def reached(records: list[dict], target: float) -> tuple[int | None, float | Non
 def summarize(results: list[Result], target: float) -> str:
     """Per-seed rows, then median and worst per level (a level with a seed that never got
     there has no finite worst: it says so)."""
-    head = (f"{'level':<6} {'seed':>4} {'steps to ' + str(target):>13} {'train s':>8} "
-            f"{'run s':>6} {'final acc':>9}")  # fmt: skip
+    head = (
+        f"{'level':<6} {'seed':>4} {'steps to ' + str(target):>13} {'train s':>8} "
+        f"{'run s':>6} {'final acc':>9}"
+    )
     lines = [head, "-" * len(head)]
     for r in results:
         step = "not reached" if r.step is None else str(r.step)
@@ -96,8 +100,10 @@ def summarize(results: list[Result], target: float) -> str:
         acc = "-" if r.final_accuracy is None else f"{r.final_accuracy:.2f}"
         lines.append(f"{r.level:<6} {r.seed:>4} {step:>13} {secs:>8} {r.wall_s:>6.0f} {acc:>9}")
     lines.append("")
-    lines.append(f"{'level':<6} {'reached':>8} {'median steps':>13} {'worst steps':>12} "
-                 f"{'median s':>9} {'worst s':>8} {'worst run s':>12}")  # fmt: skip
+    lines.append(
+        f"{'level':<6} {'reached':>8} {'median steps':>13} {'worst steps':>12} "
+        f"{'median s':>9} {'worst s':>8} {'worst run s':>12}"
+    )
     for level in dict.fromkeys(r.level for r in results):
         rows = [r for r in results if r.level == level]
         steps = [r.step for r in rows if r.step is not None]
@@ -118,8 +124,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("config", nargs="?", help="GSPOJob manifest (default: the embedded default)")
     p.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 per level")
-    p.add_argument("--levels", nargs="+", default=["gspo", "grpo"],
-                   choices=["gspo", "gspo-token", "grpo"])  # fmt: skip
+    p.add_argument(
+        "--levels", nargs="+", default=["gspo", "grpo"], choices=["gspo", "gspo-token", "grpo"]
+    )
     p.add_argument("--max-steps", type=int, help="override the job's maxSteps")
     p.add_argument("--target", type=float, default=0.9, help="eval_accuracy to reach")
     p.add_argument(
@@ -149,13 +156,23 @@ def main() -> int:
         evals = [r for r in records if "eval_accuracy" in r]
         if not evals:
             raise SystemExit("no evaluations in the history: set algorithm.evalEverySteps")
-        print(f"{level} seed {seed}: eval_accuracy {args.target} at step {step} "
-              f"({'-' if seconds is None else f'{seconds:.0f}'} s), run {wall:.0f} s, "
-              f"final {evals[-1]['eval_accuracy']:.2f}", flush=True)  # fmt: skip
+        print(
+            f"{level} seed {seed}: eval_accuracy {args.target} at step {step} "
+            f"({'-' if seconds is None else f'{seconds:.0f}'} s), run {wall:.0f} s, "
+            f"final {evals[-1]['eval_accuracy']:.2f}",
+            flush=True,
+        )
         if seed == 0:
             curves[level.upper()] = records
-        return Result(level, seed, step, seconds, wall, evals[-1]["eval_accuracy"],
-                      int(records[-1]["step"]) if records else 0)  # fmt: skip
+        return Result(
+            level,
+            seed,
+            step,
+            seconds,
+            wall,
+            evals[-1]["eval_accuracy"],
+            int(records[-1]["step"]) if records else 0,
+        )
 
     curves: dict[str, list[dict]] = {}
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:

@@ -100,8 +100,9 @@ def files_round_trip(tensors: dict[str, torch.Tensor], bucket_mb: float, repeats
     with tempfile.TemporaryDirectory() as root:
         for version in range(repeats):
             start = time.perf_counter()
-            path, _ = weight_files.write_version(tensors.items(), Path(root), version,
-                                                 int(bucket_mb * 2**20))  # fmt: skip
+            path, _ = weight_files.write_version(
+                tensors.items(), Path(root), version, int(bucket_mb * 2**20)
+            )
             for _ in weight_files.read_version(path):
                 pass
             times.append(time.perf_counter() - start)
@@ -117,21 +118,27 @@ def main() -> None:
     torch.manual_seed(0)
     r = run(args.mb, args.tensors, args.bucket_mb)
     gib = r["bytes"] / 2**30
-    print(f"model: {args.tensors} tensors, {r['bytes'] / 2**20:.0f} MiB fp32; "
-          f"bucket {args.bucket_mb} MiB; gloo, 2 processes, median of {REPEATS}")  # fmt: skip
+    print(
+        f"model: {args.tensors} tensors, {r['bytes'] / 2**20:.0f} MiB fp32; "
+        f"bucket {args.bucket_mb} MiB; gloo, 2 processes, median of {REPEATS}"
+    )
     for mode in ("raw", "bucketed", "per_tensor"):
         print(f"  {mode:<10} {r[mode] * 1e3:8.1f} ms  {gib / r[mode]:6.2f} GiB/s")
     print(f"bucketed / raw flat-buffer bandwidth: {r['raw'] / r['bucketed']:.2f}x (target >= 0.7)")
     print(f"bucketed vs per-tensor speed-up:      {r['per_tensor'] / r['bucketed']:.1f}x")
-    print(f"  {'files':<10} {r['files'] * 1e3:8.1f} ms  {gib / r['files']:6.2f} GiB/s  "
-          f"(write the shards, read them back)")  # fmt: skip
+    print(
+        f"  {'files':<10} {r['files'] * 1e3:8.1f} ms  {gib / r['files']:6.2f} GiB/s  "
+        f"(write the shards, read them back)"
+    )
     print(f"filesystem / bucketed broadcast time:  {r['files'] / r['bucketed']:.2f}x")
 
     small = run(args.mb / 64, args.tensors, args.bucket_mb, repeats=SMALL_REPEATS)
-    print(f"small model ({small['bytes'] / 2**20:.1f} MiB, {args.tensors} tensors): "
-          f"bucketed {small['bucketed'] * 1e3:.1f} ms, per-tensor {small['per_tensor'] * 1e3:.1f}"
-          f" ms -> {small['per_tensor'] / small['bucketed']:.1f}x (target >= 10; median of "
-          f"{SMALL_REPEATS})")  # fmt: skip
+    print(
+        f"small model ({small['bytes'] / 2**20:.1f} MiB, {args.tensors} tensors): "
+        f"bucketed {small['bucketed'] * 1e3:.1f} ms, per-tensor {small['per_tensor'] * 1e3:.1f}"
+        f" ms -> {small['per_tensor'] / small['bucketed']:.1f}x (target >= 10; median of "
+        f"{SMALL_REPEATS})"
+    )
 
 
 if __name__ == "__main__":

@@ -20,8 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "trainer"), str(REPO / "operator"), str(REPO / "tests"),
-                str(REPO / "tests" / "trainer" / "rollout")]  # fmt: skip
+sys.path[:0] = [
+    str(REPO / "trainer"),
+    str(REPO / "operator"),
+    str(REPO / "tests"),
+    str(REPO / "tests" / "trainer" / "rollout"),
+]
 
 
 @dataclass
@@ -274,14 +278,23 @@ async def learner_sigkill(trials: int, rng: random.Random) -> Row:
             work = root / f"trial-{trial}"
             work.mkdir()
             ok, note, lost, landed = await asyncio.to_thread(
-                sigkill_trial, root / "cache", work, steps, every, reference, rng,
+                sigkill_trial,
+                root / "cache",
+                work,
+                steps,
+                every,
+                reference,
+                rng,
                 trial % 2 == 1,
-            )  # fmt: skip
+            )
             in_write += landed
             row.steps_lost = max(row.steps_lost, lost)
             row.record(ok, f"trial {trial}: {note}")
-            print(f"  trial {trial}: {'ok' if ok else 'FAILED'} {note} (lost {lost})",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"  trial {trial}: {'ok' if ok else 'FAILED'} {note} (lost {lost})",
+                file=sys.stderr,
+                flush=True,
+            )
         row.notes.insert(0, f"{in_write} of {trials} kills landed inside a checkpoint write")
     return row
 
@@ -342,8 +355,9 @@ def _checkpoint_tampered(trials: int, rng: random.Random) -> Row:
                 named = any("step-000002 failed verification" in m for m in seen)
                 ok = at == 1 and named and ckpt.verify(work / "step-000001") == []
                 row.steps_lost = max(row.steps_lost, 2 - at)
-                row.record(ok, f"trial {trial}: {how} {rel} -> resumed at step {at}, "
-                           f"logged: {named}")  # fmt: skip
+                row.record(
+                    ok, f"trial {trial}: {how} {rel} -> resumed at step {at}, logged: {named}"
+                )
                 shutil.rmtree(work)
         finally:
             logging.getLogger("gspo.checkpoint").removeHandler(handler)
@@ -403,16 +417,26 @@ def _checkpoint_disk_full(trials: int, rng: random.Random) -> Row:
             failures = learner.metrics.checkpoint_failures._value.get() - before
             intact = ckpt.verify(work / "step-000002") == []
             kept = {"step-000001", "step-000002"}
-            leftover = [p.name for p in work.iterdir()
-                        if p.name.startswith("step-") and p.name not in kept]  # fmt: skip
+            leftover = [
+                p.name for p in work.iterdir() if p.name.startswith("step-") and p.name not in kept
+            ]
             stopped_at, learner.state = learner.state.step, LearnerState()
             at = learner.resume()
-            ok = (stopped and failures == MAX_CHECKPOINT_FAILURES and intact and not leftover
-                  and at == 2 and stopped_at == 2 + MAX_CHECKPOINT_FAILURES)  # fmt: skip
+            ok = (
+                stopped
+                and failures == MAX_CHECKPOINT_FAILURES
+                and intact
+                and not leftover
+                and at == 2
+                and stopped_at == 2 + MAX_CHECKPOINT_FAILURES
+            )
             row.steps_lost = max(row.steps_lost, stopped_at - at)
-            row.record(ok, f"trial {trial}: limit {limit} B: stopped={stopped} at step "
-                       f"{stopped_at}, failures={failures:.0f}, previous intact="
-                       f"{intact}, left over {leftover}, resumed at {at}")  # fmt: skip
+            row.record(
+                ok,
+                f"trial {trial}: limit {limit} B: stopped={stopped} at step "
+                f"{stopped_at}, failures={failures:.0f}, previous intact="
+                f"{intact}, left over {leftover}, resumed at {at}",
+            )
             shutil.rmtree(work)
     return row
 
@@ -473,8 +497,11 @@ async def main_async(args: argparse.Namespace) -> list[Row]:
         start = time.perf_counter()
         print(f"[{name}] {args.trials} trials ...", file=sys.stderr, flush=True)
         row = await SCENARIOS[name](args.trials, random.Random(f"{args.seed}-{name}"))
-        print(f"[{name}] {row.survived}/{row.trials} survived in "
-              f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"[{name}] {row.survived}/{row.trials} survived in {time.perf_counter() - start:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
         rows.append(row)
     return rows
 

@@ -50,16 +50,47 @@ PARAMS_30B = 30.5e9
 
 # Model shapes: Qwen3-0.6B's config (random weights), and a Qwen3-MoE of ~1.6B (64 experts,
 # top-8, ~0.4B active); toy sizes for the dry run.
-DENSE = dict(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-             num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-             tie_word_embeddings=True, max_position_embeddings=40_960, rope_theta=1e6)  # fmt: skip
-MOE = dict(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, moe_intermediate_size=384,
-           num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
-           num_experts=64, num_experts_per_tok=8, norm_topk_prob=True,
-           tie_word_embeddings=False, max_position_embeddings=40_960, rope_theta=1e6)  # fmt: skip
-TOY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-           num_experts=8, num_experts_per_tok=2, max_position_embeddings=4096)  # fmt: skip
+DENSE = dict(
+    vocab_size=151_936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    tie_word_embeddings=True,
+    max_position_embeddings=40_960,
+    rope_theta=1e6,
+)
+MOE = dict(
+    vocab_size=151_936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    moe_intermediate_size=384,
+    num_hidden_layers=16,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=64,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    tie_word_embeddings=False,
+    max_position_embeddings=40_960,
+    rope_theta=1e6,
+)
+TOY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=4096,
+)
 
 
 class Sizes:
@@ -91,9 +122,11 @@ def config_of(kind: str, sizes: Sizes) -> Any:
 def device() -> Any:
     import torch
 
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else (
-        torch.device("cpu")
-    )  # fmt: skip
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else (torch.device("cpu"))
+    )
 
 
 def synchronize() -> None:
@@ -137,18 +170,26 @@ def free_memory() -> None:
 def pytest_gpu(sizes: Sizes, _: dict) -> dict:
     """The suite's GPU tests: the files under tests/ that mark any (collecting all of tests/
     would import test modules that need vLLM, which the GPU machine lacks)."""
-    files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py")
-                   if "pytest.mark.gpu" in p.read_text(encoding="utf-8"))  # fmt: skip
+    files = sorted(
+        str(p.relative_to(REPO))
+        for p in (REPO / "tests").rglob("test_*.py")
+        if "pytest.mark.gpu" in p.read_text(encoding="utf-8")
+    )
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"]
     cmd += ["--collect-only", *files] if sizes.dry_run else files
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "operator"), str(REPO / "trainer"),
-                                         env.get("PYTHONPATH", "")])  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=sizes.pytest_timeout_s)  # fmt: skip
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO / "operator"), str(REPO / "trainer"), env.get("PYTHONPATH", "")]
+    )
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=sizes.pytest_timeout_s
+    )
     lines = proc.stdout.strip().splitlines()
-    return {"command": " ".join(cmd[2:]), "returncode": proc.returncode,
-            "summary": lines[-1] if lines else proc.stderr.strip()[-500:]}  # fmt: skip
+    return {
+        "command": " ".join(cmd[2:]),
+        "returncode": proc.returncode,
+        "summary": lines[-1] if lines else proc.stderr.strip()[-500:],
+    }
 
 
 # --- the fused loss -----------------------------------------------------------------------
@@ -221,9 +262,12 @@ def check_spec(sizes: Sizes, attention: str) -> Any:
     from gspo_trainer.validation import parse_spec
 
     manifest = tiny_manifest()
-    manifest["spec"]["model"].update(name="builtin:tiny-qwen3", dtype="bfloat16",
-                                     gradientCheckpointing=True,
-                                     attnImplementation=attention)  # fmt: skip
+    manifest["spec"]["model"].update(
+        name="builtin:tiny-qwen3",
+        dtype="bfloat16",
+        gradientCheckpointing=True,
+        attnImplementation=attention,
+    )
     manifest["spec"]["learner"].update(zeroStage=3, microBatchTokens=sizes.micro_batch_tokens)
     manifest["spec"]["algorithm"].update(learningRate=1e-6, miniBatches=1)
     return parse_spec(manifest["spec"])
@@ -239,8 +283,9 @@ def random_batch(sizes: Sizes, vocab: int) -> tuple[Any, Any]:
     n, low, high = sizes.responses
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(low, high + 1, (n,), generator=g).tolist()
-    prompts = [torch.randint(3, vocab, (sizes.prompt_tokens,), generator=g).tolist()
-               for _ in range(n // 2)]  # fmt: skip
+    prompts = [
+        torch.randint(3, vocab, (sizes.prompt_tokens,), generator=g).tolist() for _ in range(n // 2)
+    ]
     responses = [torch.randint(3, vocab, (m,), generator=g).tolist() for m in lengths]
     logps = [(-torch.rand(m, generator=g) * 3).tolist() for m in lengths]
     packed = pack(prompts, responses, logps, [float(i % 2) for i in range(n)], 2, 0)
@@ -334,8 +379,17 @@ def zero3_update(kind: str, sizes: Sizes, keep: dict) -> dict:
         old = old_policy(policy, packed, plan, alg, diagnose=False)
         synchronize()
         t1 = time.perf_counter()
-        update(policy, packed, plan, old, advantages, alg, aux_coef=aux, behaviour=False,
-               diagnose=False)  # fmt: skip
+        update(
+            policy,
+            packed,
+            plan,
+            old,
+            advantages,
+            alg,
+            aux_coef=aux,
+            behaviour=False,
+            diagnose=False,
+        )
         synchronize()
         return t1 - t0, time.perf_counter() - t1
 
@@ -343,8 +397,13 @@ def zero3_update(kind: str, sizes: Sizes, keep: dict) -> dict:
     with peak_memory() as peak:
         logprob_s, update_s = step()
     coordinator = engine.optimizer.parameter_offload.get_param_coordinator()
-    mode = ("COMPLETE" if coordinator.is_complete_trace()
-            else "RECORD" if coordinator.is_record_trace() else "INVALID")  # fmt: skip
+    mode = (
+        "COMPLETE"
+        if coordinator.is_complete_trace()
+        else "RECORD"
+        if coordinator.is_record_trace()
+        else "INVALID"
+    )
     flops = model_flops(config, packed, 3) + model_flops(config, packed, 1)  # gradient ckpt
     tokens = sum(lengths)
     out = {
@@ -415,8 +474,17 @@ def checkpoint(sizes: Sizes, keep: dict) -> dict:
         hash_s = time.perf_counter() - t0
         nbytes = sum(f["bytes"] for f in manifest["files"].values())
         old = old_policy(policy, packed, plan, alg, diagnose=False)  # move the weights on
-        update(policy, packed, plan, old, advantages, alg, aux_coef=0.0, behaviour=False,
-               diagnose=False)  # fmt: skip
+        update(
+            policy,
+            packed,
+            plan,
+            old,
+            advantages,
+            alg,
+            aux_coef=0.0,
+            behaviour=False,
+            diagnose=False,
+        )
         moved = gathered(engine.module)
         t0 = time.perf_counter()
         load_state(engine, root / "step-000001", 0)
@@ -467,9 +535,14 @@ def sync_moe(sizes: Sizes, keep: dict) -> dict:
     seconds = time.perf_counter() - t0
     with contextlib.suppress(Exception):
         group.pg.shutdown()
-    return {"backend": backend, "bytes": stats.bytes_total, "buckets": stats.buckets,
-            "tensors": stats.tensors, "send_s": seconds,
-            "gb_per_s": stats.bytes_total / seconds / 1e9}  # fmt: skip
+    return {
+        "backend": backend,
+        "bytes": stats.bytes_total,
+        "buckets": stats.buckets,
+        "tensors": stats.tensors,
+        "send_s": seconds,
+        "gb_per_s": stats.bytes_total / seconds / 1e9,
+    }
 
 
 SECTIONS: list[tuple[str, Callable[[Sizes, dict], dict]]] = [
@@ -486,8 +559,11 @@ def environment() -> dict:
     import torch
     import transformers
 
-    out: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__,
-                           "transformers": transformers.__version__}  # fmt: skip
+    out: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
     try:
         import deepspeed
 
@@ -501,8 +577,9 @@ def environment() -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU")
-    parser.add_argument("--only", nargs="*", choices=[n for n, _ in SECTIONS],
-                        help="run these sections alone")  # fmt: skip
+    parser.add_argument(
+        "--only", nargs="*", choices=[n for n, _ in SECTIONS], help="run these sections alone"
+    )
     args = parser.parse_args(argv)
     if args.dry_run:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path, even on a GPU machine

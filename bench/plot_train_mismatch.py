@@ -37,16 +37,22 @@ def main() -> int:
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     ax.plot(steps, rewards, color="C0", alpha=0.25, linewidth=0.8)
-    ax.plot(steps, moving_average(rewards, args.window), color="C0", linewidth=2,
-            label=f"reward ({args.window}-step mean)")  # fmt: skip
+    ax.plot(
+        steps,
+        moving_average(rewards, args.window),
+        color="C0",
+        linewidth=2,
+        label=f"reward ({args.window}-step mean)",
+    )
     ax.axhline(0.9, color="grey", linestyle="--", linewidth=1)
     ax.set_xlabel("step")
     ax.set_ylabel("mean reward")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     right = ax.twinx()
-    right.plot(steps, mismatch, color="C3", linewidth=0.8,
-               label="engine-learner |Δ log p| per token")  # fmt: skip
+    right.plot(
+        steps, mismatch, color="C3", linewidth=0.8, label="engine-learner |Δ log p| per token"
+    )
     right.set_yscale("log")
     right.set_ylabel("logprob mismatch (nats/token)")
     lines = ax.get_legend_handles_labels()

@@ -54,6 +54,7 @@ class _FactoryDefaults(GenerateJsonSchema):
         factory = schema.get("default_factory")
         if factory is None or schema.get("default_factory_takes_data"):
             return super().get_default_value(schema)
+        # Not default_factory_takes_data: a factory of no arguments.
         value = factory()  # type: ignore[call-arg]
         return {} if isinstance(value, BaseModel) else value
 
@@ -127,7 +128,7 @@ def structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         out["default"] = copy.deepcopy(schema["default"])  # shared $defs: no YAML anchors
     if description:
         out["description"] = description
-    first = {k: out[k] for k in ("type", "description") if k in out}
+    first: dict[str, Any] = {k: out[k] for k in ("type", "description") if k in out}
     return {**first, **{k: v for k, v in out.items() if k not in first}}
 
 

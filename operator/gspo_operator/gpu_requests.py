@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from gspo_trainer.config import GSPOJobSpec, PodSettings
+from gspo_trainer.config import GSPOJobSpec, LearnerConfig, RolloutConfig
 from gspo_trainer.validation import GPU_RESOURCE, Problem
 
 SECTIONS = ("requests", "limits")
@@ -40,7 +40,7 @@ def gpu_resource_name(resources: Mapping[str, Mapping[str, Any]]) -> str:
     return named[0] if len(named) == 1 else GPU_RESOURCE
 
 
-def check_role_gpus(pods: PodSettings, path: str) -> list[Problem]:
+def check_role_gpus(pods: LearnerConfig | RolloutConfig, path: str) -> list[Problem]:
     """Problems with the GPU entries of one role's resources (path: "spec.learner")."""
     resources = pods.resources.model_dump()
     gpus = pods.gpus_per_replica

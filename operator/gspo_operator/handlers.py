@@ -46,7 +46,9 @@ def label_selectors(settings: kopf.OperatorSettings) -> None:
 
 
 def _post(body: Mapping[str, Any], event: status.Event) -> None:
-    kopf.event(dict(body), type=event.type, reason=event.reason, message=event.message)
+    # kopf.event reads any mapping (its dicts.walk takes mappings as objects); its annotation
+    # names kopf's own Body view, which a plain dict is not.
+    kopf.event(dict(body), type=event.type, reason=event.reason, message=event.message)  # type: ignore[arg-type]
 
 
 def _job_of(namespace: str | None, labels: Mapping[str, str]) -> Key:
@@ -55,8 +57,8 @@ def _job_of(namespace: str | None, labels: Mapping[str, str]) -> Key:
 
 def register(registry: kopf.OperatorRegistry, ctx: Context) -> None:
     """Add the GSPOJob watches, indexes and the work queue's feeders to `registry`."""
-    resource = {"group": API_GROUP, "version": API_VERSION, "plural": PLURAL}
-    queue = WorkQueue()
+    resource = (API_GROUP, API_VERSION, PLURAL)
+    queue: WorkQueue[Key] = WorkQueue()
     ctx.post = _post
     workers: list[asyncio.Task[None]] = []
 
@@ -76,28 +78,39 @@ def register(registry: kopf.OperatorRegistry, ctx: Context) -> None:
         await asyncio.gather(*workers, return_exceptions=True)
         workers.clear()
 
-    @kopf.index(**resource, registry=registry, id="gspojobs")
-    async def gspojobs(namespace: str, name: str, body: Any, **_: Any) -> dict[Key, Any]:
-        return {(namespace, name): copy.deepcopy(dict(body))}
+    @kopf.index(*resource, registry=registry, id="gspojobs")
+    async def gspojobs(namespace: str | None, name: str, body: Any, **_: Any) -> dict[Key, Any]:
+        return {(namespace or "", name): copy.deepcopy(dict(body))}
 
-    @kopf.on.event(**resource, registry=registry)
-    async def job_changed(namespace: str, name: str, type: str | None, **kwargs: Any) -> None:
+    @kopf.on.event(*resource, registry=registry)
+    async def job_changed(
+        namespace: str | None, name: str, type: str | None, **kwargs: Any
+    ) -> None:
         start(kwargs)
+        key = (namespace or "", name)
         if type == "DELETED":
-            queue.forget((namespace, name))
-        queue.add((namespace, name))
+            queue.forget(key)
+        queue.add(key)
 
-    async def jobset_view(namespace: str, labels: Mapping[str, str], body: Any, **_: Any) -> Any:
+    async def jobset_view(
+        namespace: str | None, labels: Mapping[str, str], body: Any, **_: Any
+    ) -> Any:
         view = (ChildView.from_object(body), status.JobSetView.from_jobset(body))
         return {_job_of(namespace, labels): view}
 
-    async def pod_view(namespace: str, labels: Mapping[str, str], body: Any, **_: Any) -> Any:
+    async def pod_view(
+        namespace: str | None, labels: Mapping[str, str], body: Any, **_: Any
+    ) -> Any:
         return {_job_of(namespace, labels): status.PodView.from_pod(body)}
 
-    async def child_view(namespace: str, labels: Mapping[str, str], body: Any, **_: Any) -> Any:
+    async def child_view(
+        namespace: str | None, labels: Mapping[str, str], body: Any, **_: Any
+    ) -> Any:
         return {_job_of(namespace, labels): ChildView.from_object(body)}
 
-    async def child_changed(namespace: str, labels: Mapping[str, str], **kwargs: Any) -> None:
+    async def child_changed(
+        namespace: str | None, labels: Mapping[str, str], **kwargs: Any
+    ) -> None:
         start(kwargs)
         if names.JOB_LABEL in labels:
             queue.add(_job_of(namespace, labels))
@@ -113,12 +126,12 @@ def register(registry: kopf.OperatorRegistry, ctx: Context) -> None:
         )
 
 
-async def _work(ctx: Context, queue: WorkQueue) -> None:
+async def _work(ctx: Context, queue: WorkQueue[Key]) -> None:
     """Take a job's key, reconcile it, queue it again when it asks to be looked at."""
     while True:
         key = await queue.get()
         try:
-            delay = await reconcile.reconcile(ctx, key)  # type: ignore[arg-type]
+            delay = await reconcile.reconcile(ctx, key)
         except Exception:  # a bug, not an API error: log it, look again later
             reconcile.log.exception("Reconcile of %s/%s failed", *key)
             delay = ctx.interval_s

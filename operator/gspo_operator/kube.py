@@ -9,6 +9,7 @@ nothing twice.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import json
 import logging
 from collections.abc import Mapping
@@ -59,8 +60,9 @@ class ApiError(Exception):
 
 
 def _retry_after(headers: Any) -> float | None:
+    value = (headers or {}).get("Retry-After")
     try:
-        return float((headers or {}).get("Retry-After"))
+        return float(value) if value is not None else None
     except (TypeError, ValueError):
         return None
 
@@ -196,19 +198,19 @@ class Kube:
         found = await self.request("GET", path, query={"labelSelector": label_selector})
         return list(found.get("items") or [])
 
-    async def events_of(self, namespace: str, kind: str, name: str) -> list[Obj]:
+    async def events_of(self, namespace: str, kind: str, name: str) -> builtins.list[Obj]:
         """The core/v1 Events about one object (the way `kubectl describe` finds them)."""
         return await self._events(
             namespace, f"involvedObject.kind={kind},involvedObject.name={name}"
         )
 
-    async def events_by_reason(self, namespace: str, kind: str, reason: str) -> list[Obj]:
+    async def events_by_reason(self, namespace: str, kind: str, reason: str) -> builtins.list[Obj]:
         """The namespace's core/v1 Events of one reason about objects of one kind, in one
         list (`reason` is among the Event field selectors the API server serves:
         kubernetes pkg/apis/core/v1/conversion.go, AddFieldLabelConversionFuncForEvent)."""
         return await self._events(namespace, f"involvedObject.kind={kind},reason={reason}")
 
-    async def _events(self, namespace: str, selector: str) -> list[Obj]:
+    async def _events(self, namespace: str, selector: str) -> builtins.list[Obj]:
         path = path_of("v1", "Event", namespace)
         found = await self.request("GET", path, query={"fieldSelector": selector})
         return list(found.get("items") or [])

@@ -615,7 +615,9 @@ class FileResult:
         return out
 
     def as_dict(self) -> dict[str, Any]:
-        problems = [{"field": p.field, "message": p.message} for p in self.problems]
+        problems: list[dict[str, Any]] = [
+            {"field": p.field, "message": p.message} for p in self.problems
+        ]
         if self.documents > 1:
             for shown, p in zip(problems, self.problems, strict=True):
                 shown["document"] = p.document

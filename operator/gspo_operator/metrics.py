@@ -49,9 +49,11 @@ class OperatorMetrics:
             self.reconcile_total.labels(CONTROLLER, result)
         self.reconcile_errors.labels(CONTROLLER)
         self.jobs = Gauge(
-            "gspo_operator_jobs", "GSPOJobs this operator watches, by phase.", ["phase"],
+            "gspo_operator_jobs",
+            "GSPOJobs this operator watches, by phase.",
+            ["phase"],
             registry=r,
-        )  # fmt: skip
+        )
         self.job_phase = Gauge(
             "gspo_operator_job_phase",
             "1 for each job's current phase, 0 for the others.",

@@ -31,10 +31,7 @@ QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 KUEUE_API = "kueue.x-k8s.io/v1beta1"
 # What JobSet and the Job controller put on the pods they create.
-JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
-REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
 RESTART_ATTEMPT_LABEL = "jobset.sigs.k8s.io/restart-attempt"
-JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 
 LEARNER = "learner"

@@ -42,8 +42,8 @@ from gspo_operator.memory_check import check_memory, overcommit_allowed
 from gspo_operator.metrics import OperatorMetrics
 from gspo_operator.progress import fetch_progress
 from gspo_trainer import ports
-from gspo_trainer.config import GSPOJobSpec
-from gspo_trainer.validation import SpecError, parse_spec
+from gspo_trainer.config import GSPOJobSpec, Phase
+from gspo_trainer.validation import Problem, SpecError, parse_spec
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class Context:
     indices: Mapping[str, Any] = field(default_factory=dict)  # kopf's, by index name
     watch_jobsets: bool = True  # False: the JobSet API was not served at start-up; GET it
     http: aiohttp.ClientSession | None = None
-    phases: dict[Key, str] = field(default_factory=dict)
+    phases: dict[Key, Phase] = field(default_factory=dict)
     # The spec in effect, with the uid of the job it is for (a job re-created with the same
     # name is another job).
     accepted: dict[Key, tuple[str, GSPOJobSpec]] = field(default_factory=dict)
@@ -98,7 +98,9 @@ class Context:
     failures: dict[Key, int] = field(default_factory=dict)  # API errors in a row
     # The checked spec and the rendered children, per job uid and generation (and spec in
     # effect): a pod's event re-validates and re-renders nothing.
-    checks: dict[Key, tuple[tuple[str, int, bool], Any]] = field(default_factory=dict)
+    checks: dict[
+        Key, tuple[tuple[str, int, bool, str | None], tuple[GSPOJobSpec | None, list[Problem]]]
+    ] = field(default_factory=dict)
     renders: dict[Key, tuple[tuple[str, int, str], list[Obj]]] = field(default_factory=dict)
     not_before: dict[Key, float] = field(default_factory=dict)  # monotonic: backing off
     deleted: set[str] = field(default_factory=set)  # uids of jobs this operator deleted (TTL)
@@ -131,7 +133,7 @@ class Context:
 
     def forget(self, key: Key) -> None:
         for memory in (self.phases, self.accepted, self.last_write, self.own_write):
-            memory.pop(key, None)  # type: ignore[attr-defined]
+            memory.pop(key, None)
         self.checked.pop(key, None)
         self.failures.pop(key, None)
         self.not_before.pop(key, None)
@@ -139,7 +141,7 @@ class Context:
         self.checks.pop(key, None)
         self.renders.pop(key, None)
         self.metrics.forget_job(*key)
-        self.metrics.count_phases(list(self.phases.values()))  # type: ignore[arg-type]
+        self.metrics.count_phases(list(self.phases.values()))
 
 
 def _now() -> datetime:
@@ -247,9 +249,9 @@ async def _reconcile(ctx: Context, key: Key, body: Obj) -> float | None:
     outcome = status.compute(spec, observed, current, now, body["metadata"].get("generation"))
     if children.jobset_unserved:
         outcome.status = status.jobset_missing(outcome.status, now, JOBSET_MISSING)
-    refused = await _act(ctx, key, body["metadata"]["uid"], outcome, observed)
-    if refused is not None:  # e.g. no RBAC to patch the Workload: the status says so
-        current, event = status.api_refused(outcome.status, now, "blocked", *refused)
+    denied = await _act(ctx, key, body["metadata"]["uid"], outcome, observed)
+    if denied is not None:  # e.g. no RBAC to patch the Workload: the status says so
+        current, event = status.api_refused(outcome.status, now, "blocked", *denied)
         if not _true(original, "Blocked") or original.get("phase") != current.get("phase"):
             events.append(event)
         await _write(ctx, key, body, original, current, events + outcome.events, force=True)
@@ -355,13 +357,14 @@ def _checked(ctx: Context, key: Key, body: Obj) -> tuple[GSPOJobSpec | None, lis
     if cached is None or cached[0] != version:
         cached = ctx.checks[key] = (version, check_job(body, ctx.policy))
         spec = cached[1][0]
-        memory = check_memory(spec, allow_overcommit=allowed) if spec is not None else None
-        for warning in memory.warnings if memory is not None else []:
+        if spec is not None:
+            memory = check_memory(spec, allow_overcommit=allowed)
             event = (
                 ("Warning", "MemoryOvercommit") if memory.plan else ("Normal", "MemoryPlanSkipped")
             )
-            ctx.post(body, status.Event(*event, warning))
-    return cached[1]  # type: ignore[no-any-return]
+            for warning in memory.warnings:
+                ctx.post(body, status.Event(*event, warning))
+    return cached[1]
 
 
 def _rendered(ctx: Context, key: Key, body: Obj, spec: GSPOJobSpec) -> list[Obj]:
@@ -730,11 +733,11 @@ def _next_look(
 
 
 def _record(ctx: Context, key: Key, previous: Obj, new: Obj, spec: GSPOJobSpec) -> None:
-    phase = new.get("phase") or "Pending"
+    phase = status.phase_of(new)
     ctx.phases[key] = phase
     ready = int(str(new.get("rolloutReady") or "0/0").split("/")[0])
     ctx.metrics.set_job(*key, phase, ready, spec.rollout.replicas, int(new.get("step") or 0))
-    ctx.metrics.count_phases(list(ctx.phases.values()))  # type: ignore[arg-type]
+    ctx.metrics.count_phases(list(ctx.phases.values()))
     gained = int(new.get("restarts") or 0) - int(previous.get("restarts") or 0)
     if gained > 0:
         ctx.metrics.learner_restarts.labels(*key).inc(gained)

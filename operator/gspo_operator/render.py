@@ -165,13 +165,6 @@ def spec_hash(spec: GSPOJobSpec) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def render_config_map_of(job: Mapping[str, Any], spec: GSPOJobSpec) -> Obj:
-    """The job's ConfigMap alone (an accepted in-flight change rewrites it)."""
-    meta = job["metadata"]
-    ctx = _Ctx(meta["name"], meta.get("namespace") or "default", _owner(meta), spec)
-    return render_config_map(ctx, job)
-
-
 def render_config_map(ctx: _Ctx, job: Mapping[str, Any]) -> Obj:
     """The validated spec the pods read. Env values from Secrets stay references: a Secret's
     value never lands here."""

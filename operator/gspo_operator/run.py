@@ -47,13 +47,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"],
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
         help="the operator's and kopf's log level",
-    )  # fmt: skip
-    p.add_argument("--metrics-port", type=int, default=ports.OPERATOR_METRICS_PORT,
-                   help="Prometheus /metrics port")  # fmt: skip
-    p.add_argument("--health-port", type=int, default=ports.OPERATOR_HEALTH_PORT,
-                   help="/healthz port (liveness and readiness)")  # fmt: skip
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=ports.OPERATOR_METRICS_PORT,
+        help="Prometheus /metrics port",
+    )
+    p.add_argument(
+        "--health-port",
+        type=int,
+        default=ports.OPERATOR_HEALTH_PORT,
+        help="/healthz port (liveness and readiness)",
+    )
     scope = p.add_mutually_exclusive_group()
     scope.add_argument(
         "--namespace",

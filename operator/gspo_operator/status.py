@@ -12,14 +12,23 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, get_args
 
 from gspo_operator import names
-from gspo_trainer.config import GSPOJobSpec
+from gspo_trainer.config import GSPOJobSpec, Phase
 from gspo_trainer.progress import LearnerProgress
 from gspo_trainer.validation import Problem
 
 TERMINAL = ("Succeeded", "Failed")
+_PHASES: dict[str, Phase] = {phase: phase for phase in get_args(Phase)}
+
+
+def phase_of(st: Mapping[str, Any]) -> Phase:
+    """A status's phase as a Phase (the CRD's enum admits no other); Pending before the
+    operator's first write."""
+    return _PHASES.get(st.get("phase") or "Pending", "Pending")
+
+
 # Fields that change in flight; any other spec change is refused while the job exists. The
 # JobSet's own spec is immutable but for suspend, so these are the operator's to apply.
 MUTABLE_FIELDS = (
@@ -263,7 +272,6 @@ class Event:
 class Outcome:
     status: dict[str, Any]
     events: list[Event] = field(default_factory=list)
-    ensure_children: bool = False  # create whatever child is missing (existing ones stay)
     suspend_jobset: bool | None = None  # set the JobSet's spec.suspend to this
     activate_workload: bool | None = None  # set the Workload's spec.active to this (Kueue)
     delete_jobset: bool = False  # stop every pod now (deadline exceeded)
@@ -317,13 +325,13 @@ def compute(
     if js is None:
         st.phase("Pending", "Normal", "Pending", "creating the JobSet")
         st.condition("Running", False, "JobSetMissing", "the job's JobSet does not exist yet")
-        return Outcome(st.done(), st.events, ensure_children=not policy.suspend)
+        return Outcome(st.done(), st.events)
 
     resume = None
     if policy.scheduling.queue and observed.kueue:
-        held = _queued(st, spec, js, observed)
-        if held is not None:
-            return held
+        queued = _queued(st, spec, js, observed)
+        if queued is not None:
+            return queued
     elif policy.suspend:
         _suspended(st, "runPolicy.suspend is true")
         return Outcome(st.done(), st.events, suspend_jobset=True if not js.suspended else None)
@@ -357,8 +365,8 @@ def compute(
         message = f"every learner pod exited 0 at step {st.get('step')}"
         return _finish(st, "Succeeded", "Completed", message)
 
-    if (out := _disruption_limit(st, policy.max_disruption_restarts, js)) is not None:
-        return out
+    if (limited := _disruption_limit(st, policy.max_disruption_restarts, js)) is not None:
+        return limited
     restarts = js.restarts
     if seen := _why_failed(observed, restarts):
         # Kept: JobSet deletes the failed group's pods once it restarts, often before the
@@ -739,9 +747,6 @@ class _Status:
         for key, value in fields.items():
             if value is not None:
                 self.data[key] = value
-
-    def types(self) -> set[str]:
-        return {c["type"] for c in self.data["conditions"]}
 
     def condition_of(self, type_: str) -> bool:
         return any(c["type"] == type_ and c["status"] == "True" for c in self.data["conditions"])

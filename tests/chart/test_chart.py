@@ -144,8 +144,11 @@ def test_rbac_is_namespaced_by_default() -> None:
             }
             (subject,) = binding["subjects"]
             assert subject["name"] == RELEASE and subject["namespace"] == NAMESPACE
-        namespaces = [a.removeprefix("--namespace=") for a in operator_args(docs)
-                      if a.startswith("--namespace=")]  # fmt: skip
+        namespaces = [
+            a.removeprefix("--namespace=")
+            for a in operator_args(docs)
+            if a.startswith("--namespace=")
+        ]
         assert namespaces == watched and "--all-namespaces" not in operator_args(docs)
 
 
@@ -157,10 +160,19 @@ def test_cluster_wide_only_when_asked() -> None:
     bound = {b["roleRef"]["name"] for b in by_kind(docs, "ClusterRoleBinding")}
     assert bound == {f"{RELEASE}-cluster", f"{RELEASE}-jobs"}
     both = subprocess.run(
-        [str(HELM), "template", RELEASE, str(CHART), "--set", "clusterWide=true",
-         "--set", "watchNamespaces={team-a}"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            str(HELM),
+            "template",
+            RELEASE,
+            str(CHART),
+            "--set",
+            "clusterWide=true",
+            "--set",
+            "watchNamespaces={team-a}",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert both.returncode != 0 and "leave watchNamespaces empty" in both.stderr
 
 

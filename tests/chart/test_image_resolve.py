@@ -65,6 +65,7 @@ def dry_run(args: list[str], wheels: Path, report: Path) -> dict:
             reqs.append(str(REPO) + word[1:] if word.startswith(".[") else word)
     env = {k: v for k, v in os.environ.items() if k not in PIP_ENV_SET_ASIDE}
     env.update(PIP_CONFIG_FILE=os.devnull, DS_BUILD_OPS="0")
+    # fmt: skip: each flag beside its value, as on a command line (ruff splits the pairs).
     result = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
          "--report", str(report), "--timeout", "30", *find_links, *reqs],
@@ -78,6 +79,7 @@ def dry_run(args: list[str], wheels: Path, report: Path) -> dict:
 def project_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """This project's wheel alone, as each Dockerfile's build stage makes it."""
     wheels = tmp_path_factory.mktemp("wheels")
+    # fmt: skip: each flag beside its value, as on a command line (ruff splits the pairs).
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
          "--wheel-dir", str(wheels), str(REPO)],

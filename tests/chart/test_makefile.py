@@ -25,8 +25,10 @@ def planned(tmp_path: Path, *args: str) -> str:
     scratch = [f"VENV={tmp_path / 'venv'}", f"TOOLS={tmp_path / 'tools'}"]
     result = subprocess.run(
         ["make", "-n", "-C", str(REPO), *scratch, *args],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout
 

@@ -18,8 +18,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-sys.path[:0] = [str(HERE), str(REPO / "tests/operator"), str(REPO / "tests"),
-                str(REPO / "operator"), str(REPO / "trainer")]  # fmt: skip
+sys.path[:0] = [
+    str(HERE),
+    str(REPO / "tests/operator"),
+    str(REPO / "tests"),
+    str(REPO / "operator"),
+    str(REPO / "trainer"),
+]
 
 import yaml  # noqa: E402
 from local_cluster import local_cluster  # noqa: E402

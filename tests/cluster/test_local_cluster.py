@@ -116,19 +116,26 @@ async def test_a_job_trains_through_faults_suspend_and_resume_to_succeeded(tmp_p
         # --- every learner pod Ready (each serves /healthz), training under way -------------
         await cluster.wait(
             lambda: cluster.condition(JOB, "LearnerReady").get("status") == "True",
-            600, "both learner pods Ready", JOB,
-        )  # fmt: skip
+            600,
+            "both learner pods Ready",
+            JOB,
+        )
         assert len(cluster.pods(JOB, "learner", running=True)) == 2
-        await cluster.wait(lambda: (cluster.status(JOB).get("step") or 0) >= 2, 300,
-                           "step 2 in the status", JOB)  # fmt: skip
+        await cluster.wait(
+            lambda: (cluster.status(JOB).get("step") or 0) >= 2, 300, "step 2 in the status", JOB
+        )
         cluster.mark("start until step 2 (pods, vLLM load, DeepSpeed over two namespaces)")
         steps_seen = set()
         for _ in range(2):
             out = await cluster.kubectl("get", "gspo", JOB)
             steps_seen.add(printed_step(out))
             last = int(max(steps_seen))
-            await cluster.wait(lambda last=last: (cluster.status(JOB).get("step") or 0) > last,
-                               120, "the step to advance", JOB)  # fmt: skip
+            await cluster.wait(
+                lambda last=last: (cluster.status(JOB).get("step") or 0) > last,
+                120,
+                "the step to advance",
+                JOB,
+            )
         assert cluster.condition(JOB, "RolloutReady").get("status") == "True"
         assert cluster.condition(JOB, "WeightsSynced").get("status") == "True"
         (held,) = cluster.status(JOB)["serverVersions"].values()  # the one server's version
@@ -148,97 +155,147 @@ async def test_a_job_trains_through_faults_suspend_and_resume_to_succeeded(tmp_p
         pid = rank_pid(JOB, 1)
         assert pid is not None, "no learner rank 1 process"
         os.kill(pid, signal.SIGKILL)
-        await cluster.wait(lambda: cluster.status(JOB).get("restarts") == 1, 120,
-                           "a JobSet restart", JOB)  # fmt: skip
         await cluster.wait(
-            lambda: "Resumed from" in "".join(
-                cluster.log(p["metadata"]["name"], "learner")
-                for p in cluster.pods(JOB, "learner")
+            lambda: cluster.status(JOB).get("restarts") == 1, 120, "a JobSet restart", JOB
+        )
+        await cluster.wait(
+            lambda: (
+                "Resumed from"
+                in "".join(
+                    cluster.log(p["metadata"]["name"], "learner")
+                    for p in cluster.pods(JOB, "learner")
+                )
             ),
-            600, "the new learner group to resume from a checkpoint", JOB,
-        )  # fmt: skip
+            600,
+            "the new learner group to resume from a checkpoint",
+            JOB,
+        )
         cluster.mark("learner rank SIGKILLed -> resumed from the newest checkpoint")
-        await cluster.wait(lambda: cluster.status(JOB).get("phase") == "Running", 600,
-                           "Running again", JOB)  # fmt: skip
+        await cluster.wait(
+            lambda: cluster.status(JOB).get("phase") == "Running", 600, "Running again", JOB
+        )
 
         # --- the rollout server SIGKILLed: replaced alone, synced before it serves -----------
         server = cluster.pods(JOB, "rollout")[0]["metadata"]["name"]
         assert server != first_server  # the JobSet restart replaced every pod
         cluster.node.kill_process("default", server)
         await cluster.wait(
-            lambda: [p for p in cluster.pods(JOB, "rollout", running=True)
-                     if p["metadata"]["name"] != server],
-            300, "a replacement rollout pod", JOB,
-        )  # fmt: skip
+            lambda: [
+                p
+                for p in cluster.pods(JOB, "rollout", running=True)
+                if p["metadata"]["name"] != server
+            ],
+            300,
+            "a replacement rollout pod",
+            JOB,
+        )
         (replacement,) = [
             p["metadata"]["name"]
             for p in cluster.pods(JOB, "rollout")
             if p["metadata"]["name"] != server
         ]
-        await cluster.wait(lambda: "Loaded policy version" in cluster.log(replacement, "rollout"),
-                           600, "the replacement to be synced", JOB)  # fmt: skip
-        await cluster.wait(lambda: cluster.status(JOB).get("rolloutReady") == "1/1", 300,
-                           "the replacement Ready", JOB)  # fmt: skip
+        await cluster.wait(
+            lambda: "Loaded policy version" in cluster.log(replacement, "rollout"),
+            600,
+            "the replacement to be synced",
+            JOB,
+        )
+        await cluster.wait(
+            lambda: cluster.status(JOB).get("rolloutReady") == "1/1",
+            300,
+            "the replacement Ready",
+            JOB,
+        )
         assert cluster.status(JOB)["restarts"] == 1  # the learner was not restarted
         cluster.mark("rollout server SIGKILLed -> replaced and synced, learner kept going")
 
         # --- suspend: SIGTERM, a final checkpoint; resume continues from it ------------------
         at = cluster.status(JOB).get("step") or 0
-        await cluster.kubectl("patch", "gspojob", JOB, "--type=merge",
-                              "-p", '{"spec":{"runPolicy":{"suspend":true}}}')  # fmt: skip
+        await cluster.kubectl(
+            "patch", "gspojob", JOB, "--type=merge", "-p", '{"spec":{"runPolicy":{"suspend":true}}}'
+        )
 
         def stopped_at() -> list[int]:
-            logs = "".join(p.read_text(errors="replace")
-                           for p in (cluster.workdir / "logs").glob("*learner*"))  # fmt: skip
+            logs = "".join(
+                p.read_text(errors="replace") for p in (cluster.workdir / "logs").glob("*learner*")
+            )
             return [
                 int(s) for s in re.findall(r"Stopped at step (\d+) after a final checkpoint", logs)
             ]
 
         def gone() -> bool:  # no learner pod left, terminating ones included
-            return not [p for p in cluster.api.list_kind("Pod", "default")
-                        if p["metadata"]["labels"].get("gspo.dev/role") == "learner"
-                        and p["metadata"]["labels"].get("gspo.dev/job-name") == JOB]  # fmt: skip
+            return not [
+                p
+                for p in cluster.api.list_kind("Pod", "default")
+                if p["metadata"]["labels"].get("gspo.dev/role") == "learner"
+                and p["metadata"]["labels"].get("gspo.dev/job-name") == JOB
+            ]
 
-        await cluster.wait(lambda: cluster.status(JOB).get("phase") == "Suspended" and gone(),
-                           300, "Suspended with every learner pod gone", JOB)  # fmt: skip
+        await cluster.wait(
+            lambda: cluster.status(JOB).get("phase") == "Suspended" and gone(),
+            300,
+            "Suspended with every learner pod gone",
+            JOB,
+        )
         stopped = stopped_at()
         assert stopped and max(stopped) >= at, (stopped, at)
         assert f"step-{max(stopped):06d}" in checkpoints(cluster)
         cluster.mark(f"suspended: final checkpoint at step {max(stopped)}")
-        await cluster.kubectl("patch", "gspojob", JOB, "--type=merge",
-                              "-p", '{"spec":{"runPolicy":{"suspend":false}}}')  # fmt: skip
+        await cluster.kubectl(
+            "patch",
+            "gspojob",
+            JOB,
+            "--type=merge",
+            "-p",
+            '{"spec":{"runPolicy":{"suspend":false}}}',
+        )
 
         def trained_past(step: int) -> bool:
             """From the running learners' logs, not the status: progress reaches the status
             at most every 30 s per job (the operator's write budget), time enough for the
             learner to finish every step left and leave nothing running to evict."""
-            logs = "".join(cluster.log(p["metadata"]["name"], "learner")
-                           for p in cluster.pods(JOB, "learner", running=True))  # fmt: skip
+            logs = "".join(
+                cluster.log(p["metadata"]["name"], "learner")
+                for p in cluster.pods(JOB, "learner", running=True)
+            )
             return any(int(n) > step for n in re.findall(r"\bstep (\d+) reward", logs))
 
-        await cluster.wait(lambda: trained_past(max(stopped)), 600,
-                           "training again after the resume", JOB)  # fmt: skip
+        await cluster.wait(
+            lambda: trained_past(max(stopped)), 600, "training again after the resume", JOB
+        )
         cluster.mark("resumed -> training again")
 
         # --- a learner pod evicted (a drain): restarted from its final checkpoint, not counted -
         evicted = cluster.pods(JOB, "learner", running=True)[0]["metadata"]["name"]
         await cluster.node.evict("default", evicted)
-        await cluster.wait(lambda: cluster.status(JOB).get("restarts") == 2, 300,
-                           "a restart after the eviction", JOB)  # fmt: skip
+        await cluster.wait(
+            lambda: cluster.status(JOB).get("restarts") == 2,
+            300,
+            "a restart after the eviction",
+            JOB,
+        )
         jobset = cluster.api.get("JobSet", "default", JOB)["status"]
         assert jobset["restarts"] == 2 and jobset.get("restartsCountTowardsMax") == 1, jobset
         words = await cluster.wait(
-            lambda: re.search(r"Stopped at step (\d+) after a final checkpoint",
-                              cluster.log(evicted, "learner")),
-            300, "the evicted learner's final checkpoint", JOB,
-        )  # fmt: skip
+            lambda: re.search(
+                r"Stopped at step (\d+) after a final checkpoint", cluster.log(evicted, "learner")
+            ),
+            300,
+            "the evicted learner's final checkpoint",
+            JOB,
+        )
         assert f"step-{int(words.group(1)):06d}" in checkpoints(cluster)
-        await cluster.wait(lambda: cluster.status(JOB).get("phase") == "Running", 600,
-                           "Running after the eviction", JOB)  # fmt: skip
+        await cluster.wait(
+            lambda: cluster.status(JOB).get("phase") == "Running",
+            600,
+            "Running after the eviction",
+            JOB,
+        )
         cluster.mark("learner pod evicted -> restarted from its final checkpoint, not counted")
 
-        out = await cluster.kubectl("wait", "--for=condition=Succeeded", f"gspojob/{JOB}",
-                                    "--timeout=900s", timeout_s=960)  # fmt: skip
+        out = await cluster.kubectl(
+            "wait", "--for=condition=Succeeded", f"gspojob/{JOB}", "--timeout=900s", timeout_s=960
+        )
         assert "condition met" in out
         cluster.mark("-> Succeeded")
 
@@ -265,8 +322,9 @@ async def test_a_learner_that_refuses_its_config_fails_the_job_at_once(tmp_path)
         rows.chmod(0o644)
         path = manifest(tmp_path, data={"source": f"/cache/{rows.name}", "format": "jsonl"})
         await cluster.kubectl("apply", "--validate=false", "-f", str(path))
-        out = await cluster.kubectl("wait", "--for=condition=Failed", f"gspojob/{JOB}",
-                                    "--timeout=300s", timeout_s=330)  # fmt: skip
+        out = await cluster.kubectl(
+            "wait", "--for=condition=Failed", f"gspojob/{JOB}", "--timeout=300s", timeout_s=330
+        )
         assert "condition met" in out
         failed = cluster.condition(JOB, "Failed")
         assert failed["reason"] == "InvalidConfig", failed
@@ -283,13 +341,25 @@ async def test_the_flagship_example_is_pending_for_gpus_only(tmp_path) -> None:
     example = yaml.safe_load((REPO / "examples/gspojob.yaml").read_text())
     name = example["metadata"]["name"]
     prereqs = [
-        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hf-token"},
-         "stringData": {"token": "hf_x"}},
-        *({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim},
-           "spec": {"accessModes": ["ReadWriteMany"],
-                    "resources": {"requests": {"storage": "1Gi"}}}}
-          for claim in ("hf-model-cache", "math-data")),
-    ]  # fmt: skip
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "hf-token"},
+            "stringData": {"token": "hf_x"},
+        },
+        *(
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "metadata": {"name": claim},
+                "spec": {
+                    "accessModes": ["ReadWriteMany"],
+                    "resources": {"requests": {"storage": "1Gi"}},
+                },
+            }
+            for claim in ("hf-model-cache", "math-data")
+        ),
+    ]
     # No Kueue here: without the queue the JobSet is not held suspended for admission.
     example["spec"]["runPolicy"]["scheduling"].pop("queue")
     example["spec"]["runPolicy"]["scheduling"].pop("priorityClassName")
@@ -299,9 +369,14 @@ async def test_the_flagship_example_is_pending_for_gpus_only(tmp_path) -> None:
         for sc in GKE_CLASSES:  # the example's checkpoint claim asks for Filestore's
             cluster.api.add(copy.deepcopy(sc))
         await cluster.kubectl("apply", "--validate=false", "-f", str(path))
-        await cluster.wait(lambda: len(cluster.pods(name, "learner")) == 2
-                           and len(cluster.pods(name, "rollout")) == 4,
-                           60, "the pods", name)  # fmt: skip
+        await cluster.wait(
+            lambda: (
+                len(cluster.pods(name, "learner")) == 2 and len(cluster.pods(name, "rollout")) == 4
+            ),
+            60,
+            "the pods",
+            name,
+        )
 
         def pending_for_gpus() -> bool:
             pods = cluster.pods(name, "learner") + cluster.pods(name, "rollout")
@@ -317,12 +392,16 @@ async def test_the_flagship_example_is_pending_for_gpus_only(tmp_path) -> None:
         for pod in cluster.pods(name, "learner") + cluster.pods(name, "rollout"):
             assert pod_problems(pod, cluster.api) == [], pod["metadata"]["name"]
             needs = scheduling_problems(pod, cluster.node.capacity)
-            assert needs and all("nvidia.com/gpu" in n or "cpu" in n or "memory" in n
-                                 for n in needs), needs  # fmt: skip
+            assert needs and all(
+                "nvidia.com/gpu" in n or "cpu" in n or "memory" in n for n in needs
+            ), needs
         await cluster.wait(
-            lambda: "Insufficient nvidia.com/gpu" in cluster.condition(name, "Running").get(
-                "message", ""
+            lambda: (
+                "Insufficient nvidia.com/gpu"
+                in cluster.condition(name, "Running").get("message", "")
             ),
-            30, "the job's status to say why it is Pending", name,
-        )  # fmt: skip
+            30,
+            "the job's status to say why it is Pending",
+            name,
+        )
         cluster.mark("the flagship example: Pending for GPUs only")

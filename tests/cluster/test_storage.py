@@ -88,8 +88,11 @@ async def test_claims_bind_only_where_the_driver_supports_their_access_modes(api
         api.add(obj)
     await storage.sync_all()
     # WaitForFirstConsumer classes wait for a pod that names the claim.
-    assert ("Normal", "WaitForFirstConsumer", "waiting for first consumer to be created "
-            "before binding") in events(api, "rwx-on-filestore")  # fmt: skip
+    assert (
+        "Normal",
+        "WaitForFirstConsumer",
+        "waiting for first consumer to be created before binding",
+    ) in events(api, "rwx-on-filestore")
     assert phase(api, "rwx-on-filestore") is None
     for name in ("rwx-on-pd", "rwx-on-filestore", "rwx-on-ebs", "rwo-on-ebs"):
         api.add(consumer(name))

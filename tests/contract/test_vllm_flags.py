@@ -20,8 +20,11 @@ REWRITE = "python -m gspo_trainer.rollout.vllm_flags --write"
 def test_the_shipped_table_is_the_installed_vllms() -> None:
     installed, shipped = installed_table(), shipped_table()
     assert installed["vllm"] == shipped["vllm"], f"vLLM changed: run {REWRITE}"
-    changed = {k for k in installed["options"].keys() | shipped["options"].keys()
-               if installed["options"].get(k) != shipped["options"].get(k)}  # fmt: skip
+    changed = {
+        k
+        for k in installed["options"].keys() | shipped["options"].keys()
+        if installed["options"].get(k) != shipped["options"].get(k)
+    }
     assert not changed, f"vLLM's flags differ from the table ({sorted(changed)[:10]}): {REWRITE}"
 
 

@@ -31,8 +31,11 @@ def test_the_plugin_is_an_endpoint_plugin_under_its_entry_point() -> None:
     from gspo_trainer.rollout.serve_command import PLUGIN_NAME
     from gspo_trainer.rollout.vllm_plugin import GSPOEndpoints
 
-    (entry,) = [e for e in importlib.metadata.entry_points(group="vllm.endpoint_plugins")
-                if e.name == PLUGIN_NAME]  # fmt: skip
+    (entry,) = [
+        e
+        for e in importlib.metadata.entry_points(group="vllm.endpoint_plugins")
+        if e.name == PLUGIN_NAME
+    ]
     assert entry.load() is GSPOEndpoints
     assert isinstance(GSPOEndpoints(), EndpointPlugin)
     assert GSPOEndpoints.required_tasks == ("generate",)
@@ -55,9 +58,13 @@ def test_the_server_takes_every_flag_the_command_line_gives() -> None:
     from gspo_trainer.rollout.serve_command import SERVER_MODULE, ServeOptions, serve_argv
 
     assert importlib.util.find_spec(SERVER_MODULE) is not None
-    opts = ServeOptions(model="m", served_name="builtin:tiny", max_model_len=128,
-                        enforce_eager=True, engine_args={"seed": 0, "enable_prefix_caching":
-                                                         True})  # fmt: skip
+    opts = ServeOptions(
+        model="m",
+        served_name="builtin:tiny",
+        max_model_len=128,
+        enforce_eager=True,
+        engine_args={"seed": 0, "enable_prefix_caching": True},
+    )
     argv = serve_argv(opts)
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[3:])
     assert args.worker_extension_cls.endswith("WeightSyncExtension")
@@ -75,8 +82,9 @@ def test_the_generate_route_takes_the_clients_request_and_answers_what_it_reads(
     from gspo_trainer.rollout.client import GENERATE_ROUTE, _parse_choices, generate_body
     from gspo_trainer.rollout.types import SamplingParams
 
-    params = SamplingParams(n=2, max_tokens=3, temperature=0.7, top_p=0.9, seed=11,
-                            stop_token_ids=(1,))  # fmt: skip
+    params = SamplingParams(
+        n=2, max_tokens=3, temperature=0.7, top_p=0.9, seed=11, stop_token_ids=(1,)
+    )
     request = protocol.GenerateRequest.model_validate(generate_body("m", [3, 4], params))
     sampling = request.sampling_params
     assert request.token_ids == [3, 4] and request.output_mode == "tokens"
@@ -85,12 +93,16 @@ def test_the_generate_route_takes_the_clients_request_and_answers_what_it_reads(
     assert GENERATE_ROUTE in {route.path for route in api_router.router.routes}
 
     def choice(k: int) -> protocol.GenerateTokensChoice:
-        content = [protocol.GenerateLogProbsContent(token_id=10 * k + t, logprob=-0.5 * t)
-                   for t in range(3)]  # fmt: skip
+        content = [
+            protocol.GenerateLogProbsContent(token_id=10 * k + t, logprob=-0.5 * t)
+            for t in range(3)
+        ]
         return protocol.GenerateTokensChoice(
-            index=k, finish_reason="length", token_ids=[10 * k + t for t in range(3)],
+            index=k,
+            finish_reason="length",
+            token_ids=[10 * k + t for t in range(3)],
             logprobs=protocol.GenerateLogProbs(content=content),
-        )  # fmt: skip
+        )
 
     reply = protocol.GenerateTokensResponse(model="m", choices=[choice(1), choice(0)])
     out = _parse_choices(reply.model_dump_json().encode(), 2, "5", 5)

@@ -33,6 +33,12 @@ async def create(api, doc: dict) -> None:
     await post(api, doc)
 
 
+def config_map_of(job: dict) -> dict:
+    """The job's ConfigMap, as the operator renders it."""
+    objects = render.render_job(job, parse_spec(job["spec"]), token="unused")
+    return next(o for o in objects if o["kind"] == "ConfigMap")
+
+
 async def test_a_job_named_like_another_jobs_service_is_refused(api, run_operator) -> None:
     async with run_operator(api):
         # exp's rollout Service first, then a job whose pods' Service would have that name.
@@ -93,7 +99,7 @@ async def test_an_earlier_jobs_config_map_is_not_the_new_jobs_accepted_spec(
     the old job's ConfigMap: the new job runs its own spec, not the old one's."""
     old = tiny_job("exp", algorithm={**tiny_job()["spec"]["algorithm"], "learningRate": 0.5})
     old["metadata"].update(namespace=NS, uid="uid-of-the-deleted-exp")
-    leftover = render.render_config_map_of(old, parse_spec(old["spec"]))
+    leftover = config_map_of(old)
     leftover["metadata"]["finalizers"] = ["example.com/hold"]  # the collector is not done yet
     await api.create(leftover)
     async with run_operator(api):
@@ -119,7 +125,7 @@ def test_a_child_just_made_for_an_earlier_job_of_the_name_is_not_the_new_jobs() 
     ctx = reconcile.Context(kube=Kube.for_host("http://127.0.0.1:1"))
     old = tiny_job("exp")
     old["metadata"].update(namespace=NS, uid="uid-of-the-deleted-exp")
-    config_map = render.render_config_map_of(old, parse_spec(old["spec"]))
+    config_map = config_map_of(old)
     reconcile._expect(ctx, (NS, "exp"), config_map, created=True)
     assert reconcile._children_seen(ctx, (NS, "exp"), "uid-of-the-deleted-exp")  # its own
     assert reconcile._children_seen(ctx, (NS, "exp"), "uid-of-the-new-exp") == {}
@@ -171,7 +177,7 @@ def test_a_hand_edit_before_the_watch_showed_the_create_is_not_hidden_by_it() ->
     ctx = reconcile.Context(kube=Kube.for_host("http://127.0.0.1:1"))
     job = tiny_job("exp")
     job["metadata"].update(namespace=NS, uid="uid-exp")
-    made = render.render_config_map_of(job, parse_spec(job["spec"]))
+    made = config_map_of(job)
     reconcile._expect(ctx, (NS, "exp"), made, created=True)
     edited = ChildView.from_object({**made, "data": {"config.yaml": "x: 1"}})
     ctx.indices = {"children": {(NS, "exp"): [edited]}}

@@ -77,7 +77,7 @@ def test_pending_until_every_learner_pod_runs_with_the_reason_shown() -> None:
                       "available: 1 Insufficient nvidia.com/gpu.")  # fmt: skip
     out = step(spec(), observed([pods("Running")[0], waiting]), None)
     assert out.status["phase"] == "Pending"
-    assert not out.ensure_children and out.suspend_jobset is None
+    assert out.suspend_jobset is None
     assert cond(out.status, "LearnerReady")["status"] == "False"
     assert "Insufficient nvidia.com/gpu" in cond(out.status, "Running")["message"]
     assert out.status["rolloutReady"] == "0/4"
@@ -86,9 +86,8 @@ def test_pending_until_every_learner_pod_runs_with_the_reason_shown() -> None:
 
 def test_a_missing_jobset_is_created() -> None:
     out = step(spec(), Observed(jobset=None), None)
-    assert out.ensure_children and out.status["phase"] == "Pending"
+    assert out.status["phase"] == "Pending"
     assert cond(out.status, "Running")["reason"] == "JobSetMissing"
-    assert not step(spec(suspend=True), Observed(jobset=None), None).ensure_children
 
 
 def test_running_with_progress_written_to_status() -> None:
@@ -227,7 +226,7 @@ def test_suspend_suspends_the_jobset_and_resume_continues() -> None:
     assert prev["phase"] == "Running"
     out = step(spec(suspend=True), observed(pods("Running", "Running")), prev)
     assert out.status["phase"] == "Suspended"
-    assert out.suspend_jobset is True and not out.ensure_children
+    assert out.suspend_jobset is True
     assert cond(out.status, "Suspended")["status"] == "True"
     gone = step(spec(suspend=True), observed(jobset=js(suspended=True)), out.status)
     assert gone.status["phase"] == "Suspended" and gone.suspend_jobset is None

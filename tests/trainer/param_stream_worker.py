@@ -38,8 +38,9 @@ def export_failing_before_its_first_layer(engine, ranks: Ranks, out: str) -> boo
         raise PermissionError("read-only checkpoint volume")
 
     ckpt.export_hf = refuse  # rank 0's write
-    saver = Checkpointer(Path(out).parent / "ckpt", 1, engine, None, ranks, LearnerMetrics(),
-                         LearnerState(), dict)  # fmt: skip
+    saver = Checkpointer(
+        Path(out).parent / "ckpt", 1, engine, None, ranks, LearnerMetrics(), LearnerState(), dict
+    )
     try:
         saver.export(1 << 20)
         failed = False
@@ -56,8 +57,9 @@ def main(out: str, cache: str) -> None:
     ranks = Ranks()
     stream = ParamStream.of(engine, ranks)
     # Every rank's shard is part of a parameter: the model really is split over the two.
-    partitioned = all(p.ds_tensor.numel() < p.ds_numel for p in engine.module.parameters()
-                      if p.ds_numel > 1)  # fmt: skip
+    partitioned = all(
+        p.ds_tensor.numel() < p.ds_numel for p in engine.module.parameters() if p.ds_numel > 1
+    )
     seen = {}
     if ranks.rank == 0:
         first = iter(stream)
@@ -74,8 +76,12 @@ def main(out: str, cache: str) -> None:
         whole = {n: p.data.clone() for n, p in engine.module.named_parameters()}
     if ranks.rank == 0:
         equal = list(seen) == list(whole) and all(seen[n].equal(t) for n, t in whole.items())
-        result = {"passes_followed": followed, "equal": equal, "partitioned": partitioned,
-                  "export_failed_on_both": export_failed_on_both}  # fmt: skip
+        result = {
+            "passes_followed": followed,
+            "equal": equal,
+            "partitioned": partitioned,
+            "export_failed_on_both": export_failed_on_both,
+        }
         with open(out, "w") as f:
             json.dump(result, f)
     ranks.barrier()

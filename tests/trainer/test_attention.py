@@ -69,8 +69,15 @@ def varlen_stand_in(seen: list[dict[str, Any]]) -> Any:
     computes it, the sequences' bounds from the position ids as transformers gives them to it."""
     from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
 
-    def attention(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  attention_mask: Any, scaling: float | None = None, **kw: Any) -> Any:  # fmt: skip
+    def attention(
+        module: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention_mask: Any,
+        scaling: float | None = None,
+        **kw: Any,
+    ) -> Any:
         seen.append({"mask": attention_mask, "rows": q.shape[0]})
         (cu, _), _ = prepare_fa_kwargs_from_position_ids(kw["position_ids"])
         groups = q.shape[1] // k.shape[1]
@@ -90,8 +97,9 @@ def test_flash_attention_runs_one_row_varlen_without_a_mask(monkeypatch) -> None
     from transformers.modeling_utils import AttentionInterface
 
     seen: list[dict[str, Any]] = []
-    monkeypatch.setitem(AttentionInterface._global_mapping, "flash_attention_2",
-                        varlen_stand_in(seen))  # fmt: skip
+    monkeypatch.setitem(
+        AttentionInterface._global_mapping, "flash_attention_2", varlen_stand_in(seen)
+    )
     model = tiny_model()
     packed = batch(model.config.vocab_size)
     padded = hidden(policy(model, False), packed)

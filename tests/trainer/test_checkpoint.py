@@ -134,8 +134,11 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_run_loudly(
 
     good = make_learner(cache, tmp_path, manifest_for(2, 2))
     assert run(good) == 0
-    before = {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / "step-000002").rglob("*")
-              if p.is_file()}  # fmt: skip
+    before = {
+        p.relative_to(tmp_path): p.read_bytes()
+        for p in (tmp_path / "step-000002").rglob("*")
+        if p.is_file()
+    }
     # The next run writes every step; any file over 64 KiB fails (the engine state is larger).
     learner = _fsize_limited(make_learner(cache, tmp_path, manifest_for(12, 1)), 64 * 1024)
     with caplog.at_level("ERROR", logger="gspo.learner"), pytest.raises(CheckpointError) as err:
@@ -145,8 +148,11 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_run_loudly(
     assert learner.state.step == 2 + MAX_CHECKPOINT_FAILURES  # stopped, not trained on
     assert "step-000002" in str(err.value) and "FAILED" in caplog.text
     # The previous checkpoint is untouched, nothing half-written is left, and it resumes.
-    after = {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / "step-000002").rglob("*")
-             if p.is_file()}  # fmt: skip
+    after = {
+        p.relative_to(tmp_path): p.read_bytes()
+        for p in (tmp_path / "step-000002").rglob("*")
+        if p.is_file()
+    }
     assert after == before
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("step-")] == ["step-000002"]
     assert make_learner(cache, tmp_path, manifest_for(12, 1)).resume() == 2

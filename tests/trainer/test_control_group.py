@@ -38,8 +38,13 @@ def _rank(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     os.environ["DS_ACCELERATOR"] = "cpu"
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=timedelta(seconds=DEFAULT_TIMEOUT_S))  # fmt: skip
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=DEFAULT_TIMEOUT_S),
+    )
     ranks = Ranks(control_timeout_s=60)
     ranks.barrier()
     if rank == 0:
@@ -65,8 +70,11 @@ def test_a_rank_waits_on_the_control_group_longer_than_the_default_timeout(
     for p in procs:
         p.join(timeout=120)
     assert [p.exitcode for p in procs] == [0, 0]
-    assert json.loads(out.read_text()) == {"agreed": True, "got": {"step": 7},
-                                           "parts": [{"f0": 0}, {"f1": 1}]}  # fmt: skip
+    assert json.loads(out.read_text()) == {
+        "agreed": True,
+        "got": {"step": 7},
+        "parts": [{"f0": 0}, {"f1": 1}],
+    }
 
 
 def test_the_timeouts_follow_the_spec() -> None:
@@ -96,24 +104,33 @@ def test_the_manifest_is_built_from_each_ranks_hashes(
     """Each rank hashes what it wrote; rank 0's commit hashes only what no rank listed (a
     file DeepSpeed copies in itself), and on resume each rank verifies its own files."""
     tmp = ckpt.aside(tmp_path, 5)
-    _write(tmp, {"engine/zero_pp_rank_0_model_states.pt": b"a" * 100,
-                 "trainer-rank0.pt": b"b" * 10,
-                 "engine/zero_pp_rank_1_model_states.pt": b"c" * 200,
-                 "trainer-rank1.pt": b"d" * 20, "engine/zero_to_fp32.py": b"#"})  # fmt: skip
+    _write(
+        tmp,
+        {
+            "engine/zero_pp_rank_0_model_states.pt": b"a" * 100,
+            "trainer-rank0.pt": b"b" * 10,
+            "engine/zero_pp_rank_1_model_states.pt": b"c" * 200,
+            "trainer-rank1.pt": b"d" * 20,
+            "engine/zero_to_fp32.py": b"#",
+        },
+    )
     rank0 = ckpt.hash_files(tmp, ["engine/zero_pp_rank_0_model_states.pt", "trainer-rank0.pt"], 0)
     rank1 = ckpt.hash_files(tmp, ["engine/zero_pp_rank_1_model_states.pt", "trainer-rank1.pt"], 1)
     hashed_at_commit = []
     real_sha = ckpt.sha256_file
-    monkeypatch.setattr(ckpt, "sha256_file",
-                        lambda p: hashed_at_commit.append(p.name) or real_sha(p))  # fmt: skip
+    monkeypatch.setattr(
+        ckpt, "sha256_file", lambda p: hashed_at_commit.append(p.name) or real_sha(p)
+    )
     final = ckpt.commit(tmp_path, 5, keep=2, hashed={**rank0, **rank1})
     assert hashed_at_commit == ["zero_to_fp32.py"]
     files = json.loads((final / ckpt.MANIFEST).read_text())["files"]
     assert {rel: e["rank"] for rel, e in files.items()} == {
-        "engine/zero_pp_rank_0_model_states.pt": 0, "trainer-rank0.pt": 0,
-        "engine/zero_pp_rank_1_model_states.pt": 1, "trainer-rank1.pt": 1,
+        "engine/zero_pp_rank_0_model_states.pt": 0,
+        "trainer-rank0.pt": 0,
+        "engine/zero_pp_rank_1_model_states.pt": 1,
+        "trainer-rank1.pt": 1,
         "engine/zero_to_fp32.py": 0,
-    }  # fmt: skip
+    }
     assert files["trainer-rank1.pt"]["sha256"] == rank1["trainer-rank1.pt"]["sha256"]
     # Rank 1's file damaged: rank 1 finds it, rank 0 (checking only its own) does not.
     (final / "trainer-rank1.pt").write_bytes(b"x" * 20)

@@ -54,11 +54,18 @@ def test_jsonl_and_parquet_with_a_prompt_template(tmp_path: Path) -> None:
     parquet = tmp_path / "d.parquet"
     pq.write_table(pa.Table.from_pylist(rows), parquet)
     for src in (jsonl, parquet):
-        cfg = DataConfig(source=str(src), prompt_field="q", answer_field="a",
-                         prompt_template="Q: {prompt}\nA:", chat_template=False)  # fmt: skip
+        cfg = DataConfig(
+            source=str(src),
+            prompt_field="q",
+            answer_field="a",
+            prompt_template="Q: {prompt}\nA:",
+            chat_template=False,
+        )
         examples = load_examples(cfg)
-        assert [(e.prompt, e.answer) for e in examples] == [("Q: 1+1\nA:", "2"),
-                                                             ("Q: 2+2\nA:", "4")]  # fmt: skip
+        assert [(e.prompt, e.answer) for e in examples] == [
+            ("Q: 1+1\nA:", "2"),
+            ("Q: 2+2\nA:", "4"),
+        ]
 
 
 def test_missing_field_names_the_field_and_the_fix(tmp_path: Path) -> None:

@@ -27,8 +27,9 @@ def test_drift_is_the_share_of_activated_experts_that_changed_per_layer() -> Non
     # Layer 1: token 0 changes both, token 1 none: 2 of 4. Order inside a top-k does not count.
     assert routing_drift(old, new) == [0.25, 0.5]
     assert routing_drift([torch.tensor([[1, 0]])], [torch.tensor([[0, 1]])]) == [0.0]
-    assert routing_drift([torch.zeros(0, 2, dtype=torch.long)],
-                         [torch.zeros(0, 2, dtype=torch.long)]) == [0.0]  # fmt: skip
+    assert routing_drift(
+        [torch.zeros(0, 2, dtype=torch.long)], [torch.zeros(0, 2, dtype=torch.long)]
+    ) == [0.0]
 
 
 def counted(learner: Any) -> list[int]:

@@ -34,8 +34,9 @@ def test_eval_sets_are_kept_apart_from_training(tmp_path: Path) -> None:
     assert len({e.prompt for e in builtin}) == 100
     train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
     train.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
-    held.write_text("".join(json.dumps({"prompt": f"{a}*2=", "answer": str(2 * a)}) + "\n"
-                            for a in range(3)))  # fmt: skip
+    held.write_text(
+        "".join(json.dumps({"prompt": f"{a}*2=", "answer": str(2 * a)}) + "\n" for a in range(3))
+    )
     own = DataConfig(source=str(train), prompt_template="Q: {prompt}", chat_template=False)
     assert load_eval_examples(own) is None  # never evaluated on its own training prompts
     examples = load_eval_examples(own.model_copy(update={"eval_source": str(held)}))
@@ -116,9 +117,15 @@ def test_off_by_default_in_the_spec(cache: Path) -> None:
 def records() -> list[dict[str, float]]:
     out = []
     for step in range(1, 31):
-        r = {"step": step, "reward_mean": step / 30, "entropy": 2.0 - step / 20,
-             "zero_advantage_fraction": 0.4, "clip_fraction": 0.01, "seconds": 0.1,
-             "time": 1000.0 + step / 10}  # fmt: skip
+        r = {
+            "step": step,
+            "reward_mean": step / 30,
+            "entropy": 2.0 - step / 20,
+            "zero_advantage_fraction": 0.4,
+            "clip_fraction": 0.01,
+            "seconds": 0.1,
+            "time": 1000.0 + step / 10,
+        }
         if step % 10 == 0:
             r.update(eval_accuracy=step / 40, eval_mean_at_k=step / 50)
         out.append(r)
@@ -133,8 +140,14 @@ def test_one_name_per_metric_in_history_bar_and_prometheus(tmp_path: Path) -> No
     view.poll()
     text = out.getvalue().splitlines()[-1]
     shown = [part.split("=")[0] for part in text.split() if "=" in part]
-    assert shown == ["reward_mean", "eval_accuracy", "eval_mean_at_k", "entropy",
-                     "zero_advantage_fraction", "clip_fraction"]  # fmt: skip
+    assert shown == [
+        "reward_mean",
+        "eval_accuracy",
+        "eval_mean_at_k",
+        "entropy",
+        "zero_advantage_fraction",
+        "clip_fraction",
+    ]
     for key in shown:
         assert key in records()[-1]  # the history key
         assert STEP_GAUGES[key][0] == f"gspo_{key}"  # the Prometheus metric

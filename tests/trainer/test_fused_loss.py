@@ -35,8 +35,9 @@ def test_equals_unfused_path(level: str, chunk_size: int, off_policy: bool) -> N
     hidden, weight, tokens, mask, old, adv, ref = batch(torch.float64)
     kw = dict(level=level, clip_low=0.2, clip_high=0.27, ref_logprobs=ref, kl_coef=0.1)
     if off_policy:  # the decoupled objective: a sampler mu apart from pi_old, weights truncated
-        mu = old + 0.4 * torch.randn(old.shape, generator=torch.Generator().manual_seed(1),
-                                     dtype=old.dtype)  # fmt: skip
+        mu = old + 0.4 * torch.randn(
+            old.shape, generator=torch.Generator().manual_seed(1), dtype=old.dtype
+        )
         kw.update(behaviour_logprobs=mu, is_cap=1.2)
     scores = token_logprobs_from_hidden(
         hidden, weight, tokens, 4, 0.7, mask=mask, with_entropy=True
@@ -140,8 +141,9 @@ def test_responses_longer_than_a_chunk_match_the_float32_reference(level: str) -
     logp = (h32 @ w32.T).log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
     want, _ = policy_loss(logp, old, adv, mask, **kw)
     want.backward()
-    loss, _, _ = policy_loss_from_hidden(hidden, weight, tokens, mask, old, adv, chunk_size=256,
-                                         **kw)  # fmt: skip
+    loss, _, _ = policy_loss_from_hidden(
+        hidden, weight, tokens, mask, old, adv, chunk_size=256, **kw
+    )
     loss.backward()
     torch.testing.assert_close(loss.float(), want, rtol=1e-3, atol=1e-4)
     for got, ref in ((hidden.grad, h32.grad), (weight.grad, w32.grad)):

@@ -15,9 +15,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_the_gpu_check_dry_run_passes_every_section() -> None:
     env = checkout_env()
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--dry-run"],
-                          cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu_check.py"), "--dry-run"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     report = json.loads(proc.stdout)
     errors = {k: v["error"] for k, v in report.items() if isinstance(v, dict) and "error" in v}
     assert proc.returncode == 0 and not errors, (errors, proc.stderr[-2000:])

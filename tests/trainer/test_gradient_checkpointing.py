@@ -18,8 +18,9 @@ def test_each_layer_runs_again_in_backward_only_with_checkpointing(
     tmp_path: Path, checkpointing: bool
 ) -> None:
     manifest = copy.deepcopy(tiny_manifest())
-    manifest["spec"]["model"].update(name="builtin:tiny-qwen3-moe",
-                                     gradientCheckpointing=checkpointing)  # fmt: skip
+    manifest["spec"]["model"].update(
+        name="builtin:tiny-qwen3-moe", gradientCheckpointing=checkpointing
+    )
     spec = parse_spec(manifest["spec"])
     model, _ = eng.load_model(spec, eng.resolve_model_path(spec, str(tmp_path)))
     engine = eng.build_engine(spec, model)

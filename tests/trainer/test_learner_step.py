@@ -52,6 +52,8 @@ def test_a_step_updates_the_policy_and_reports_every_number(cache: Path) -> None
     assert sample("gspo_step") == 1
     assert sample("gspo_reward_mean") == stats["reward_mean"]
     assert sample("gspo_moe_expert_load", {"layer": "0", "expert": "0"}) is not None
+    # One series per MoE layer (the tiny MoE has 2), not one per routed token.
+    assert sample("gspo_moe_expert_load", {"layer": "2", "expert": "0"}) is None
     loads = [sample("gspo_moe_expert_load", {"layer": "1", "expert": str(e)}) for e in range(4)]
     assert sum(loads) == pytest.approx(1.0)
     assert sample("gspo_phase_seconds_count", {"phase": "update"}) == 1

@@ -199,9 +199,15 @@ def test_the_reduce_bucket_is_deepspeeds_whole_size_for_a_small_model() -> None:
     """ZeRO-2 and -3 allocate their reduce bucket at reduce_bucket_size elements (torch.empty
     in stage_1_and_2.py and stage3.py), not at the model's size: 5e8 bf16 elements, ~0.93 GiB,
     on every GPU even for a 0.6B-parameter model (more than the bucket) or a tiny one."""
-    tiny = ModelShape.from_config({"hidden_size": 64, "num_hidden_layers": 2,
-                                   "num_attention_heads": 4, "intermediate_size": 128,
-                                   "vocab_size": 512})  # fmt: skip
+    tiny = ModelShape.from_config(
+        {
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "intermediate_size": 128,
+            "vocab_size": 512,
+        }
+    )
     for stage in (2, 3):
         rows = learner_rows(
             tiny, LearnerSetup(8, stage, "bfloat16", False, True, 1024, False, 0, 80 * 2**30)

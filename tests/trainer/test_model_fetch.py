@@ -26,8 +26,9 @@ def spec_of(name: str, revision: str | None = None) -> Any:
 def test_a_hub_model_is_fetched_at_its_revision(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[Any, ...]] = []
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr("huggingface_hub.snapshot_download",
-                        lambda repo, **kw: calls.append((repo, kw)))  # fmt: skip
+    monkeypatch.setattr(
+        "huggingface_hub.snapshot_download", lambda repo, **kw: calls.append((repo, kw))
+    )
     engine.fetch_model(spec_of("Qwen/Qwen3-0.6B", "abc123"), "Qwen/Qwen3-0.6B")
     [(repo, kw)] = calls
     assert repo == "Qwen/Qwen3-0.6B" and kw["revision"] == "abc123"
@@ -37,8 +38,9 @@ def test_a_hub_model_is_fetched_at_its_revision(monkeypatch: pytest.MonkeyPatch)
 def test_nothing_is_fetched_locally_offline_or_built_in(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr("huggingface_hub.snapshot_download",
-                        lambda *a, **kw: pytest.fail("downloaded"))  # fmt: skip
+    monkeypatch.setattr(
+        "huggingface_hub.snapshot_download", lambda *a, **kw: pytest.fail("downloaded")
+    )
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     engine.fetch_model(spec_of("Qwen/Qwen3-0.6B"), str(tmp_path))  # a local directory
     engine.fetch_model(spec_of("/models/absent"), "/models/absent")  # a path, not a repo

@@ -34,16 +34,25 @@ def family(name: str) -> Any:
     if name.startswith("builtin:"):
         return build_tiny_model(name)[0].eval()
     common: dict[str, Any] = dict(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, intermediate_size=128, max_position_embeddings=256,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=128,
+        max_position_embeddings=256,
+    )
     config = {
         "llama": lambda: LlamaConfig(**common),
         "mixtral": lambda: MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common),
-        "qwen2_moe": lambda: Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2,
-                                            moe_intermediate_size=64,
-                                            shared_expert_intermediate_size=64, **common),
-    }[name]()  # fmt: skip
+        "qwen2_moe": lambda: Qwen2MoeConfig(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+            **common,
+        ),
+    }[name]()
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 

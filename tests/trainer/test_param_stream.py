@@ -70,8 +70,10 @@ def test_a_pass_gathers_one_layer_at_a_time_and_gives_the_whole_model(zero3) -> 
     assert list(seen) == list(start)
     for name, t in start.items():
         assert torch.equal(seen[name], t), name
-    layer = max(sum(t.numel() * t.element_size() for n, t in start.items() if group_key(n) == k)
-                for k in {group_key(n) for n in start})  # fmt: skip
+    layer = max(
+        sum(t.numel() * t.element_size() for n, t in start.items() if group_key(n) == k)
+        for k in {group_key(n) for n in start}
+    )
     assert stream.largest_group_bytes() == layer
     assert stream.nbytes() == sum(t.numel() * t.element_size() for t in start.values())
 
@@ -111,8 +113,9 @@ def test_an_export_in_shards_is_what_save_pretrained_writes(zero3, tmp_path: Pat
         with safe_open(str(shard), framework="pt") as f:
             written.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
         assert shard.stat().st_size <= layer + 64 * 1024  # the header beside one shard's bytes
-    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size()
-                                                  for t in written.values())  # fmt: skip
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for t in written.values()
+    )
     # The same tensors under the same names as transformers' own save_pretrained.
     plain = AutoModelForCausalLM.from_pretrained(out)
     plain.save_pretrained(tmp_path / "hf")
@@ -131,12 +134,24 @@ def test_the_other_rank_gathers_along_with_every_pass_rank_0_makes(tmp_path: Pat
     Then an export fails on rank 0 before its first layer: both ranks end it with the
     export's error, having run the same gathers (the whole-model gather after it agrees)."""
     out = tmp_path / "result.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(WORKER), str(out), str(tmp_path / "models")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(WORKER),
+        str(out),
+        str(tmp_path / "models"),
+    ]
     env = checkout_env(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     env["PYTHONPATH"] += f":{WORKER.parent}"
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result == {"passes_followed": 2, "equal": True, "partitioned": True,
-                      "export_failed_on_both": True}  # fmt: skip
+    assert result == {
+        "passes_followed": 2,
+        "equal": True,
+        "partitioned": True,
+        "export_failed_on_both": True,
+    }

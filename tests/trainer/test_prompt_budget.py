@@ -40,8 +40,11 @@ def test_none_fitting_names_the_field_and_the_fix() -> None:
 
 
 def test_the_learner_trains_only_on_prompts_that_fit(tmp_path: Path) -> None:
-    rows = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "1+2+3+4+5=", "answer": "5"},
-            {"prompt": "2+2=", "answer": "4"}]  # fmt: skip
+    rows = [
+        {"prompt": "1+2=", "answer": "3"},
+        {"prompt": "1+2+3+4+5=", "answer": "5"},
+        {"prompt": "2+2=", "answer": "4"},
+    ]
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     manifest = tiny_spec()
@@ -80,8 +83,7 @@ class Refusing:
 
         self.calls += 1
         if self.refused in prompts:
-            raise RequestRefused("400 prompts[0] has too many tokens",
-                                 prompts.index(self.refused))  # fmt: skip
+            raise RequestRefused("400 prompts[0] has too many tokens", prompts.index(self.refused))
         return await self.inner.generate(prompts, params)
 
     async def sync_weights(self, named: Any, version: int) -> Any:
@@ -99,8 +101,9 @@ def test_a_prompt_the_servers_refuse_is_dropped_from_its_step(tmp_path: Path, ca
     with caplog.at_level(logging.ERROR, logger="gspo.learner"):
         rollouts = asyncio.run(learner.collector.collect(1, examples))
     assert rollouts is not None and learner.rollout.calls == 2  # refused once, then served
-    assert rollouts.prompts == [p for i, p in enumerate(learner.collector.prompt_ids(examples))
-                                if i != 2]  # fmt: skip
+    assert rollouts.prompts == [
+        p for i, p in enumerate(learner.collector.prompt_ids(examples)) if i != 2
+    ]
     assert len(rollouts.responses) == 3 * learner.spec.algorithm.group_size
     assert repr(examples[2].prompt) in caplog.text and "refuse" in caplog.text
     sample = learner.metrics.registry.get_sample_value

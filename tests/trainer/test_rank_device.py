@@ -65,8 +65,9 @@ def test_local_rank_3_of_8_selects_gpu_3(cuda: CudaSpy, monkeypatch: pytest.Monk
     assert device.rank_device() == torch.device("cuda", 3)
 
 
-@pytest.mark.parametrize(("local_rank", "words"), [("8", ["LOCAL_RANK=8", "sees 8 GPU"]),
-                                                   ("two", ["LOCAL_RANK='two'"])])  # fmt: skip
+@pytest.mark.parametrize(
+    ("local_rank", "words"), [("8", ["LOCAL_RANK=8", "sees 8 GPU"]), ("two", ["LOCAL_RANK='two'"])]
+)
 def test_a_local_rank_beyond_the_gpus_is_refused_naming_both(
     cuda: CudaSpy, monkeypatch: pytest.MonkeyPatch, local_rank: str, words: list[str]
 ) -> None:
@@ -198,10 +199,12 @@ def test_a_checkpoint_keeps_the_random_state_of_this_ranks_gpu_only(
 
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", every_gpu)
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", every_gpu)
-    monkeypatch.setattr(torch.cuda, "get_rng_state",
-                        lambda dev="cuda": asked.append(("get", dev)) or state)  # fmt: skip
-    monkeypatch.setattr(torch.cuda, "set_rng_state",
-                        lambda s, dev="cuda": asked.append(("set", dev)))  # fmt: skip
+    monkeypatch.setattr(
+        torch.cuda, "get_rng_state", lambda dev="cuda": asked.append(("get", dev)) or state
+    )
+    monkeypatch.setattr(
+        torch.cuda, "set_rng_state", lambda s, dev="cuda": asked.append(("set", dev))
+    )
     saved = ckpt.rng_state()
     ckpt.set_rng_state(saved)
     old_style = {**saved, "cuda": [torch.full((16,), i, dtype=torch.uint8) for i in range(8)]}
@@ -223,8 +226,9 @@ def test_a_cpu_learner_compiles_no_deepspeed_op_on_its_first_start(tmp_path: Pat
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "CUDA_VISIBLE_DEVICES"):
         env.pop(key, None)
     env["CUDA_VISIBLE_DEVICES"] = ""
-    proc = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "shm op None" in proc.stdout
     assert not (tmp_path / "ext").exists(), list((tmp_path / "ext").rglob("*"))

@@ -44,33 +44,41 @@ def test_length_is_free_to_the_target_then_falls_to_minus_one() -> None:
 
 
 def test_the_reward_is_the_weighted_sum_of_its_components() -> None:
-    cfg = RewardConfig.model_validate({"functions": [
-        {"name": "exact", "kind": "arithmetic", "weight": 2.0},
-        {"name": "format", "kind": "format", "pattern": "[0-9]+", "weight": 0.5},
-        {"name": "short", "kind": "length", "targetTokens": 1, "weight": 3.0},
-    ]})  # fmt: skip
+    cfg = RewardConfig.model_validate(
+        {
+            "functions": [
+                {"name": "exact", "kind": "arithmetic", "weight": 2.0},
+                {"name": "format", "kind": "format", "pattern": "[0-9]+", "weight": 0.5},
+                {"name": "short", "kind": "length", "targetTokens": 1, "weight": 3.0},
+            ]
+        }
+    )
     items = [item("7", 2), item("8", 1), item("x", 4), item("7", 4, finished=False)]
     totals, means = build_scorer(cfg, max_response_tokens=4).score_components(items)
     exact, fmt, short = [1, 0, 0, 0], [1, 1, 0, 0], [-1 / 3, 0, -1, -1]
     expected = [2.0 * e + 0.5 * f + 3.0 * s for e, f, s in zip(exact, fmt, short, strict=True)]
     assert totals == pytest.approx(expected)
-    assert means == pytest.approx({"reward/exact": 0.25, "reward/format": 0.5,
-                                   "reward/short": (-1 / 3 - 2) / 4})  # fmt: skip
+    assert means == pytest.approx(
+        {"reward/exact": 0.25, "reward/format": 0.5, "reward/short": (-1 / 3 - 2) / 4}
+    )
 
 
 def test_a_raising_component_scores_zero_and_is_counted() -> None:
     metrics = LearnerMetrics()
-    cfg = RewardConfig.model_validate({"functions": [
-        {"name": "broken", "kind": "python", "function": "test_reward_functions:boom"},
-        {"name": "format", "kind": "format", "weight": 0.5},
-    ]})  # fmt: skip
+    cfg = RewardConfig.model_validate(
+        {
+            "functions": [
+                {"name": "broken", "kind": "python", "function": "test_reward_functions:boom"},
+                {"name": "format", "kind": "format", "weight": 0.5},
+            ]
+        }
+    )
     scorer = build_scorer(cfg, lambda reason: metrics.reward_failures.labels(reason).inc())
     totals, means = scorer.score_components([item("7", 2), item("", 1)])
     assert totals == [0.5, 0.0]  # the format component still counts
     assert means["reward/broken"] == 0.0
     assert scorer.failures == {"error": 2, "timeout": 0}
-    assert metrics.registry.get_sample_value("gspo_reward_failures_total",
-                                             {"reason": "error"}) == 2  # fmt: skip
+    assert metrics.registry.get_sample_value("gspo_reward_failures_total", {"reason": "error"}) == 2
 
 
 def test_functions_with_kind_or_function_are_refused_naming_the_field() -> None:
@@ -93,13 +101,20 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_each_component_goes_to_history_and_prometheus(cache: Path, tmp_path: Path) -> None:
     manifest = tiny_spec(miniBatches=1)
     weights = {"exact": 1.0, "format": 0.25, "short": 0.5, "varied": 0.1}
-    manifest["spec"]["reward"] = {"timeoutSeconds": 5, "functions": [
-        {"name": "exact", "kind": "arithmetic", "weight": weights["exact"]},
-        {"name": "format", "kind": "format", "pattern": "[0-9]+", "weight": weights["format"]},
-        {"name": "short", "kind": "length", "targetTokens": 1, "weight": weights["short"]},
-        {"name": "varied", "kind": "python", "function": "test_reward_functions:varied",
-         "weight": weights["varied"]},
-    ]}  # fmt: skip
+    manifest["spec"]["reward"] = {
+        "timeoutSeconds": 5,
+        "functions": [
+            {"name": "exact", "kind": "arithmetic", "weight": weights["exact"]},
+            {"name": "format", "kind": "format", "pattern": "[0-9]+", "weight": weights["format"]},
+            {"name": "short", "kind": "length", "targetTokens": 1, "weight": weights["short"]},
+            {
+                "name": "varied",
+                "kind": "python",
+                "function": "test_reward_functions:varied",
+                "weight": weights["varied"],
+            },
+        ],
+    }
     history = tmp_path / "history.jsonl"
     learner = make_learner(cache, None, manifest, history_path=history)
     asyncio.run(learner.sync(0))

@@ -54,8 +54,19 @@ def test_due_every_n_steps_and_never_at_zero() -> None:
 
 
 def test_the_log_block_shows_each_sample() -> None:
-    block = format_samples(7, [{"group": 2, "index": 17, "prompt": "3+4=", "response": "7",
-                                "reward": 1.0, "advantage": 0.75}])  # fmt: skip
+    block = format_samples(
+        7,
+        [
+            {
+                "group": 2,
+                "index": 17,
+                "prompt": "3+4=",
+                "response": "7",
+                "reward": 1.0,
+                "advantage": 0.75,
+            }
+        ],
+    )
     assert block.splitlines() == [
         "Samples at step 7:",
         "  group 2 response 17: reward 1.000 advantage +0.750",

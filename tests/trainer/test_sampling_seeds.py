@@ -21,8 +21,12 @@ VOLATILE_SUFFIX = "_seconds"
 
 
 def test_step_seeds_differ_across_seeds_steps_and_streams() -> None:
-    seeds = {step_seed(s, t, stream) for s in range(5) for t in range(1, 200)
-             for stream in ("train", "eval")}  # fmt: skip
+    seeds = {
+        step_seed(s, t, stream)
+        for s in range(5)
+        for t in range(1, 200)
+        for stream in ("train", "eval")
+    }
     assert len(seeds) == 5 * 199 * 2
     assert step_seed(3, 7) == step_seed(3, 7)  # a pure function of its inputs
     # Not seed + step: run 1's step 1 must not replay run 0's step 2.
@@ -50,16 +54,19 @@ def recording_server(seeds: list[int | None]) -> Any:
     from gspo_trainer import ports
 
     async def health(_: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "policy_version": 0, "model": "m",
-                                  "workers": 1})  # fmt: skip
+        return web.json_response({"status": "ok", "policy_version": 0, "model": "m", "workers": 1})
 
     async def generate(request: web.Request) -> web.Response:
         body = await request.json()
         sampling = body["sampling_params"]
         seeds.append(sampling["seed"])
-        choice = {"token_ids": [1, 2], "finish_reason": "stop",
-                  "logprobs": {"content": [{"token_id": 1, "logprob": -0.1},
-                                           {"token_id": 2, "logprob": -0.2}]}}  # fmt: skip
+        choice = {
+            "token_ids": [1, 2],
+            "finish_reason": "stop",
+            "logprobs": {
+                "content": [{"token_id": 1, "logprob": -0.1}, {"token_id": 2, "logprob": -0.2}]
+            },
+        }
         choices = [{**choice, "index": k} for k in range(sampling["n"])]
         return web.json_response({"choices": choices}, headers={ports.VERSION_HEADER: "0"})
 
@@ -102,8 +109,10 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def history(cache: Path, tmp: Path, seed: int) -> list[dict[str, float]]:
     learner = make_learner(cache, tmp, tiny_spec(maxSteps=4, seed=seed))
     assert run(learner) == 0
-    return [{k: v for k, v in r.items() if k not in VOLATILE and not k.endswith(VOLATILE_SUFFIX)}
-            for r in learner.state.history]  # fmt: skip
+    return [
+        {k: v for k, v in r.items() if k not in VOLATILE and not k.endswith(VOLATILE_SUFFIX)}
+        for r in learner.state.history
+    ]
 
 
 def test_same_seed_same_history_other_seed_another(cache: Path, tmp_path: Path) -> None:

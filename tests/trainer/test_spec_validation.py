@@ -191,16 +191,22 @@ def test_config_modules_import_no_torch() -> None:
 def test_engine_args_vllm_would_refuse_are_named_before_any_pod_starts() -> None:
     """rollout.engineArgs pass to vLLM's command line: a key it lacks, a value its parser
     refuses, or a setting gspo makes itself is refused here, naming the key and the fix."""
-    got = problems(minimal(rollout={"engineArgs": {
-        "enable_prefix_cachng": True,  # misspelt
-        "kv_cache_dtype": "fp9",  # not one of its choices
-        "block_size": "sixteen",  # an int option
-        "enforce_eager": "yes",  # a switch
-        "disable_log_stats": False,  # a switch with no --no- form
-        "max_model_len": 4096,  # gspo sets it from model.maxModelLen
-        "api_key": "k",  # the job's token is the key
-        "seed": True,  # takes a value
-    }}))  # fmt: skip
+    got = problems(
+        minimal(
+            rollout={
+                "engineArgs": {
+                    "enable_prefix_cachng": True,  # misspelt
+                    "kv_cache_dtype": "fp9",  # not one of its choices
+                    "block_size": "sixteen",  # an int option
+                    "enforce_eager": "yes",  # a switch
+                    "disable_log_stats": False,  # a switch with no --no- form
+                    "max_model_len": 4096,  # gspo sets it from model.maxModelLen
+                    "api_key": "k",  # the job's token is the key
+                    "seed": True,  # takes a value
+                }
+            }
+        )
+    )
     at = "spec.rollout.engineArgs."
     assert "did you mean 'enable_prefix_caching'?" in got[at + "enable_prefix_cachng"]
     assert "vLLM 0.32.0 has no engine argument" in got[at + "enable_prefix_cachng"]
@@ -215,9 +221,20 @@ def test_engine_args_vllm_would_refuse_are_named_before_any_pod_starts() -> None
 
 
 def test_engine_args_vllm_takes_pass() -> None:
-    spec = parse_spec(minimal(rollout={"engineArgs": {
-        "enable_prefix_caching": False, "kv_cache_dtype": "fp8", "block_size": 32,
-        "seed": "7", "disable_log_stats": True, "compilation_config": {"mode": 0},
-        "cpu_offload_gb": 2.5, "quantization": None,
-    }}))  # fmt: skip
+    spec = parse_spec(
+        minimal(
+            rollout={
+                "engineArgs": {
+                    "enable_prefix_caching": False,
+                    "kv_cache_dtype": "fp8",
+                    "block_size": 32,
+                    "seed": "7",
+                    "disable_log_stats": True,
+                    "compilation_config": {"mode": 0},
+                    "cpu_offload_gb": 2.5,
+                    "quantization": None,
+                }
+            }
+        )
+    )
     assert spec.rollout.engine_args["kv_cache_dtype"] == "fp8"

@@ -70,8 +70,9 @@ def token_batch(seed: int, B: int = 6, T: int = 9):
 @pytest.mark.parametrize("seed", range(3))
 def test_gspo_token_with_per_token_advantages_is_eq_13_14(seed: int) -> None:
     logp, old, adv, mask = token_batch(seed)
-    loss, stats = policy_loss(logp, old, adv, mask, level="sequence_token", clip_low=0.2,
-                              clip_high=0.27)  # fmt: skip
+    loss, stats = policy_loss(
+        logp, old, adv, mask, level="sequence_token", clip_low=0.2, clip_high=0.27
+    )
     (grad,) = torch.autograd.grad(loss, logp)
     want, want_grad = eq13_reference(logp.detach(), old, adv, mask, 0.2, 0.27)
     assert loss.item() == pytest.approx(want, rel=1e-12)
@@ -90,8 +91,7 @@ def test_per_token_advantages_equal_per_response_are_gspo(clip) -> None:
     adv = adv_t[:, 0]
     results = []
     for level, a in (("sequence", adv), ("sequence_token", adv[:, None].expand_as(logp))):
-        loss, _ = policy_loss(logp, old, a, mask, level=level, clip_low=clip[0],
-                              clip_high=clip[1])  # fmt: skip
+        loss, _ = policy_loss(logp, old, a, mask, level=level, clip_low=clip[0], clip_high=clip[1])
         results.append((loss, *torch.autograd.grad(loss, logp)))
     (l1, g1), (l2, g2) = results
     torch.testing.assert_close(l1, l2)
@@ -103,8 +103,9 @@ def test_the_sequence_level_refuses_per_token_advantages() -> None:
     with pytest.raises(ValueError, match=r"one advantage per response.*gspo-token"):
         policy_loss(logp, old, adv, mask, level="sequence", clip_low=0.2, clip_high=0.27)
     with pytest.raises(ValueError, match=r"advantages must be \(B,\)=\(6,\), or \(B, T\)"):
-        policy_loss(logp, old, adv[:, :3], mask, level="sequence_token", clip_low=0.2,
-                    clip_high=0.27)  # fmt: skip
+        policy_loss(
+            logp, old, adv[:, :3], mask, level="sequence_token", clip_low=0.2, clip_high=0.27
+        )
 
 
 @pytest.mark.parametrize("level", ["sequence_token", "token"])
@@ -126,8 +127,9 @@ def test_the_fused_loss_takes_per_token_advantages(level: str, chunk_size: int) 
     scores = token_logprobs_from_hidden(hidden, weight, tokens, 4, 1.0, mask=mask)
     want, _ = policy_loss(scores.logp, old, adv, mask, **kw)
     want_grads = torch.autograd.grad(want, (hidden, weight))
-    got, _, _ = policy_loss_from_hidden(hidden, weight, tokens, mask, old, adv,
-                                        chunk_size=chunk_size, **kw)  # fmt: skip
+    got, _, _ = policy_loss_from_hidden(
+        hidden, weight, tokens, mask, old, adv, chunk_size=chunk_size, **kw
+    )
     torch.testing.assert_close(got, want)
     for a, b in zip(torch.autograd.grad(got, (hidden, weight)), want_grads, strict=True):
         torch.testing.assert_close(a, b)
@@ -199,8 +201,9 @@ def test_packing_lays_each_token_reward_at_its_token() -> None:
     assert packed.token_rewards is not None
     for i in range(2):
         assert packed.targets[i][packed.mask[i]].tolist() == responses[i]
-        torch.testing.assert_close(packed.token_rewards[i][packed.mask[i]],
-                                   torch.tensor(rewards_t[i]))  # fmt: skip
+        torch.testing.assert_close(
+            packed.token_rewards[i][packed.mask[i]], torch.tensor(rewards_t[i])
+        )
         assert packed.token_rewards[i][~packed.mask[i]].abs().sum() == 0
     # The advantages come out in the same layout, each token's from its own reward.
     adv, _ = token_group_advantages(packed.token_rewards, packed.mask, group_size=2)
@@ -313,8 +316,9 @@ def test_a_learner_step_trains_gspo_token_on_per_token_advantages(
     want, _ = token_group_advantages(packed.token_rewards, packed.mask, 4)
     torch.testing.assert_close(adv, want)
     # each token's reward is its own token's parity, laid at that token
-    torch.testing.assert_close(packed.token_rewards[packed.mask],
-                               (packed.targets[packed.mask] % 2 == 0).float())  # fmt: skip
+    torch.testing.assert_close(
+        packed.token_rewards[packed.mask], (packed.targets[packed.mask] % 2 == 0).float()
+    )
     assert stats["reward_mean"] == pytest.approx(float(packed.rewards.mean()))
     for sample in stats["samples"]:  # a response's reward and advantage: its tokens' mean
         i, row = sample["index"], packed.mask[sample["index"]]

@@ -19,21 +19,43 @@ from gspo_trainer.metrics import LearnerMetrics
 from gspo_trainer.trackers import Trackers, build_trackers
 
 RECORDS = [
-    {"step": 1, "time": 1.7e9, "reward_mean": 0.25, "loss": -0.5, "entropy": 1.5,
-     "note": "not a number", "finite": True, "nothing": None},
-    {"step": 2, "time": 1.7e9 + 3, "reward_mean": 0.75, "loss": float("nan"), "entropy": 1.25,
-     "eval_accuracy": 0.5, "samples": [
-         {"prompt": "1+2=", "response": "3 | three\nok", "reward": 1.0},
-         {"prompt": "2+2=", "response": "5", "reward": 0.0, "advantage": -1.0},
-     ]},
-]  # fmt: skip
+    {
+        "step": 1,
+        "time": 1.7e9,
+        "reward_mean": 0.25,
+        "loss": -0.5,
+        "entropy": 1.5,
+        "note": "not a number",
+        "finite": True,
+        "nothing": None,
+    },
+    {
+        "step": 2,
+        "time": 1.7e9 + 3,
+        "reward_mean": 0.75,
+        "loss": float("nan"),
+        "entropy": 1.25,
+        "eval_accuracy": 0.5,
+        "samples": [
+            {"prompt": "1+2=", "response": "3 | three\nok", "reward": 1.0},
+            {"prompt": "2+2=", "response": "5", "reward": 0.0, "advantage": -1.0},
+        ],
+    },
+]
 LOGGED = {  # what RECORDS should become: numbers only, step and time as the axes
     1: {"reward_mean": 0.25, "loss": -0.5, "entropy": 1.5},
     2: {"reward_mean": 0.75, "loss": math.nan, "entropy": 1.25, "eval_accuracy": 0.5},
 }
 SPEC = {"model": {"name": "tiny"}, "learner": {"env": [{"name": "WANDB_API_KEY", "value": "s"}]}}
-SETTINGS = ("WANDB_DIR", "WANDB_RUN_ID", "WANDB_RESUME", "WANDB_PROJECT", "MLFLOW_TRACKING_URI",
-            "MLFLOW_EXPERIMENT_NAME", "MLFLOW_ALLOW_FILE_STORE")  # fmt: skip
+SETTINGS = (
+    "WANDB_DIR",
+    "WANDB_RUN_ID",
+    "WANDB_RESUME",
+    "WANDB_PROJECT",
+    "MLFLOW_TRACKING_URI",
+    "MLFLOW_EXPERIMENT_NAME",
+    "MLFLOW_ALLOW_FILE_STORE",
+)
 
 
 @pytest.fixture
@@ -165,8 +187,13 @@ def test_wandb_offline_run_holds_the_records(tmp_path: Path, offline: None) -> N
     report(["wandb"], tmp_path, RECORDS)
     history, run_dir = wandb_history(tmp_path)
     samples = history[2].pop("samples/path")
-    same({s: {k: v for k, v in h.items() if not k.startswith("samples")}
-          for s, h in history.items()}, LOGGED)  # fmt: skip
+    same(
+        {
+            s: {k: v for k, v in h.items() if not k.startswith("samples")}
+            for s, h in history.items()
+        },
+        LOGGED,
+    )
     table = json.loads((run_dir / "files" / samples).read_text())
     assert table["columns"] == ["prompt", "response", "reward", "advantage"]
     assert table["data"][1] == ["2+2=", "5", 0.0, -1.0]
@@ -234,8 +261,11 @@ def test_a_failing_tracker_is_warned_about_once_counted_and_the_others_go_on(
     broken_start = Fake("wandb", fail=("start",))
     broken_log = Fake("mlflow", fail=("log", "finish"))
     good = Fake("tensorboard")
-    t = Trackers([broken_start, broken_log, good], "r",  # type: ignore[list-item]
-                 lambda name: metrics.tracker_failures.labels(name).inc())  # fmt: skip
+    t = Trackers(
+        [broken_start, broken_log, good],
+        "r",  # type: ignore[list-item]
+        lambda name: metrics.tracker_failures.labels(name).inc(),
+    )
     with caplog.at_level(logging.WARNING, logger="gspo.trackers"):
         t.start(SPEC)
         for record in RECORDS:
@@ -287,8 +317,13 @@ def test_a_run_reports_its_history_to_every_tracker(
     assert "samples" in learner.state.history[1]
     same(tensorboard_scalars(tmp_path), want)
     history, _ = wandb_history(tmp_path)
-    same({s: {k: v for k, v in h.items() if not k.startswith("samples")}
-          for s, h in history.items()}, want)  # fmt: skip
+    same(
+        {
+            s: {k: v for k, v in h.items() if not k.startswith("samples")}
+            for s, h in history.items()
+        },
+        want,
+    )
     assert history[2]["samples/nrows"] == 2
     client, found = mlflow_run(tmp_path)
     assert found.info.status == "FINISHED"

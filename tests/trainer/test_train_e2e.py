@@ -36,10 +36,19 @@ def wait_for_steps(history: Path, steps: int, proc: subprocess.Popen, timeout_s:
 def test_gspo_train_default_stops_resumes_and_raises_reward(tmp_path: Path) -> None:
     out = tmp_path / "run"
     history = out / "checkpoints" / "history.jsonl"
-    cmd = [sys.executable, "-m", "gspo_operator.cli", "train", "--output-dir", str(out),
-           "--max-steps", str(STEPS)]  # fmt: skip
-    first = subprocess.Popen(cmd, env=checkout_env(), cwd=REPO, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "gspo_operator.cli",
+        "train",
+        "--output-dir",
+        str(out),
+        "--max-steps",
+        str(STEPS),
+    ]
+    first = subprocess.Popen(
+        cmd, env=checkout_env(), cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     try:
         wait_for_steps(history, 20, first, timeout_s=240)
         first.send_signal(signal.SIGINT)
@@ -52,8 +61,7 @@ def test_gspo_train_default_stops_resumes_and_raises_reward(tmp_path: Path) -> N
     stopped = ckpt.latest(out / "checkpoints")
     assert stopped is not None and 20 <= int(stopped.name.split("-")[1]) < STEPS
 
-    second = run_gspo("train", "--output-dir", str(out), "--max-steps", str(STEPS),
-                      timeout_s=420)  # fmt: skip
+    second = run_gspo("train", "--output-dir", str(out), "--max-steps", str(STEPS), timeout_s=420)
     assert second.returncode == 0, second.stderr[-3000:]
     learner_log = (out / "logs" / "learner.log").read_text()
     assert f"Resumed from {stopped}" in learner_log

@@ -34,8 +34,11 @@ def test_hub_access_follows_the_model(name: str, offline: bool, expected: str | 
 
 
 def test_the_same_rule_as_the_pods_on_a_cluster() -> None:
-    for name, offline in (("builtin:tiny-qwen3", False), ("Qwen/Qwen3-0.6B", False),
-                          ("Qwen/Qwen3-0.6B", True)):  # fmt: skip
+    for name, offline in (
+        ("builtin:tiny-qwen3", False),
+        ("Qwen/Qwen3-0.6B", False),
+        ("Qwen/Qwen3-0.6B", True),
+    ):
         spec = spec_with(name, offline)
         local = process_env(spec, {}, Path("/c"), "t").get("HF_HUB_OFFLINE")
         job = {"metadata": {"name": "env", "namespace": "ml", "uid": "u"}}
@@ -104,8 +107,7 @@ def test_a_spawned_process_runs_on_the_cores_it_was_given(tmp_path: Path) -> Non
 def gpu_spec(learner_gpus: int = 2, servers: int = 2, tp: int = 2):  # type: ignore[no-untyped-def]
     manifest = tiny_manifest()
     manifest["spec"]["learner"].update(replicas=1, gpusPerReplica=learner_gpus)
-    manifest["spec"]["rollout"].update(replicas=servers, gpusPerReplica=tp,
-                                       tensorParallelSize=tp)  # fmt: skip
+    manifest["spec"]["rollout"].update(replicas=servers, gpusPerReplica=tp, tensorParallelSize=tp)
     return manifest
 
 
@@ -182,8 +184,9 @@ def record_spawns(monkeypatch: pytest.MonkeyPatch, gpus: int) -> list:  # type: 
     def fake_spawn(name, args, env, log, cpus=None, keep_fds=()):  # type: ignore[no-untyped-def]
         started.append((name, args, env))
         popen = SimpleNamespace(poll=lambda: 0, returncode=0, pid=0)
-        return SimpleNamespace(name=name, popen=popen, log=log, stop=lambda timeout_s=60: 0,
-                               tail=lambda: "")  # fmt: skip
+        return SimpleNamespace(
+            name=name, popen=popen, log=log, stop=lambda timeout_s=60: 0, tail=lambda: ""
+        )
 
     monkeypatch.setattr(train, "_has_cuda", lambda: True)
     monkeypatch.setattr(train, "_gpu_count", lambda: gpus)

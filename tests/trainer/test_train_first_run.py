@@ -25,14 +25,17 @@ VOLATILE = {"seconds", "time", "tokens_per_second"}
 
 
 def curve(out: Path) -> list[dict[str, float]]:
-    return [{k: v for k, v in r.items() if k not in VOLATILE and not k.endswith(VOLATILE_SUFFIX)}
-            for r in read_history(out / "checkpoints" / "history.jsonl")]  # fmt: skip
+    return [
+        {k: v for k, v in r.items() if k not in VOLATILE and not k.endswith(VOLATILE_SUFFIX)}
+        for r in read_history(out / "checkpoints" / "history.jsonl")
+    ]
 
 
 def test_same_seed_same_curve_through_the_real_server(tmp_path: Path) -> None:
     runs = {}
     for name, seed in (("a", 3), ("b", 3), ("c", 4)):
         out = tmp_path / name
+        # fmt: skip: each flag beside its value, as on a command line (ruff splits the pairs).
         done = run_gspo("train", "--output-dir", str(out), "--max-steps", "6", "--seed",
                         str(seed), "--no-progress", timeout_s=420)  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
@@ -44,8 +47,12 @@ def test_same_seed_same_curve_through_the_real_server(tmp_path: Path) -> None:
 
 def copy_checkout(dest: Path) -> Path:
     """The files git would commit (tracked and untracked, not ignored), nothing else."""
-    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO,
-                            capture_output=True, check=True).stdout  # fmt: skip
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout
     for name in filter(None, listed.decode().split("\0")):
         src = REPO / name
         if src.is_file():
@@ -61,9 +68,14 @@ def test_train_with_the_default_output_then_lint_passes(tmp_path: Path) -> None:
     assert ignored.returncode == 0
     env = checkout_env()
     env["PYTHONPATH"] = f"{tree / 'operator'}:{tree / 'trainer'}"
-    done = subprocess.run([sys.executable, "-m", "gspo_operator.cli", "train", "--max-steps",
-                           "2", "--no-progress"], cwd=tree, env=env, capture_output=True,
-                          text=True, timeout=420)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "gspo_operator.cli", "train", "--max-steps", "2", "--no-progress"],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     out = tree / "gspo-run"
     assert (out / "checkpoints" / "history.jsonl").exists()

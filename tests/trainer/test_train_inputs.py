@@ -200,8 +200,9 @@ def test_the_run_lock_stays_held_while_a_process_the_run_started_lives(
     fake.chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(fake))
     held = output_dir.lock(out)
-    child = train.spawn("learner", [], dict(os.environ), out / "logs" / "learner.log",
-                        keep_fds=(held.fileno(),))  # fmt: skip
+    child = train.spawn(
+        "learner", [], dict(os.environ), out / "logs" / "learner.log", keep_fds=(held.fileno(),)
+    )
     try:
         held.close()  # the run's own process is gone, its child is not
         with pytest.raises(output_dir.OutputDirError, match="in use by another run"):
@@ -225,10 +226,21 @@ def test_gspo_train_checks_a_hub_data_set_offline_when_the_job_is(tmp_path: Path
     env = checkout_env(HF_HOME=str(tmp_path / "hf"))
     env.pop("HF_HUB_OFFLINE", None)  # the job asks for it, not the caller
     done = subprocess.run(
-        [sys.executable, "-m", "gspo_operator.cli", "train", str(job), "--output-dir",
-         str(tmp_path / "out"), "--no-progress"],
-        capture_output=True, text=True, timeout=60, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "gspo_operator.cli",
+            "train",
+            str(job),
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2, done.stderr
     assert "not in this node's dataset cache" in lines[-1], done.stderr

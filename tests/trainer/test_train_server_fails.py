@@ -27,8 +27,7 @@ def test_a_rollout_server_that_never_starts_ends_the_run_with_vllms_reason(
     job.write_text(yaml.safe_dump(manifest))
     out = tmp_path / "run"
     start = time.monotonic()
-    done = run_gspo("train", str(job), "--output-dir", str(out), "--no-progress",
-                    timeout_s=300)  # fmt: skip
+    done = run_gspo("train", str(job), "--output-dir", str(out), "--no-progress", timeout_s=300)
     took_s = time.monotonic() - start
     assert done.returncode == 1, done.stderr[-3000:]
     assert "gspo train: rollout-0 exited while starting" in done.stderr

@@ -27,13 +27,15 @@ def test_two_rank_learner_group_stops_on_sigint_after_a_final_checkpoint(tmp_pat
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(manifest))
     out = tmp_path / "run"
+    # fmt: skip: each flag beside its value, as on a command line (ruff splits the pairs).
     cmd = [sys.executable, "-m", "gspo_operator.cli", "train", str(config), "--output-dir",
            str(out), "--max-steps", "500", "--no-progress"]  # fmt: skip
     # Run from inside another torch.distributed group (as a pytest process that initialised
     # one is): `gspo train` must still start a group of its own.
     env = {**checkout_env(), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     try:
         wait_for_steps(out / "checkpoints" / "history.jsonl", 3, proc, timeout_s=300)
         proc.send_signal(signal.SIGINT)

@@ -24,6 +24,7 @@ def test_train_syncs_every_step_through_the_shared_volume(tmp_path) -> None:  # 
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(manifest))
     out = tmp_path / "run"
+    # fmt: skip: each flag beside its value, as on a command line (ruff splits the pairs).
     done = run_gspo("train", str(config), "--output-dir", str(out), "--max-steps", str(STEPS),
                     "--no-progress", timeout_s=400)  # fmt: skip
     learner_log = (out / "logs" / "learner.log").read_text()

@@ -69,8 +69,17 @@ def test_the_zero3_trace_completes_after_two_steps(zero3_policy: Policy) -> None
     modes = []
     for _ in range(2):
         old = old_policy(policy, packed, plan, alg, diagnose=True)
-        update(policy, packed, plan, old, advantages, alg, aux_coef=0.01, behaviour=False,
-               diagnose=True)  # fmt: skip
+        update(
+            policy,
+            packed,
+            plan,
+            old,
+            advantages,
+            alg,
+            aux_coef=0.01,
+            behaviour=False,
+            diagnose=True,
+        )
         modes.append(trace_mode(policy))
     assert modes[-1] == "COMPLETE", modes
 
@@ -124,8 +133,17 @@ def test_host_syncs_per_micro_batch(zero3_policy: Policy, host_reads: Counter) -
         plan = [MiniBatch(slice(0, 8), [slice(a, a + step) for a in range(0, 8, step)])]
         host_reads.clear()
         old = old_policy(policy, packed, plan, alg, diagnose=False)
-        update(policy, packed, plan, old, advantages, alg, aux_coef=0.01, behaviour=True,
-               diagnose=False)  # fmt: skip
+        update(
+            policy,
+            packed,
+            plan,
+            old,
+            advantages,
+            alg,
+            aux_coef=0.01,
+            behaviour=True,
+            diagnose=False,
+        )
         totals.append(dict(host_reads))
     per_micro = (sum(totals[1].values()) - sum(totals[0].values())) / 2
     # The πold forward and the update's each read the scored tokens' layout once.

@@ -53,8 +53,7 @@ def tied_model(root: Path) -> Path:
     path = root / "tied-qwen3"
     if not (path / "config.json").exists():
         tok = build_tokenizer()
-        config = tiny_config("qwen3", len(tok), pad_id=tok.pad_token_id,
-                             eos_id=tok.eos_token_id)  # fmt: skip
+        config = tiny_config("qwen3", len(tok), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id)
         config.tie_word_embeddings = True
         torch.manual_seed(1)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -76,9 +75,11 @@ def checkpoint_tensors(path: str | Path) -> dict[str, torch.Tensor]:
         at = f"{layer}.mlp.experts."
         n = len({k[len(at) :].split(".")[0] for k in raw if k.startswith(at)})
         out[at + "gate_up_proj"] = torch.stack(
-            [torch.cat([raw[f"{at}{e}.gate_proj.weight"], raw[f"{at}{e}.up_proj.weight"]])
-             for e in range(n)]
-        )  # fmt: skip
+            [
+                torch.cat([raw[f"{at}{e}.gate_proj.weight"], raw[f"{at}{e}.up_proj.weight"]])
+                for e in range(n)
+            ]
+        )
         out[at + "down_proj"] = torch.stack([raw[f"{at}{e}.down_proj.weight"] for e in range(n)])
     out.setdefault("lm_head.weight", raw["model.embed_tokens.weight"])
     return out
@@ -142,8 +143,9 @@ def test_stages_0_to_2_load_whole_and_zero3_does_not_leak(cache: Path, monkeypat
     spec3, spec1 = spec_for(3), spec_for(1, klCoef=0.05)
     path = eng.resolve_model_path(spec3, str(cache))
     # Someone else's registration is put back after a sharded load.
-    theirs = hf_ds.HfDeepSpeedConfig({"zero_optimization": {"stage": 2},
-                                      "train_micro_batch_size_per_gpu": 1})  # fmt: skip
+    theirs = hf_ds.HfDeepSpeedConfig(
+        {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 1}
+    )
     try:
         model, _ = eng.load_model(spec3, path, shard=True)
         assert hasattr(next(model.parameters()), "ds_id")
@@ -214,8 +216,16 @@ def test_two_ranks_each_load_half_of_the_model(tmp_path: Path) -> None:
     from checkout import checkout_env
 
     out = tmp_path / "ranks.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           __file__, str(out), str(tmp_path / "models")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        __file__,
+        str(out),
+        str(tmp_path / "models"),
+    ]
     env = checkout_env(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     env["PYTHONPATH"] += f":{HERE}"
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -246,8 +256,11 @@ def worker(out: str, cache: str) -> None:
     def storage(model: Any) -> list[int]:
         assert_partitioned(model)
         params = list(model.parameters())
-        return [sum(p.ds_tensor.numel() for p in params), sum(p.ds_numel for p in params),
-                len(params)]  # fmt: skip
+        return [
+            sum(p.ds_tensor.numel() for p in params),
+            sum(p.ds_numel for p in params),
+            len(params),
+        ]
 
     policy, _ = eng.load_model(spec, path, shard=True)
     report: dict[str, Any] = {"rank": rank, "policy": storage(policy)}
@@ -264,8 +277,9 @@ def worker(out: str, cache: str) -> None:
         fn = token_logprobs_from_hidden
         h = reference.model(input_ids=ids).last_hidden_state[:, :-1]
         got = eng.score_with_head(reference, lambda h, w, t: fn(h, w, t).logp, h, ids[:, 1:])
-        want = fn(whole.model(input_ids=ids).last_hidden_state[:, :-1], whole.lm_head.weight,
-                  ids[:, 1:]).logp  # fmt: skip
+        want = fn(
+            whole.model(input_ids=ids).last_hidden_state[:, :-1], whole.lm_head.weight, ids[:, 1:]
+        ).logp
     report["reference_logp_error"] = float((got - want).abs().max())
     with open(out, "a") as f:  # two short appends: lines do not interleave
         f.write(json.dumps(report) + "\n")

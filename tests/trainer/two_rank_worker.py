@@ -31,8 +31,15 @@ def varied(prompt: str, completion: str, answer: str) -> float:
     return float(sum(map(ord, completion)) % 7)
 
 
-def main(out: str, cache: str, stage: int, micro_tokens: int, ckpt: str | None = None,
-         max_steps: int = 2, fsize_limit: int = 0) -> None:  # fmt: skip
+def main(
+    out: str,
+    cache: str,
+    stage: int,
+    micro_tokens: int,
+    ckpt: str | None = None,
+    max_steps: int = 2,
+    fsize_limit: int = 0,
+) -> None:
     logging.basicConfig(level=logging.INFO, format=f"[rank{os.environ['RANK']}] %(message)s")
     world = int(os.environ["WORLD_SIZE"])
     manifest = tiny_manifest()
@@ -45,8 +52,9 @@ def main(out: str, cache: str, stage: int, micro_tokens: int, ckpt: str | None =
     )
     manifest["spec"]["checkpoint"].update(everySteps=1, keep=5)
     manifest["spec"]["reward"] = {"kind": "python", "function": "two_rank_worker:varied"}
-    manifest["spec"]["learner"].update(replicas=world, zeroStage=stage,
-                                       microBatchTokens=micro_tokens)  # fmt: skip
+    manifest["spec"]["learner"].update(
+        replicas=world, zeroStage=stage, microBatchTokens=micro_tokens
+    )
     manifest["spec"]["checkpoint"]["exportHf"] = ckpt is not None  # gathered from every rank
     # The router aux loss is not a mean over responses (E * sum f_e P_e of the whole batch),
     # so ranks sharing a batch compute a slightly different one: leave it out here.
@@ -77,8 +85,14 @@ def main(out: str, cache: str, stage: int, micro_tokens: int, ckpt: str | None =
 if __name__ == "__main__":
     extra = sys.argv[5:8]
     if extra:
-        main(*sys.argv[1:3], int(sys.argv[3]), int(sys.argv[4]), extra[0], int(extra[1]),
-             int(extra[2]))  # fmt: skip
+        main(
+            *sys.argv[1:3],
+            int(sys.argv[3]),
+            int(sys.argv[4]),
+            extra[0],
+            int(extra[1]),
+            int(extra[2]),
+        )
     else:
         main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     Path(sys.argv[1] + ".done").write_text("ok")

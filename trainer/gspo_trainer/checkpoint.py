@@ -79,13 +79,15 @@ def hash_files(ckpt: Path, rels: list[str], rank: int) -> dict[str, Entry]:
         return dict(zip(rels, pool.map(entry, rels), strict=True))
 
 
-def write_manifest(ckpt: Path, step: int,
-                   hashed: dict[str, Entry] | None = None) -> dict[str, Any]:  # fmt: skip
+def write_manifest(ckpt: Path, step: int, hashed: dict[str, Entry] | None = None) -> dict[str, Any]:
     """The manifest of `ckpt`: the entries the ranks `hashed` as they wrote, and any other
     file there hashed now (as rank 0's)."""
     hashed = dict(hashed or {})
-    rest = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*")
-                  if p.is_file() and p.name != MANIFEST)  # fmt: skip
+    rest = sorted(
+        p.relative_to(ckpt).as_posix()
+        for p in ckpt.rglob("*")
+        if p.is_file() and p.name != MANIFEST
+    )
     hashed.update(hash_files(ckpt, [rel for rel in rest if rel not in hashed], 0))
     missing = sorted(rel for rel in hashed if rel not in rest)
     if missing:
@@ -125,8 +127,11 @@ def verify(ckpt: Path, rank: int = 0, world: int = 1) -> list[str]:
 
     try:
         listed = json.loads((ckpt / MANIFEST).read_text())["files"]
-        files = {rel: meta for i, (rel, meta) in enumerate(listed.items())
-                 if owner(meta, i, world) == rank}  # fmt: skip
+        files = {
+            rel: meta
+            for i, (rel, meta) in enumerate(listed.items())
+            if owner(meta, i, world) == rank
+        }
     except (OSError, ValueError, KeyError, AttributeError, TypeError):
         return [MANIFEST]
 
@@ -166,8 +171,11 @@ def newest_intact(root: Path) -> Path | None:
         bad = verify(path)
         if not bad:
             return path
-        log.warning("Checkpoint %s failed verification (%s); skipped for the previous one",
-                    path, ", ".join(bad[:5]) + (" ..." if len(bad) > 5 else ""))  # fmt: skip
+        log.warning(
+            "Checkpoint %s failed verification (%s); skipped for the previous one",
+            path,
+            ", ".join(bad[:5]) + (" ..." if len(bad) > 5 else ""),
+        )
     return None
 
 
@@ -247,8 +255,9 @@ class _WritesRecorded:
         return self._guarded("makedirs", *args, **kwargs)
 
 
-def save_state(engine: Any, tmp: Path, rank: int,
-               trainer_state: dict[str, Any]) -> dict[str, Entry]:  # fmt: skip
+def save_state(
+    engine: Any, tmp: Path, rank: int, trainer_state: dict[str, Any]
+) -> dict[str, Entry]:
     """Every rank: DeepSpeed's shards, and this rank's trainer state (RNG, data, step); then
     the manifest entries of the files this rank wrote, hashed here (every rank hashes its
     own at once). A failed write raises only after DeepSpeed's save has run its course on
@@ -269,8 +278,10 @@ def save_state(engine: Any, tmp: Path, rank: int,
         raise recorder.error
     mine = tmp / f"trainer-rank{rank}.pt"
     torch.save(trainer_state, mine)
-    rels = {Path(p).resolve().relative_to(tmp.resolve()).as_posix()
-            for p in [*recorder.written, mine]}  # fmt: skip
+    rels = {
+        Path(p).resolve().relative_to(tmp.resolve()).as_posix()
+        for p in [*recorder.written, str(mine)]
+    }
     return hash_files(tmp, sorted(rels), rank)
 
 
@@ -296,8 +307,11 @@ def rng_state() -> dict[str, Any]:
 
     from gspo_trainer.device import rank_device
 
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
-             "torch": torch.get_rng_state()}  # fmt: skip
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
     device = rank_device()
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
@@ -330,8 +344,9 @@ SAFE_SHARD = "model-{:05d}-of-{:05d}.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
 
 
-def export_hf(layers: Iterable[list[tuple[str, Any]]], model: Any, tokenizer: Any, out: Path,
-              shard_bytes: int) -> Path:  # fmt: skip
+def export_hf(
+    layers: Iterable[list[tuple[str, Any]]], model: Any, tokenizer: Any, out: Path, shard_bytes: int
+) -> Path:
     """Save the policy as an HF directory, written aside then renamed: safetensors shards of
     at most `shard_bytes` (one shard = `model.safetensors`, else `model-0000k-of-0000n` with
     `model.safetensors.index.json`, as save_pretrained names them), config, generation

@@ -32,9 +32,17 @@ class Checkpointer:
     """`trainer_state()` is what the learner adds beside the engine's state (step, data
     position, policy version); `resume` hands it back."""
 
-    def __init__(self, directory: Path | None, keep: int, engine: Any, tokenizer: Any,
-                 ranks: Ranks, metrics: LearnerMetrics, state: LearnerState,
-                 trainer_state: Callable[[], dict[str, Any]]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        directory: Path | None,
+        keep: int,
+        engine: Any,
+        tokenizer: Any,
+        ranks: Ranks,
+        metrics: LearnerMetrics,
+        state: LearnerState,
+        trainer_state: Callable[[], dict[str, Any]],
+    ) -> None:
         self.directory, self.keep = directory, keep
         self.engine, self.tokenizer = engine, tokenizer
         self.ranks, self.metrics, self.state = ranks, metrics, state
@@ -105,8 +113,11 @@ class Checkpointer:
             else:
                 final = None
                 self.metrics.checkpoint_failures.inc()
-                log.error("Checkpoint at step %d FAILED; the newest good one is still %s",
-                          step, self.state.last_checkpoint or "none")  # fmt: skip
+                log.error(
+                    "Checkpoint at step %d FAILED; the newest good one is still %s",
+                    step,
+                    self.state.last_checkpoint or "none",
+                )
                 if rank == 0:
                     ckpt.clear_stale(self.directory)  # give the space back
                 # Cleared before any rank can stop (its launcher then stops the others).
@@ -143,9 +154,13 @@ class Checkpointer:
             path = self.directory / name
             bad = ckpt.verify(path, rank, world)
             if bad:
-                log.warning("Checkpoint %s failed verification on rank %d (%s); skipped for the "
-                            "previous one", path, rank,
-                            ", ".join(bad[:5]) + (" ..." if len(bad) > 5 else ""))  # fmt: skip
+                log.warning(
+                    "Checkpoint %s failed verification on rank %d (%s); skipped for the "
+                    "previous one",
+                    path,
+                    rank,
+                    ", ".join(bad[:5]) + (" ..." if len(bad) > 5 else ""),
+                )
             if self.ranks.all(not bad):
                 return path
         return None

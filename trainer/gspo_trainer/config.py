@@ -73,7 +73,7 @@ BUILTIN_MODELS = (
 MAX_ENV = 256
 MAX_VOLUMES = 64
 MAX_MOUNT_PATH = 1024
-MAX_CONDITIONS = 16  # the status holds one condition per ConditionType
+MAX_CONDITIONS = 16  # the status holds one condition per type
 MAX_REWARD_FUNCTIONS = 16  # reward.functions: its rules compare every pair of names
 MAX_REWARD_NAME = 63
 MAX_REWARD_FUNCTION = 256
@@ -622,7 +622,7 @@ class ResourceRequirements(Section):
     limits: dict[str, Quantity] = Field(default_factory=dict)
 
 
-_FREE = {"x-kubernetes-preserve-unknown-fields": True}
+_FREE: dict[str, Any] = {"x-kubernetes-preserve-unknown-fields": True}  # a pydantic JsonDict
 
 
 class EnvVar(Section):
@@ -954,19 +954,6 @@ class GSPOJobSpec(Section):
 
 
 Phase = Literal["Pending", "Blocked", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
-ConditionType = Literal[
-    "Created",
-    "LearnerReady",
-    "RolloutReady",
-    "WeightsSynced",
-    "Running",
-    "Succeeded",
-    "Failed",
-    "Suspended",
-    "Restarting",
-    "InvalidSpec",
-    "CodeSandboxed",  # reward.kind code only: False when reward.sandbox.isolation is none
-]
 
 
 class Condition(BaseModel):

@@ -176,10 +176,6 @@ def _rows(cfg: DataConfig, split: str, what: str) -> Iterator[tuple[str, Any]]:
         raise DataError(f"data.format {fmt!r} is not a file format", "format")
 
 
-def read_rows(cfg: DataConfig) -> list[dict[str, Any]]:
-    return [row for _, row in _rows(cfg, cfg.split, "data.source")]
-
-
 _MISSING = object()
 
 
@@ -424,7 +420,7 @@ class PromptStream:
         return order
 
     def next_batch(self, n: int) -> list[Example]:
-        batch = []
+        batch: list[Example] = []
         while len(batch) < n:
             if self.index == len(self._order):
                 self.epoch, self.index = self.epoch + 1, 0

@@ -59,8 +59,10 @@ def _choose(environ: Mapping[str, str]) -> torch.device:
     try:
         local_rank = int(raw)
     except ValueError:
-        raise DeviceError(f"LOCAL_RANK={raw!r} is not a number: it is this process's "
-                          "index among the learner processes of its node") from None  # fmt: skip
+        raise DeviceError(
+            f"LOCAL_RANK={raw!r} is not a number: it is this process's "
+            "index among the learner processes of its node"
+        ) from None
     count = torch.cuda.device_count()
     if not 0 <= local_rank < count:
         visible = environ.get("CUDA_VISIBLE_DEVICES")

@@ -23,8 +23,6 @@ from gspo_trainer.config import GSPOJobSpec
 if TYPE_CHECKING:
     import torch
 
-DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
-
 
 def has_gpu() -> bool:
     import torch
@@ -48,12 +46,16 @@ def init_distributed(timeout_s: float | None = None) -> None:
         return
     if not has_gpu():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
-                       ("MASTER_ADDR", "127.0.0.1")):  # fmt: skip
+    for key, value in (
+        ("RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("LOCAL_RANK", "0"),
+        ("MASTER_ADDR", "127.0.0.1"),
+    ):
         os.environ.setdefault(key, value)
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(_free_port())
-    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    timeout: dict[str, Any] = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     backend = "nccl" if has_gpu() else "gloo"
     if os.environ["WORLD_SIZE"] == "1":
         # A lone process has no peer to meet: its group's store stays in memory. env://
@@ -123,8 +125,12 @@ def optimizer_config(spec: GSPOJobSpec, gpu: bool) -> dict[str, Any]:
     multi-tensor AdamW on the device (DeepSpeed's FusedAdam would compile a CUDA kernel at
     start-up), and on a CPU-only machine torch's (no C++ op compiled for a tiny run)."""
     alg = spec.algorithm
-    params: dict[str, Any] = {"lr": alg.learning_rate, "betas": [0.9, 0.999], "eps": 1e-8,
-                              "weight_decay": alg.weight_decay}  # fmt: skip
+    params: dict[str, Any] = {
+        "lr": alg.learning_rate,
+        "betas": [0.9, 0.999],
+        "eps": 1e-8,
+        "weight_decay": alg.weight_decay,
+    }
     if not (gpu and offloads_optimizer(spec)):
         params["torch_adam"] = True
     return {"type": "AdamW", "params": params}
@@ -157,8 +163,9 @@ def ds_config(spec: GSPOJobSpec, gpu: bool | None = None) -> dict[str, Any]:
     return cfg
 
 
-def lr_factor(update: int, warmup_updates: int, total_updates: int,
-              schedule: str = "constant") -> float:  # fmt: skip
+def lr_factor(
+    update: int, warmup_updates: int, total_updates: int, schedule: str = "constant"
+) -> float:
     """The lr multiplier of optimizer update `update` (0-based): (update + 1) / warmup_updates
     during the warm-up (the first update already moves: DeepSpeed's WarmupLR starts at its
     minimum, 0, and would spend the first updates at lr 0), then by `schedule` over the
@@ -240,7 +247,8 @@ def load_model(spec: GSPOJobSpec, path: str, *, shard: bool = False) -> tuple[An
 
     model = _from_pretrained(spec, path, shard=shard and spec.learner.zero_stage == 3)
     tokenizer = AutoTokenizer.from_pretrained(spec.model.tokenizer or path, **_hf_kwargs(spec))
-    if spec.model.gradient_checkpointing and getattr(model, "supports_gradient_checkpointing", 0):
+    checkpointing = getattr(model, "supports_gradient_checkpointing", False)
+    if spec.model.gradient_checkpointing and checkpointing:
         model.gradient_checkpointing_enable()
     model.config.use_cache = False
     return model, tokenizer
@@ -367,9 +375,12 @@ def build_engine(spec: GSPOJobSpec, model: Any) -> Any:
     if spec.learner.zero_stage == 3:
         _prepare_zero3(model)
     params = [p for p in model.parameters() if p.requires_grad]
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=params,
-                                      config=ds_config(spec),
-                                      lr_scheduler=_lr_scheduler(spec))  # fmt: skip
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        model_parameters=params,
+        config=ds_config(spec),
+        lr_scheduler=_lr_scheduler(spec),
+    )
     # from_pretrained returns the model in eval mode, and transformers recomputes activations
     # (model.gradientCheckpointing) only in training mode: without this it silently kept
     # every activation. The models trained here have no dropout, so nothing else changes.

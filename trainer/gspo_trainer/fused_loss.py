@@ -56,14 +56,14 @@ def _fused_fn() -> Any:
 
     class _FusedLoss(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, hidden, weight, run):  # type: ignore[override]
+        def forward(ctx, hidden, weight, run):
             # Held as attributes, not saved tensors, so backward can hand them over without a
             # copy (autograd steals a gradient nobody else references).
             ctx.grads = run(hidden, weight)
             return torch.zeros((), dtype=_compute_dtype(weight.dtype), device=weight.device)
 
         @staticmethod
-        def backward(ctx, g):  # type: ignore[override]
+        def backward(ctx, g):
             if ctx.grads is None:
                 raise RuntimeError("policy_loss_from_hidden supports one backward per forward")
             grad_h, grad_w = ctx.grads
@@ -150,7 +150,7 @@ def policy_loss_from_hidden(
                     z.div_(temperature)
                 lse, lp, ent = _chunk_forward(z, flat_tokens[g_rows[s:e]], with_entropy)
                 logp[g_rows[s:e]] = lp
-                if entropy is not None:
+                if entropy is not None and ent is not None:  # both or neither: with_entropy
                     entropy[g_rows[s:e]] = ent
                 lses.append(lse)
                 ents.append(ent)
@@ -160,13 +160,22 @@ def policy_loss_from_hidden(
                 leaf = logp.view(B, T)[a:b].detach().requires_grad_(True)
                 ref = ref_logprobs[a:b] if ref_logprobs is not None else None
                 mu = behaviour_logprobs[a:b] if behaviour_logprobs is not None else None
-                part, _ = policy_loss(leaf, old_logprobs[a:b], advantages[a:b], mask[a:b],
-                                      ref_logprobs=ref, behaviour_logprobs=mu, **kw)  # fmt: skip
+                part, _ = policy_loss(
+                    leaf,
+                    old_logprobs[a:b],
+                    advantages[a:b],
+                    mask[a:b],
+                    ref_logprobs=ref,
+                    behaviour_logprobs=mu,
+                    **kw,
+                )
                 (g_logp,) = torch.autograd.grad(part * ((b - a) / B), leaf)
             g_flat = g_logp.reshape(-1)[g_rows - a * T]  # aligned with g_rows
-            for (s, e), z, lse, ent in zip(spans, kept, lses, ents, strict=True):
+            for (s, e), z_kept, lse, ent in zip(spans, kept, lses, ents, strict=True):
                 h = h_flat[g_rows[s:e]]
-                if z is None:
+                if z_kept is not None:
+                    z = z_kept
+                else:
                     z = _upcast(h @ weight.T)
                     if temperature != 1.0:
                         z.div_(temperature)
@@ -181,7 +190,14 @@ def policy_loss_from_hidden(
     zero = _FUSED[0].apply(h_in, lm_head_weight, run)  # 0-dim; carries the gradient
     logp_bt = logp.view(B, T)
     # Value and stats from the finished log-probs (cheap: (B, T) work, no vocabulary).
-    value, stats = policy_loss(logp_bt, old_logprobs, advantages, mask, ref_logprobs=ref_logprobs,
-                               behaviour_logprobs=behaviour_logprobs, **kw)  # fmt: skip
+    value, stats = policy_loss(
+        logp_bt,
+        old_logprobs,
+        advantages,
+        mask,
+        ref_logprobs=ref_logprobs,
+        behaviour_logprobs=behaviour_logprobs,
+        **kw,
+    )
     scores = TokenScores(logp_bt, entropy.view(B, T) if entropy is not None else None)
     return zero + value.detach(), stats, scores

@@ -48,8 +48,11 @@ def append_record(path: Path, record: dict[str, Any]) -> None:
     left (logged once: which step's record was lost is in the lines before it)."""
     cut = cut_partial_tail(path)
     if cut:
-        log.warning("%s ended in a partial line (%d bytes, a writer killed mid-line); cut "
-                    "before appending", path, cut)  # fmt: skip
+        log.warning(
+            "%s ended in a partial line (%d bytes, a writer killed mid-line); cut before appending",
+            path,
+            cut,
+        )
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
 
@@ -66,8 +69,9 @@ def decode_lines(lines: list[str], where: str, first_line: int = 1) -> list[dict
         except ValueError:
             record = None
         if not isinstance(record, dict):
-            log.warning("%s line %d is not a JSON record (a writer killed mid-line?); skipped",
-                        where, n)  # fmt: skip
+            log.warning(
+                "%s line %d is not a JSON record (a writer killed mid-line?); skipped", where, n
+            )
             continue
         out.append(record)
     return out

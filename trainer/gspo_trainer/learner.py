@@ -323,7 +323,9 @@ class Learner:
             stats["weight_sync_bytes"] = sent
         stats.update(evaluation)  # rank 0 only, like the history and the metrics
         self.state.step, self.state.reward = step, stats["reward_mean"]
-        self.positions = {k: v for k, v in self.positions.items() if k >= step}
+        self.positions: dict[int, dict[str, int]] = {
+            k: v for k, v in self.positions.items() if k >= step
+        }
         if self.rank == 0:
             self.report.record(step, stats, seconds, float(packed.lengths.sum()),
                                self._expert_load(learned.old), learned.update.drift)  # fmt: skip
@@ -444,4 +446,4 @@ class Learner:
         moe = self.spec.model.moe
         if not old.experts or self.policy.moe is None or not (moe and moe.report_expert_load):
             return None
-        return expert_load(old.experts[0], self.policy.moe.experts)
+        return expert_load(old.experts, self.policy.moe.experts)

@@ -109,8 +109,11 @@ def refuse(message: str) -> int:
 
 def _group_size() -> tuple[int, int, int]:
     env = os.environ
-    return (int(env.get(ports.ENV_NNODES, "1")), int(env.get(ports.ENV_NODE_RANK, "0")),
-            int(env.get(ports.ENV_NPROC_PER_NODE, "1")))  # fmt: skip
+    return (
+        int(env.get(ports.ENV_NNODES, "1")),
+        int(env.get(ports.ENV_NODE_RANK, "0")),
+        int(env.get(ports.ENV_NPROC_PER_NODE, "1")),
+    )
 
 
 # torch.distributed.run kills its ranks 30 s after passing SIGTERM on, by default: too soon
@@ -124,6 +127,7 @@ def group_command(argv: list[str]) -> list[str]:
     nnodes, node_rank, nproc = _group_size()
     master_addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     master_port = os.environ.get("MASTER_PORT", str(ports.RENDEZVOUS_PORT))
+    # fmt: skip: the command line as it reads, a module beside -m (ruff splits every item).
     return [
         sys.executable, "-m", "gspo_trainer.rendezvous",
         f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
@@ -173,8 +177,9 @@ def launch_group(argv: list[str]) -> int:
 
     errors = Path(tempfile.mkdtemp(prefix="gspo-learner-")) / "config-error"
     env = {**os.environ, ports.ENV_CONFIG_ERROR_FILE: str(errors)}
-    proc = subprocess.Popen(group_command(argv), start_new_session=True, env=env,
-                            preexec_fn=_die_with_parent)  # fmt: skip
+    proc = subprocess.Popen(
+        group_command(argv), start_new_session=True, env=env, preexec_fn=_die_with_parent
+    )
     signalled = False
 
     def forward(signum: int, _: Any) -> None:
@@ -230,8 +235,12 @@ def build_rollout(args: argparse.Namespace, spec: GSPOJobSpec) -> Any:
         method=spec.weight_sync.method,
         directory=str(Path(args.checkpoint_dir) / ports.WEIGHTS_SUBDIR),
     )
-    client = RolloutClient(urls, os.environ.get(ports.ENV_SYNC_TOKEN) or None,
-                           timeout_s=spec.rollout.request_timeout_seconds, sync=sync)  # fmt: skip
+    client = RolloutClient(
+        urls,
+        os.environ.get(ports.ENV_SYNC_TOKEN) or None,
+        timeout_s=spec.rollout.request_timeout_seconds,
+        sync=sync,
+    )
     return FleetDiscovery(client, args.rollout_urls)
 
 
@@ -257,8 +266,12 @@ async def run(args: argparse.Namespace, spec: GSPOJobSpec) -> int:
     if rank == 0:
         shown = metrics if spec.metrics.enabled else None
         server = serve_status(shown, progress, args.metrics_host, spec.metrics.port)
-        log.info("Status on http://%s:%d (/progress, /healthz%s)", args.metrics_host,
-                 spec.metrics.port, ", /metrics" if shown else "")  # fmt: skip
+        log.info(
+            "Status on http://%s:%d (/progress, /healthz%s)",
+            args.metrics_host,
+            spec.metrics.port,
+            ", /metrics" if shown else "",
+        )
     elif int(os.environ.get("LOCAL_RANK", "0")) == 0:
         # The first process of every other pod answers the pod's readiness probe. Several
         # "nodes" on one host (a test) share the port: the first one's answer serves them all.

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gspo_trainer.progress import LearnerPhase
+
 
 @dataclass
 class LearnerState:
@@ -11,7 +13,7 @@ class LearnerState:
     policy_version: int = 0  # the version last pushed to the rollout servers
     last_checkpoint: str | None = None
     last_checkpoint_step: int | None = None
-    phase: str = "Starting"
+    phase: LearnerPhase = "Starting"
     reward: float | None = None
     message: str = ""
     stop_requested: bool = False

@@ -160,7 +160,7 @@ def _forward_chunks(
         if temperature != 1.0:
             z.div_(temperature)
         lse[s:e], logp[s:e], ent = _chunk_forward(z, tokens[s:e], want_entropy)
-        if entropy is not None:
+        if entropy is not None and ent is not None:  # both or neither: want_entropy
             entropy[s:e] = ent
     return lse, logp, entropy
 
@@ -172,19 +172,24 @@ def _hidden_fn() -> Any:
         """logp (and entropy) of `tokens` under softmax(hidden @ weight.T / T), chunked."""
 
         @staticmethod
-        def forward(ctx, hidden, weight, tokens, chunk, temperature, want_entropy):  # type: ignore[override]
+        def forward(ctx, hidden, weight, tokens, chunk, temperature, want_entropy):
             # hidden (n, H), weight (V, H), tokens (n,)
             lse, logp, entropy = _forward_chunks(
-                hidden.shape[0], chunk, lambda s, e: hidden[s:e] @ weight.T,
-                tokens, temperature, want_entropy, hidden,
-            )  # fmt: skip
+                hidden.shape[0],
+                chunk,
+                lambda s, e: hidden[s:e] @ weight.T,
+                tokens,
+                temperature,
+                want_entropy,
+                hidden,
+            )
             ctx.set_materialize_grads(False)
             ctx.save_for_backward(hidden, weight, tokens, lse, entropy)
             ctx.chunk, ctx.temperature = chunk, temperature
             return (logp, entropy) if want_entropy else logp
 
         @staticmethod
-        def backward(ctx, g_logp, g_entropy=None):  # type: ignore[override]
+        def backward(ctx, g_logp, g_entropy=None):
             hidden, weight, tokens, lse, entropy = ctx.saved_tensors
             need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
             if (g_logp is None and g_entropy is None) or not (need_h or need_w):
@@ -225,18 +230,23 @@ def _logits_fn() -> Any:
         """logp (and entropy) of `tokens` at `rows` of logits (N, V) / T, chunked."""
 
         @staticmethod
-        def forward(ctx, logits, rows, tokens, chunk, temperature, want_entropy):  # type: ignore[override]
+        def forward(ctx, logits, rows, tokens, chunk, temperature, want_entropy):
             lse, logp, entropy = _forward_chunks(
-                rows.shape[0], chunk, lambda s, e: logits.index_select(0, rows[s:e]),
-                tokens, temperature, want_entropy, logits,
-            )  # fmt: skip
+                rows.shape[0],
+                chunk,
+                lambda s, e: logits.index_select(0, rows[s:e]),
+                tokens,
+                temperature,
+                want_entropy,
+                logits,
+            )
             ctx.set_materialize_grads(False)
             ctx.save_for_backward(logits, rows, tokens, lse, entropy)
             ctx.chunk, ctx.temperature = chunk, temperature
             return (logp, entropy) if want_entropy else logp
 
         @staticmethod
-        def backward(ctx, g_logp, g_entropy=None):  # type: ignore[override]
+        def backward(ctx, g_logp, g_entropy=None):
             logits, rows, tokens, lse, entropy = ctx.saved_tensors
             if g_logp is None and g_entropy is None:
                 return None, None, None, None, None, None

@@ -204,12 +204,6 @@ class ModelShape:
         mlp = self.sparse_mlp_params if self.sparse_layers else self.dense_mlp_params
         return max(self.attention_params + mlp, self.embedding_params)
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Key and value elements a token keeps per layer, summed over layers (times a dtype's
-        bytes gives the KV cache per token)."""
-        return 2 * self.layers * self.kv_heads * self.head_dim
-
 
 def find_model_config(name: str, revision: str | None = None) -> tuple[dict[str, Any], str] | None:
     """(config.json as a dict, where it was found) for model `name`, or None (see the module

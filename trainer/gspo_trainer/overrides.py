@@ -111,7 +111,7 @@ def apply_override(spec: dict[str, Any], assignment: str) -> None:
             else:
                 node[part] = value
             return
-        child = node[part] if isinstance(node, list) else node.get(part)
+        child = node[part] if isinstance(part, int) else node.get(part)  # a list, else a dict
         if child is None:
             child = [] if isinstance(parts[i + 1], int) else {}
             node[part] = child

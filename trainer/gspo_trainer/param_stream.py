@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
 from gspo_trainer.ranks import Ranks
@@ -144,7 +144,7 @@ class Pass(Iterator[list[tuple[str, "torch.Tensor"]]]):
                 with deepspeed.zero.GatheredParameters([p for _, p in group], modifier_rank=None):
                     pass
 
-    def _gathered(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def _gathered(self) -> Generator[list[tuple[str, torch.Tensor]], None, None]:
         if not self.stream.zero3:
             for group in self.left:
                 yield [(name, p.data) for name, p in group]

@@ -42,41 +42,6 @@ def _save(fig: Any, out: str | Path) -> Path:
     return path
 
 
-def plot_rewards(
-    curves: Mapping[str, Sequence[tuple[int, float]]],
-    out: str | Path,
-    *,
-    window: int = 10,
-    title: str = "Mean reward per step",
-    target: float | None = None,
-) -> Path:
-    """curves: label -> [(step, reward)]. Writes `out` (PNG) and returns its path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    for i, (label, points) in enumerate(curves.items()):
-        if not points:
-            continue
-        steps = [s for s, _ in points]
-        rewards = [r for _, r in points]
-        color = f"C{i}"
-        ax.plot(steps, rewards, color=color, alpha=0.25, linewidth=0.8)
-        ax.plot(steps, moving_average(rewards, window), color=color, linewidth=2,
-                label=f"{label} ({window}-step mean)")  # fmt: skip
-    if target is not None:
-        ax.axhline(target, color="grey", linestyle="--", linewidth=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("mean reward")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper left")
-    return _save(fig, out)
-
-
 def plot_training(
     runs: Mapping[str, Sequence[Mapping[str, float]]],
     out: str | Path,
@@ -97,8 +62,9 @@ def plot_training(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), dpi=110, sharex=True,
-                                      gridspec_kw={"height_ratios": [3, 2]})  # fmt: skip
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(7, 6), dpi=110, sharex=True, gridspec_kw={"height_ratios": [3, 2]}
+    )
     share_ax = bottom.twinx()
     for i, (label, records) in enumerate(runs.items()):
         if not records:
@@ -107,32 +73,67 @@ def plot_training(
         steps = [int(r["step"]) for r in records]
         rewards = [r["reward_mean"] for r in records]
         top.plot(steps, rewards, color=color, alpha=0.2, linewidth=0.8)
-        top.plot(steps, moving_average(rewards, window), color=color, linewidth=1.8,
-                 label=f"{label} reward_mean ({window}-step mean)")  # fmt: skip
+        top.plot(
+            steps,
+            moving_average(rewards, window),
+            color=color,
+            linewidth=1.8,
+            label=f"{label} reward_mean ({window}-step mean)",
+        )
         passing = [(int(r["step"]), r["code_pass_rate"]) for r in records if "code_pass_rate" in r]
         if passing:  # reward.kind code: the share of responses that passed every test
-            top.plot([s for s, _ in passing], moving_average([p for _, p in passing], window),
-                     color=color, linewidth=1.2, linestyle=":",
-                     label=f"{label} code_pass_rate ({window}-step mean)")  # fmt: skip
+            top.plot(
+                [s for s, _ in passing],
+                moving_average([p for _, p in passing], window),
+                color=color,
+                linewidth=1.2,
+                linestyle=":",
+                label=f"{label} code_pass_rate ({window}-step mean)",
+            )
         evals = [r for r in records if "eval_accuracy" in r]
         if evals:
-            top.plot([int(r["step"]) for r in evals], [r["eval_accuracy"] for r in evals],
-                     "o-", color=color, markersize=3.5, linewidth=1,
-                     label=f"{label} eval_accuracy (greedy)")  # fmt: skip
+            top.plot(
+                [int(r["step"]) for r in evals],
+                [r["eval_accuracy"] for r in evals],
+                "o-",
+                color=color,
+                markersize=3.5,
+                linewidth=1,
+                label=f"{label} eval_accuracy (greedy)",
+            )
             at_k = [r for r in evals if "eval_mean_at_k" in r]
-            top.plot([int(r["step"]) for r in at_k], [r["eval_mean_at_k"] for r in at_k],
-                     "x", color=color, markersize=4,
-                     label=f"{label} eval_mean_at_k")  # fmt: skip
+            top.plot(
+                [int(r["step"]) for r in at_k],
+                [r["eval_mean_at_k"] for r in at_k],
+                "x",
+                color=color,
+                markersize=4,
+                label=f"{label} eval_mean_at_k",
+            )
         ent = [(int(r["step"]), r["entropy"]) for r in records if "entropy" in r]
         if ent:
-            bottom.plot([s for s, _ in ent], moving_average([e for _, e in ent], window),
-                        color=color, linewidth=1.5, label=f"{label} entropy")  # fmt: skip
-        zero = [(int(r["step"]), r["zero_advantage_fraction"]) for r in records
-                if "zero_advantage_fraction" in r]  # fmt: skip
+            bottom.plot(
+                [s for s, _ in ent],
+                moving_average([e for _, e in ent], window),
+                color=color,
+                linewidth=1.5,
+                label=f"{label} entropy",
+            )
+        zero = [
+            (int(r["step"]), r["zero_advantage_fraction"])
+            for r in records
+            if "zero_advantage_fraction" in r
+        ]
         if zero:
-            share_ax.plot([s for s, _ in zero], moving_average([z for _, z in zero], window),
-                          color=color, linewidth=1.2, linestyle="--", alpha=0.8,
-                          label=f"{label} zero_advantage_fraction")  # fmt: skip
+            share_ax.plot(
+                [s for s, _ in zero],
+                moving_average([z for _, z in zero], window),
+                color=color,
+                linewidth=1.2,
+                linestyle="--",
+                alpha=0.8,
+                label=f"{label} zero_advantage_fraction",
+            )
     if target is not None:
         top.axhline(target, color="grey", linestyle="--", linewidth=1)
     top.set_ylabel("reward / accuracy")
@@ -180,12 +181,22 @@ def plot_accuracy_over_time(
     for i, (label, histories) in enumerate(runs.items()):
         for j, records in enumerate(histories):
             seconds = training_seconds(records)
-            evals = [(t, r["eval_accuracy"]) for t, r in zip(seconds, records, strict=True)
-                     if "eval_accuracy" in r]  # fmt: skip
+            evals = [
+                (t, r["eval_accuracy"])
+                for t, r in zip(seconds, records, strict=True)
+                if "eval_accuracy" in r
+            ]
             if evals:
-                ax.plot([t for t, _ in evals], [a for _, a in evals], "o-", color=f"C{i}",
-                        markersize=3, linewidth=1.2, alpha=0.9 if j == 0 else 0.5,
-                        label=label if j == 0 else None)  # fmt: skip
+                ax.plot(
+                    [t for t, _ in evals],
+                    [a for _, a in evals],
+                    "o-",
+                    color=f"C{i}",
+                    markersize=3,
+                    linewidth=1.2,
+                    alpha=0.9 if j == 0 else 0.5,
+                    label=label if j == 0 else None,
+                )
     if target is not None:
         ax.axhline(target, color="grey", linestyle="--", linewidth=1)
     ax.set_xlabel("seconds since the first step")

@@ -9,6 +9,7 @@ field and the fix, like validation's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from gspo_trainer.code.preflight import check_code_reward
@@ -27,17 +28,27 @@ def check_model(spec: GSPOJobSpec) -> list[Problem]:
     if _looks_like_path(name):
         path = Path(name).expanduser()
         if not path.is_dir():
-            return [Problem("spec.model.name", f"{name!r} does not exist; give a local model "
-                            "directory (with config.json) or a Hugging Face model id")]  # fmt: skip
+            return [
+                Problem(
+                    "spec.model.name",
+                    f"{name!r} does not exist; give a local model "
+                    "directory (with config.json) or a Hugging Face model id",
+                )
+            ]
         if not (path / "config.json").is_file():
-            return [Problem("spec.model.name", f"{name!r} has no config.json; point it at the "
-                            "directory save_pretrained wrote")]  # fmt: skip
+            return [
+                Problem(
+                    "spec.model.name",
+                    f"{name!r} has no config.json; point it at the directory save_pretrained wrote",
+                )
+            ]
         return []
     from transformers import AutoConfig
 
     try:
-        AutoConfig.from_pretrained(name, revision=spec.model.revision,
-                                   trust_remote_code=spec.model.trust_remote_code)  # fmt: skip
+        AutoConfig.from_pretrained(
+            name, revision=spec.model.revision, trust_remote_code=spec.model.trust_remote_code
+        )
     except Exception as exc:  # transformers raises OSError, ValueError, HTTP errors
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         hint = "give a local model directory or a model id this node can download"
@@ -73,7 +84,9 @@ def check_data(spec: GSPOJobSpec) -> list[Problem]:
     set is downloaded here, once, into the cache the learner then reads."""
     from gspo_trainer.data import DataError, load_eval_examples, load_examples
 
-    sets = [("spec.data.source", lambda: load_examples(spec.data))]
+    sets: list[tuple[str, Callable[[], object]]] = [
+        ("spec.data.source", lambda: load_examples(spec.data))
+    ]
     if spec.data.eval_source:
         sets.append(("spec.data.evalSource", lambda: load_eval_examples(spec.data)))
     for where, load in sets:
@@ -96,9 +109,14 @@ def check_hardware(spec: GSPOJobSpec, gpus: int | None = None) -> list[Problem]:
 
         gpus = torch.cuda.device_count()
     if asked > gpus:
-        return [Problem("spec.learner.gpusPerReplica", f"{asked} GPUs per learner pod asked "
-                        f"for, but this node has {gpus}; lower it, or run on nodes with "
-                        f"{asked} GPUs (set 0 to train on CPU)")]  # fmt: skip
+        return [
+            Problem(
+                "spec.learner.gpusPerReplica",
+                f"{asked} GPUs per learner pod asked "
+                f"for, but this node has {gpus}; lower it, or run on nodes with "
+                f"{asked} GPUs (set 0 to train on CPU)",
+            )
+        ]
     return []
 
 
@@ -120,15 +138,25 @@ def check_attention(spec: GSPOJobSpec, cuda: bool | None = None) -> list[Problem
     module, install = FLASH_ATTENTION[impl]
     field = "spec.model.attnImplementation"
     if importlib.util.find_spec(module) is None:
-        return [Problem(field, f"{impl} needs the {module} package, which this learner's "
-                        f"image lacks; install it ({install}) or use sdpa")]  # fmt: skip
+        return [
+            Problem(
+                field,
+                f"{impl} needs the {module} package, which this learner's "
+                f"image lacks; install it ({install}) or use sdpa",
+            )
+        ]
     if cuda is None:
         import torch
 
         cuda = torch.cuda.is_available()
     if not cuda:
-        return [Problem(field, f"{impl} runs only on CUDA GPUs and this learner has none "
-                        "(learner.gpusPerReplica 0?); use sdpa")]  # fmt: skip
+        return [
+            Problem(
+                field,
+                f"{impl} runs only on CUDA GPUs and this learner has none "
+                "(learner.gpusPerReplica 0?); use sdpa",
+            )
+        ]
     return []
 
 

@@ -69,8 +69,9 @@ class Ranks:
         self.control_timeout_s = control_timeout_s
         self.group: Any = None  # the control group: gloo, every rank of the learner
         if self.world > 1:
-            self.group = dist.new_group(backend="gloo",
-                                        timeout=timedelta(seconds=control_timeout_s))  # fmt: skip
+            self.group = dist.new_group(
+                backend="gloo", timeout=timedelta(seconds=control_timeout_s)
+            )
         self._cpu = torch.device("cpu")
 
     def any(self, flag: bool) -> bool:
@@ -100,7 +101,7 @@ class Ranks:
             return obj
         box: list[Any] = [obj if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=self.group, device=self._cpu)
-        return box[0]  # type: ignore[no-any-return]
+        return box[0]
 
     def gather(self, obj: T) -> list[T] | None:
         """Every rank's `obj`, in rank order, on rank 0 (None on the others)."""
@@ -129,8 +130,9 @@ class Ranks:
             return dict(local)
         keys = sorted(local)
         vec = torch.tensor([local[k] for k in keys], dtype=torch.float64, device=self._cpu)
-        dist.all_reduce(vec, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX,
-                        group=self.group)  # fmt: skip
+        dist.all_reduce(
+            vec, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self.group
+        )
         return {k: float(v) for k, v in zip(keys, vec.tolist(), strict=True)}
 
     def barrier(self) -> None:

@@ -18,7 +18,7 @@ signals) is torch.distributed.run's own.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, cast
 
 from torch.distributed import run
 from torch.distributed.elastic.rendezvous import (
@@ -55,7 +55,11 @@ def create_handler(params: RendezvousParameters) -> BoundStaticRendezvous:
     """The rendezvous `ports.RENDEZVOUS_BACKEND` names: torch's static one, store bound."""
     # --rdzv-conf values arrive as strings; the static backend compares its rank with 0.
     params.config["rank"] = int(params.config["rank"])
-    torchs = static_tcp_rendezvous.create_rdzv_handler(params)
+    # It builds a StaticTCPRendezvous; its annotation names the base class.
+    torchs = cast(
+        static_tcp_rendezvous.StaticTCPRendezvous,
+        static_tcp_rendezvous.create_rdzv_handler(params),
+    )
     return BoundStaticRendezvous(
         torchs.master_addr,
         torchs.master_port,

@@ -97,6 +97,7 @@ def _add(total: Score, weight: float, score: Score) -> Score:
     """total + weight x score, a number counting on every token of a per-token score."""
     if not isinstance(total, tuple) and not isinstance(score, tuple):
         return total + weight * score
+    # One of the two is a tuple (both numbers returned above); mypy cannot follow that.
     n = len(total) if isinstance(total, tuple) else len(score)  # type: ignore[arg-type]
     t = total if isinstance(total, tuple) else (total,) * n
     s = score if isinstance(score, tuple) else (score,) * n
@@ -157,14 +158,14 @@ def math_reward(prompt: str, completion: str, answer: str) -> float:
     reasoning's intermediate numbers do not count) equal to the reference."""
     from math_verify import parse, verify
 
-    completion = final_part(completion)
-    if completion is None:
+    final = final_part(completion)
+    if final is None:
         return 0.0
 
     # Signal-based timeouts only work in the main thread; the scorer bounds the call instead.
     gold = parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$",
                  parsing_timeout=None)  # fmt: skip
-    pred = parse(completion, parsing_timeout=None)
+    pred = parse(final, parsing_timeout=None)
     return 1.0 if gold and pred and verify(gold, pred, timeout_seconds=None) else 0.0
 
 
@@ -287,7 +288,8 @@ class RewardScorer:
     scorer was made; `last` is the latest batch's outcome, logged as one warning.
     """
 
-    fn: RewardFn | ItemFn
+    # A RewardFn, or as the flags below say: takes_item, batch, token_ids.
+    fn: Callable[..., Any]
     timeout_s: float = 10.0
     require_finished: bool = False
     parallel: int = 16
@@ -340,7 +342,7 @@ class RewardScorer:
 
         def call() -> Any:
             try:
-                return self.fn(items)  # type: ignore[arg-type]
+                return self.fn(items)
             except BaseException as exc:
                 return exc
 
@@ -425,9 +427,9 @@ class RewardScorer:
             return 0.0
         try:
             if self.takes_item:
-                value = self.fn(item)  # type: ignore[call-arg,arg-type]
+                value = self.fn(item)
             elif self.token_ids:
-                value = self.fn(item.prompt, item.completion, item.answer,  # type: ignore[call-arg]
+                value = self.fn(item.prompt, item.completion, item.answer,
                                 token_ids=item.token_ids)  # fmt: skip
             else:
                 value = self.fn(item.prompt, item.completion, item.answer)
@@ -497,7 +499,7 @@ def _component_scorer(f: RewardFunctionConfig, cfg: RewardConfig,
                       max_response_tokens: int | None) -> Any:  # fmt: skip
     if f.kind == "code":
         return _code_scorer(cfg, on_failure)
-    kw = dict(timeout_s=cfg.timeout_seconds, on_failure=on_failure)
+    kw: dict[str, Any] = dict(timeout_s=cfg.timeout_seconds, on_failure=on_failure)
     if f.kind == "format":
         return RewardScorer(lambda item: format_reward(item, f.pattern), inline=True,
                             takes_item=True, **kw)  # fmt: skip
@@ -515,7 +517,7 @@ def _component_scorer(f: RewardFunctionConfig, cfg: RewardConfig,
         return RewardScorer(length, inline=True, takes_item=True, **kw)
     one = RewardConfig(kind=f.kind, function=f.function)
     if f.kind == "python" and f.convention != "gspo":
-        return convention_scorer(reward_function(one), f.convention, **kw)  # type: ignore[arg-type]
+        return convention_scorer(reward_function(one), f.convention, **kw)
     fn = reward_function(one)
     return RewardScorer(fn, require_finished=f.kind in FINISHED_ONLY,
                         inline=f.kind == "arithmetic", token_ids=takes_token_ids(fn),

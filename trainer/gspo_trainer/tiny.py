@@ -101,7 +101,8 @@ def materialize(
     The directory is keyed by name, seed and alphabet, written aside and renamed, so
     concurrent callers (the learner and several rollout servers) never see half a model.
     """
-    root_path = Path(root or os.environ.get("GSPO_CACHE", Path.home() / ".cache" / "gspo"))
+    default = os.environ.get("GSPO_CACHE", Path.home() / ".cache" / "gspo")
+    root_path = Path(root) if root else Path(default)
     key = hashlib.sha256(json.dumps([name, seed, alphabet]).encode()).hexdigest()[:12]
     target = root_path / f"{name.removeprefix('builtin:')}-{key}"
     if (target / "config.json").exists():

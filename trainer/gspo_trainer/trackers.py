@@ -38,6 +38,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -177,9 +178,15 @@ class WandB:
         if run_id is None:
             run_id = secrets.token_hex(4)  # 8 characters of [0-9a-f], as wandb's own ids
             keep_run_id(self.directory, self.name, run_id)
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", DEFAULT_PROJECT),
-                              name=run_name, dir=where, config=config, id=run_id,
-                              resume=os.environ.get("WANDB_RESUME", "allow"))  # fmt: skip
+        resume: Any = os.environ.get("WANDB_RESUME", "allow")  # wandb checks the value
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", DEFAULT_PROJECT),
+            name=run_name,
+            dir=where,
+            config=config,
+            id=run_id,
+            resume=resume,
+        )
 
     def log(self, step: int, scalars: Mapping[str, float], timestamp: float) -> None:
         self.run.log(dict(scalars), step=step)
@@ -188,7 +195,7 @@ class WandB:
         import wandb
 
         columns = columns_of(samples)
-        table = wandb.Table(columns=columns, data=[[s.get(c) for c in columns] for s in samples])
+        table = wandb.Table(columns=[*columns], data=[[s.get(c) for c in columns] for s in samples])
         self.run.log({SAMPLES_KEY: table}, step=step)
 
     def finish(self, outcome: Outcome) -> None:
@@ -265,8 +272,12 @@ TRACKERS: dict[TrackerName, Callable[[Path], Tracker]] = {
 class Trackers:
     """The run's trackers: failures are warned about once per tracker, counted, never raised."""
 
-    def __init__(self, trackers: Sequence[Tracker] = (), run_name: str = DEFAULT_PROJECT,
-                 on_failure: Callable[[str], None] = lambda name: None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        trackers: Sequence[Tracker] = (),
+        run_name: str = DEFAULT_PROJECT,
+        on_failure: Callable[[str], None] = lambda name: None,
+    ) -> None:
         self.trackers = list(trackers)
         self.run_name = run_name
         self.on_failure = on_failure
@@ -279,17 +290,23 @@ class Trackers:
             self.on_failure(tracker.name)
             if tracker.name not in self.warned:
                 self.warned.add(tracker.name)
-                log.warning("Tracker %s could not %s (training goes on; later failures are "
-                            "counted in gspo_tracker_failures_total): %s: %s", tracker.name,
-                            what, type(exc).__name__, exc)  # fmt: skip
+                log.warning(
+                    "Tracker %s could not %s (training goes on; later failures are "
+                    "counted in gspo_tracker_failures_total): %s: %s",
+                    tracker.name,
+                    what,
+                    type(exc).__name__,
+                    exc,
+                )
             return False
         return True
 
     def start(self, spec: Mapping[str, Any]) -> None:
         """Start each tracker with the spec (a manifest dict); one that cannot is dropped."""
         config, name = run_config(spec), self.run_name
-        self.trackers = [t for t in self.trackers
-                         if self._call(t, "start", lambda t=t: t.start(name, config))]  # fmt: skip
+        self.trackers = [
+            t for t in self.trackers if self._call(t, "start", partial(t.start, name, config))
+        ]
         if self.trackers:
             log.info("Reporting to %s as run %s", ", ".join(t.name for t in self.trackers), name)
 
@@ -301,20 +318,24 @@ class Trackers:
             timestamp = time.time()
         samples = record.get(SAMPLES_KEY)
         for t in self.trackers:
-            self._call(t, "log", lambda t=t: t.log(step, scalars, timestamp))
+            self._call(t, "log", partial(t.log, step, scalars, timestamp))
             if isinstance(samples, list) and samples:
-                self._call(t, "log samples", lambda t=t: t.log_samples(step, samples))
+                self._call(t, "log samples", partial(t.log_samples, step, samples))
 
     def finish(self, phase: str) -> None:
         """End the run; the learner's phase says how (Succeeded, Suspending, else failed)."""
         outcome = OUTCOME_OF_PHASE.get(phase, "failed")
         for t in self.trackers:
-            self._call(t, "finish", lambda t=t: t.finish(outcome))
+            self._call(t, "finish", partial(t.finish, outcome))
         self.trackers = []
 
 
-def build_trackers(names: Sequence[TrackerName], directory: str | Path | None, rank: int,
-                   failures: Counter | None = None) -> Trackers:  # fmt: skip
+def build_trackers(
+    names: Sequence[TrackerName],
+    directory: str | Path | None,
+    rank: int,
+    failures: Counter | None = None,
+) -> Trackers:
     """The trackers spec.metrics.reportTo names, writing under `directory` (default: the
     current one), for a run named after $GSPO_JOB_NAME; none on ranks other than 0.
     `failures` (labelled by tracker) counts what fails. Nothing is imported or started yet."""

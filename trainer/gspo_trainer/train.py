@@ -56,21 +56,37 @@ def at_least_one(text: str) -> int:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="gspo train", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
-    p.add_argument("config", nargs="?",
-                   help="GSPOJob manifest (default: examples/tiny.yaml, embedded)")  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="gspo train",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "config", nargs="?", help="GSPOJob manifest (default: examples/tiny.yaml, embedded)"
+    )
     p.add_argument("--output-dir", default="gspo-run", help="checkpoints, export, logs, plot")
     p.add_argument("--max-steps", type=int, help="override spec.algorithm.maxSteps")
-    p.add_argument("--loss-level", choices=["gspo", "gspo-token", "grpo"],
-                   help="override spec.algorithm.lossLevel (and its clip range)")  # fmt: skip
+    p.add_argument(
+        "--loss-level",
+        choices=["gspo", "gspo-token", "grpo"],
+        help="override spec.algorithm.lossLevel (and its clip range)",
+    )
     p.add_argument("--seed", type=int, help="override spec.algorithm.seed")
-    p.add_argument("--rollout-servers", type=at_least_one,
-                   help="local rollout servers (default: spec.rollout.replicas)")  # fmt: skip
+    p.add_argument(
+        "--rollout-servers",
+        type=at_least_one,
+        help="local rollout servers (default: spec.rollout.replicas)",
+    )
     p.add_argument("--no-progress", action="store_true", help="log lines instead of a bar")
-    p.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", dest="overrides",
-                   help="set any spec field, e.g. --set algorithm.groupSize=8 (a YAML value; "
-                        "repeat it for more; validated like the file)")  # fmt: skip
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        dest="overrides",
+        help="set any spec field, e.g. --set algorithm.groupSize=8 (a YAML value; "
+        "repeat it for more; validated like the file)",
+    )
     return p.parse_args(argv)
 
 
@@ -137,15 +153,26 @@ def job_manifest(args: argparse.Namespace) -> dict[str, Any]:
 # torch.distributed's group variables. Inherited (`gspo train` run from a job step under
 # torchrun, or a process that initialised a group), they would make the learner think it is
 # one rank of that group instead of starting its own.
-DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-             "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR",
-             "MASTER_PORT")  # fmt: skip
+DIST_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def own_group_env(env: Mapping[str, str]) -> dict[str, str]:
     """`env` without any torch.distributed group it belongs to."""
-    return {k: v for k, v in env.items()
-            if k not in DIST_VARS and not k.startswith("TORCHELASTIC_")}  # fmt: skip
+    return {
+        k: v for k, v in env.items() if k not in DIST_VARS and not k.startswith("TORCHELASTIC_")
+    }
 
 
 @dataclass
@@ -174,8 +201,14 @@ class Proc:
             return f.read().decode(errors="replace")
 
 
-def spawn(name: str, args: list[str], env: dict[str, str], log: Path,
-          cpus: list[int] | None = None, keep_fds: tuple[int, ...] = ()) -> Proc:  # fmt: skip
+def spawn(
+    name: str,
+    args: list[str],
+    env: dict[str, str],
+    log: Path,
+    cpus: list[int] | None = None,
+    keep_fds: tuple[int, ...] = (),
+) -> Proc:
     """`gspo ARGS` in its own session, appending to `log` after a header (a resumed run keeps
     the previous attempt's log); on `cpus` only when given (set in the child before it runs
     anything, so every thread and process it starts inherits it). `keep_fds` stay open in
@@ -188,9 +221,15 @@ def spawn(name: str, args: list[str], env: dict[str, str], log: Path,
     f, start = output_dir.open_log(log, name)
     with f:
         cmd = [sys.executable, "-m", "gspo_operator.cli", *args]
-        popen = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                 start_new_session=True, preexec_fn=pin,
-                                 pass_fds=keep_fds)  # fmt: skip
+        popen = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=pin,
+            pass_fds=keep_fds,
+        )
     return Proc(name, popen, log, start)
 
 
@@ -262,8 +301,10 @@ def place_on_gpus(spec: GSPOJobSpec, gpus: int | Sequence[str], n_servers: int) 
             f"{per_server} (spec.rollout.tensorParallelSize); lower them, run fewer servers "
             "(--rollout-servers), or run on a cluster"
         )
-    servers = [",".join(ids[learner + i * per_server : learner + (i + 1) * per_server])
-               for i in range(n_servers)]  # fmt: skip
+    servers = [
+        ",".join(ids[learner + i * per_server : learner + (i + 1) * per_server])
+        for i in range(n_servers)
+    ]
     return GpuPlacement(",".join(ids[:learner]), servers)
 
 
@@ -298,8 +339,9 @@ class ProgressView:
         if bar:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=max_steps, desc="train", unit="step", file=out,
-                            dynamic_ncols=True)  # fmt: skip
+            self.bar = tqdm(
+                total=max_steps, desc="train", unit="step", file=out, dynamic_ncols=True
+            )
 
     def poll(self) -> None:
         if not self.history.exists():
@@ -332,8 +374,10 @@ class ProgressView:
         failed = float(r.get("reward_failure_fraction", 0.0))
         was_failing = bool(self.records) and self.records[-1].get("reward_failure_fraction", 0.0)
         if failed > 0 and not was_failing:  # the start of a failing stretch, not every step
-            self.say(f"WARNING: step {int(r['step'])}: {failed:.0%} of the reward calls failed "
-                     "and scored 0 (the learner's log says why)")  # fmt: skip
+            self.say(
+                f"WARNING: step {int(r['step'])}: {failed:.0%} of the reward calls failed "
+                "and scored 0 (the learner's log says why)"
+            )
         self.records.append(r)
         if "eval_accuracy" in r:
             self.last_eval = r
@@ -377,14 +421,16 @@ class ProgressView:
             self.bar.close()
 
 
-def summary(out: Path, records: list[dict[str, float]], wall_s: float, code: int,
-            eval_every: int = 0) -> str:  # fmt: skip
+def summary(
+    out: Path, records: list[dict[str, float]], wall_s: float, code: int, eval_every: int = 0
+) -> str:
     """The run in a few lines; the last one ends with the final evaluation accuracy, the
     number the run is judged by (the training reward of a 16-prompt step is noisy)."""
     from gspo_trainer import checkpoint as ckpt
 
-    lines = [f"Run {'finished' if code == 0 else f'ended with exit code {code}'} "
-             f"in {wall_s:.0f}s: {out}"]  # fmt: skip
+    lines = [
+        f"Run {'finished' if code == 0 else f'ended with exit code {code}'} in {wall_s:.0f}s: {out}"
+    ]
     evals = [r for r in records if "eval_accuracy" in r]
     if records:
         rewards = [r["reward_mean"] for r in records]
@@ -393,16 +439,20 @@ def summary(out: Path, records: list[dict[str, float]], wall_s: float, code: int
         lines.append(f"  steps        {int(records[-1]['step'])}")
         lines.append(f"  reward_mean  {first:.3f} (first {k} steps) -> {last:.3f} (last {k})")
         if "entropy" in records[0]:
-            lines.append(f"  entropy      {records[0]['entropy']:.3f} (first step) -> "
-                         f"{records[-1].get('entropy', 0.0):.3f} (last)")  # fmt: skip
+            lines.append(
+                f"  entropy      {records[0]['entropy']:.3f} (first step) -> "
+                f"{records[-1].get('entropy', 0.0):.3f} (last)"
+            )
         zero = [r.get("zero_advantage_fraction", 0.0) for r in records[-k:]]
         lines.append(f"  zero_advantage_fraction {sum(zero) / k:.2f} (last {k} steps)")
         lines.append(f"  clip_fraction {records[-1].get('clip_fraction', 0.0):.4f} (last step)")
         failed = [r.get("reward_failure_fraction", 0.0) for r in records]
         if any(failed):
-            lines.append(f"  WARNING      reward calls failed in {sum(f > 0 for f in failed)} of "
-                         f"{len(records)} steps (every call in {sum(f == 1 for f in failed)}); "
-                         "see logs/learner.log")  # fmt: skip
+            lines.append(
+                f"  WARNING      reward calls failed in {sum(f > 0 for f in failed)} of "
+                f"{len(records)} steps (every call in {sum(f == 1 for f in failed)}); "
+                "see logs/learner.log"
+            )
     latest = ckpt.latest(out / "checkpoints")
     if latest is not None:
         lines.append(f"  checkpoint   {latest}")
@@ -419,8 +469,10 @@ def summary(out: Path, records: list[dict[str, float]], wall_s: float, code: int
     if evals:
         e = evals[-1]
         at_k = f", eval_mean_at_k {e['eval_mean_at_k']:.3f}" if "eval_mean_at_k" in e else ""
-        lines.append(f"  eval at step {int(e['step'])} (greedy{at_k}): "
-                     f"eval_accuracy {e['eval_accuracy']:.3f}")  # fmt: skip
+        lines.append(
+            f"  eval at step {int(e['step'])} (greedy{at_k}): "
+            f"eval_accuracy {e['eval_accuracy']:.3f}"
+        )
     elif eval_every <= 0:
         lines.append("  eval         off (algorithm.evalEverySteps is 0)")
     else:
@@ -454,16 +506,19 @@ def write_token_file(path: Path, token: str) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise RuntimeError(f"{path} is a symbolic link; remove it (the rollout token is "
-                               "written to a regular file only)") from exc  # fmt: skip
+            raise RuntimeError(
+                f"{path} is a symbolic link; remove it (the rollout token is "
+                "written to a regular file only)"
+            ) from exc
         raise RuntimeError(f"cannot write the rollout token to {path}: {exc}") from exc
     with os.fdopen(fd, "w") as f:
         os.fchmod(fd, 0o600)
         f.write(token + "\n")
 
 
-def server_env(env: dict[str, str], placement: CpuPlacement | GpuPlacement | None,
-               index: int) -> dict[str, str]:  # fmt: skip
+def server_env(
+    env: dict[str, str], placement: CpuPlacement | GpuPlacement | None, index: int
+) -> dict[str, str]:
     """A rollout server's environment: its cores or its GPUs when `gspo train` placed them."""
     if isinstance(placement, GpuPlacement):
         return {**env, "CUDA_VISIBLE_DEVICES": placement.servers[index]}
@@ -476,12 +531,17 @@ def server_gpu_args(spec: GSPOJobSpec, placement: GpuPlacement | None) -> list[s
     """The vLLM flags of a server on GPUs: its tensor-parallel size, its memory share."""
     if placement is None or spec.rollout.gpus_per_replica == 0:
         return []
-    return ["--tensor-parallel-size", str(spec.rollout.tensor_parallel_size),
-            "--gpu-memory-utilization", str(spec.rollout.gpu_memory_utilization)]  # fmt: skip
+    return [
+        "--tensor-parallel-size",
+        str(spec.rollout.tensor_parallel_size),
+        "--gpu-memory-utilization",
+        str(spec.rollout.gpu_memory_utilization),
+    ]
 
 
-def process_env(spec: GSPOJobSpec, environ: Mapping[str, str], cache: Path,
-                token: str) -> dict[str, str]:  # fmt: skip
+def process_env(
+    spec: GSPOJobSpec, environ: Mapping[str, str], cache: Path, token: str
+) -> dict[str, str]:
     """The environment of the servers and the learner `gspo train` starts: the caller's
     (less any torch.distributed group it runs in), the model cache, the sync token, and
     HF_HUB_OFFLINE=1 exactly where a cluster's pods get it (`spec.hub_offline`): a model
@@ -554,9 +614,15 @@ def main(argv: list[str]) -> int:
         return run(args, manifest, spec, out, gpus, n_servers, (run_lock.fileno(),))
 
 
-def run(args: argparse.Namespace, manifest: dict[str, Any], spec: GSPOJobSpec, out: Path,
-        gpus: GpuPlacement | None, n_servers: int,
-        lock_fds: tuple[int, ...] = ()) -> int:  # fmt: skip
+def run(
+    args: argparse.Namespace,
+    manifest: dict[str, Any],
+    spec: GSPOJobSpec,
+    out: Path,
+    gpus: GpuPlacement | None,
+    n_servers: int,
+    lock_fds: tuple[int, ...] = (),
+) -> int:
     """The run itself, holding the output directory's lock (`lock_fds`, passed on to every
     process it starts): servers, learner, summary."""
     cache = out / "models"
@@ -605,6 +671,7 @@ def run(args: argparse.Namespace, manifest: dict[str, Any], spec: GSPOJobSpec, o
             weights_dir = ["--weights-dir", str(out / "checkpoints" / ports.WEIGHTS_SUBDIR)]
         for i in range(n_servers):
             port = free_port()
+            # fmt: skip: each flag beside its value, as on a command line (ruff splits the pairs).
             proc = spawn(f"rollout-{i}", [
                 "rollout-server", "--model", model, "--served-model-name", spec.model.name,
                 "--host", "127.0.0.1", "--port", str(port),
@@ -620,8 +687,11 @@ def run(args: argparse.Namespace, manifest: dict[str, Any], spec: GSPOJobSpec, o
         # where its owner (only) can read it, to talk to the policy while it trains.
         token_file = out / ROLLOUT_TOKEN_FILE
         write_token_file(token_file, token)
-        print(f"Rollout servers (vLLM's OpenAI API, token in {token_file}): "
-              f"{', '.join(url for _, url in servers)}", flush=True)  # fmt: skip
+        print(
+            f"Rollout servers (vLLM's OpenAI API, token in {token_file}): "
+            f"{', '.join(url for _, url in servers)}",
+            flush=True,
+        )
         learner_env = {
             **base_env,
             ports.ENV_ROLLOUT_URLS: ",".join(url for _, url in servers),
@@ -639,16 +709,24 @@ def run(args: argparse.Namespace, manifest: dict[str, Any], spec: GSPOJobSpec, o
         }
         if gpus is not None:  # its ranks' LOCAL_RANK index these
             learner_env["CUDA_VISIBLE_DEVICES"] = gpus.learner
+        # fmt: skip: each flag beside its value, as on a command line (ruff splits the pairs).
         learner = spawn("learner", [
             "learner", "--config", str(config), "--checkpoint-dir", str(out / "checkpoints"),
             "--weight-sync-port", str(free_port()), "--metrics-host", "127.0.0.1",
             "--tracker-dir", str(out),  # metrics.reportTo: out/tensorboard, out/wandb, out/mlruns
         ], learner_env, out / "logs" / "learner.log",
            placement.learner if placement else None, lock_fds)  # fmt: skip
-        print(f"Learner started; metrics at http://127.0.0.1:{metrics_port}/metrics "
-              f"(progress at /progress); logs in {out / 'logs'}", flush=True)  # fmt: skip
-        view = ProgressView(out / "checkpoints" / "history.jsonl", spec.algorithm.max_steps,
-                            bar=not args.no_progress, out=sys.stderr)  # fmt: skip
+        print(
+            f"Learner started; metrics at http://127.0.0.1:{metrics_port}/metrics "
+            f"(progress at /progress); logs in {out / 'logs'}",
+            flush=True,
+        )
+        view = ProgressView(
+            out / "checkpoints" / "history.jsonl",
+            spec.algorithm.max_steps,
+            bar=not args.no_progress,
+            out=sys.stderr,
+        )
         while learner.popen.poll() is None:
             view.poll()
             time.sleep(1.0)
@@ -658,8 +736,10 @@ def run(args: argparse.Namespace, manifest: dict[str, Any], spec: GSPOJobSpec, o
         if interrupted and code == ports.LEARNER_STOPPED_EXIT_CODE:
             code = 0  # Ctrl-C: the learner stopped as asked, after a final checkpoint
         if code != 0 and not interrupted:
-            print(f"The learner failed (exit {code}); last lines of its log:\n{learner.tail()}",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"The learner failed (exit {code}); last lines of its log:\n{learner.tail()}",
+                file=sys.stderr,
+            )
     except (RuntimeError, TimeoutError) as exc:
         print(f"gspo train: {exc}", file=sys.stderr)
         code = 1
@@ -675,8 +755,9 @@ def run(args: argparse.Namespace, manifest: dict[str, Any], spec: GSPOJobSpec, o
     records = read_history(out / "checkpoints" / "history.jsonl")
     if records:
         label = spec.algorithm.loss_level.upper()
-        plot_training({label: records}, out / "reward.png",
-                      title=f"gspo train: {spec.model.name}")  # fmt: skip
-    print(summary(out, records, time.monotonic() - start, code,
-                  spec.algorithm.eval_every_steps), flush=True)  # fmt: skip
+        plot_training({label: records}, out / "reward.png", title=f"gspo train: {spec.model.name}")
+    print(
+        summary(out, records, time.monotonic() - start, code, spec.algorithm.eval_every_steps),
+        flush=True,
+    )
     return code

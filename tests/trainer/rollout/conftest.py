@@ -48,6 +48,7 @@ def launch_rollout(model: Path, log_dir: Path, *extra: str) -> RolloutProcess:
         "GSPO_SYNC_TOKEN": TOKEN,
     }
     log_path = log_dir / f"rollout-{port}.log"
+    # fmt: skip: each flag beside its value, as on a command line (ruff splits the pairs).
     cmd = [sys.executable, "-m", "gspo_operator.cli", "rollout-server", "--model", str(model),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
            "--max-model-len", "128", "--max-num-seqs", "32", *extra]  # fmt: skip

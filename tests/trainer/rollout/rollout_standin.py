@@ -160,16 +160,28 @@ class StandInEngine:
         with_logprobs = params.logprobs is not None
         outputs = [
             CompletionOutput(
-                index=k, text="", token_ids=s.token_ids, cumulative_logprob=sum(s.logprobs),
-                logprobs=[{t: Logprob(lp, rank=1)} for t, lp in zip(s.token_ids, s.logprobs,
-                                                                     strict=True)]
-                if with_logprobs else None,
-                finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                index=k,
+                text="",
+                token_ids=s.token_ids,
+                cumulative_logprob=sum(s.logprobs),
+                logprobs=[
+                    {t: Logprob(lp, rank=1)} for t, lp in zip(s.token_ids, s.logprobs, strict=True)
+                ]
+                if with_logprobs
+                else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
             )
             for k, s in enumerate(samples)
-        ]  # fmt: skip
-        return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=list(prompt),
-                             prompt_logprobs=None, outputs=outputs, finished=True)  # fmt: skip
+        ]
+        return RequestOutput(
+            request_id=request_id,
+            prompt=None,
+            prompt_token_ids=list(prompt),
+            prompt_logprobs=None,
+            outputs=outputs,
+            finished=True,
+        )
 
     async def generate(self, prompt: list[int], params: Any, request_id: str) -> list[Sample]:
         self.requests.append((request_id, list(prompt), params))
@@ -248,16 +260,22 @@ class StandInEngineClient:
             model_config=self.model_config, parallel_config=SimpleNamespace(world_size=1)
         )
 
-    async def generate(self, prompt: dict[str, Any], sampling_params: Any, request_id: str,
-                       **kwargs: Any) -> AsyncIterator[Any]:  # fmt: skip
+    async def generate(
+        self, prompt: dict[str, Any], sampling_params: Any, request_id: str, **kwargs: Any
+    ) -> AsyncIterator[Any]:
         """One final RequestOutput holding all n samples (the route's and warm-up's
         FINAL_ONLY output)."""
-        yield await self.engine.output(list(prompt["prompt_token_ids"]), sampling_params,
-                                       request_id)  # fmt: skip
+        yield await self.engine.output(
+            list(prompt["prompt_token_ids"]), sampling_params, request_id
+        )
 
-    async def collective_rpc(self, method: str, timeout: float | None = None,
-                             args: tuple[Any, ...] = (),
-                             kwargs: dict[str, Any] | None = None) -> list[Any]:  # fmt: skip
+    async def collective_rpc(
+        self,
+        method: str,
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
         """As vLLM's MultiprocExecutor.collective_rpc: the worker runs calls one at a time, in
         order, and the caller reads the next reply off the worker's reply queue, without a
         call id; a call that times out leaves its reply there for the next call to read."""
@@ -271,8 +289,10 @@ class StandInEngineClient:
         except queue.Empty:
             raise TimeoutError(f"RPC call to {method} timed out.") from None
         if not ok:
-            raise RuntimeError(f"Worker failed with error '{result}', please check the stack "
-                               "trace above for the root cause")  # fmt: skip
+            raise RuntimeError(
+                f"Worker failed with error '{result}', please check the stack "
+                "trace above for the root cause"
+            )
         return [result]
 
     def _serve_calls(self) -> None:
@@ -285,8 +305,9 @@ class StandInEngineClient:
             except Exception as exc:  # the worker reports it and serves the next call
                 self._replies.put((False, exc))
 
-    async def reset_prefix_cache(self, reset_running_requests: bool = False,
-                                 reset_connector: bool = False) -> bool:  # fmt: skip
+    async def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
         self.engine.prefix_cache_resets += 1
         return True
 
@@ -297,8 +318,11 @@ class StandInEngineClient:
             raise EngineDeadError()
 
 
-def plugin_env(initial_version: int | None = 0, token: str | None = TOKEN,
-               weights_dir: Path | str | None = None) -> dict[str, str | None]:  # fmt: skip
+def plugin_env(
+    initial_version: int | None = 0,
+    token: str | None = TOKEN,
+    weights_dir: Path | str | None = None,
+) -> dict[str, str | None]:
     """The plugin's settings as a server's environment gives them (None: unset)."""
     from gspo_trainer import ports
 
@@ -345,14 +369,13 @@ def _check_prompt(ids: list[int], max_model_len: int, vocab_size: int) -> None:
             f"This model's maximum context length is {max_model_len} tokens. However, your "
             f"prompt contains {len(ids)} input tokens, which exceeds this limit even without "
             "any output tokens. Please reduce the length of the input prompt.",
-            parameter="input_tokens", value=len(ids),
-        )  # fmt: skip
+            parameter="input_tokens",
+            value=len(ids),
+        )
     if ids and min(ids) < 0:
-        raise VLLMValidationError(f"Token id {min(ids)} is out of vocabulary",
-                                  parameter="prompt")  # fmt: skip
+        raise VLLMValidationError(f"Token id {min(ids)} is out of vocabulary", parameter="prompt")
     if ids and max(ids) > vocab_size - 1:
-        raise VLLMValidationError(f"Token id {max(ids)} is out of vocabulary",
-                                  parameter="prompt")  # fmt: skip
+        raise VLLMValidationError(f"Token id {max(ids)} is out of vocabulary", parameter="prompt")
     if not ids:
         raise VLLMValidationError("The decoder prompt cannot be empty")
 
@@ -362,20 +385,32 @@ def _choice(index: int, out: Any, prompt_ids: list[int], request: Any) -> dict[s
     if request.logprobs is not None:
         tokens = [f"token_id:{t}" for t in out.token_ids]
         offsets = list(itertools.accumulate((len(tok) for tok in tokens[:-1]), initial=0))
-        token_logprobs = [max(step[t].logprob, -9999.0)
-                          for t, step in zip(out.token_ids, out.logprobs, strict=True)]  # fmt: skip
-        logprobs = {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens,
-                    "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, token_logprobs,
-                                                                  strict=True)]}  # fmt: skip
+        token_logprobs = [
+            max(step[t].logprob, -9999.0)
+            for t, step in zip(out.token_ids, out.logprobs, strict=True)
+        ]
+        logprobs = {
+            "text_offset": offsets,
+            "token_logprobs": token_logprobs,
+            "tokens": tokens,
+            "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, token_logprobs, strict=True)],
+        }
     ids = request.return_token_ids
-    return {"index": index, "text": "", "logprobs": logprobs,
-            "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
-            "prompt_logprobs": None, "prompt_token_ids": list(prompt_ids) if ids else None,
-            "token_ids": list(out.token_ids) if ids else None}  # fmt: skip
+    return {
+        "index": index,
+        "text": "",
+        "logprobs": logprobs,
+        "finish_reason": out.finish_reason,
+        "stop_reason": out.stop_reason,
+        "prompt_logprobs": None,
+        "prompt_token_ids": list(prompt_ids) if ids else None,
+        "token_ids": list(out.token_ids) if ids else None,
+    }
 
 
-def build_app(engine: StandInEngine, env: dict[str, str | None] | None = None,
-              registry: Any = None) -> Any:  # fmt: skip
+def build_app(
+    engine: StandInEngine, env: dict[str, str | None] | None = None, registry: Any = None
+) -> Any:
     """A stand-in server's FastAPI app: the plugin attached, its state initialized when the
     app starts (lifespan). `env`: the plugin's settings (`plugin_env`), set while it is
     constructed; None: as this process's environment has them. `registry`: the Prometheus
@@ -420,8 +455,12 @@ def build_app(engine: StandInEngine, env: dict[str, str | None] | None = None,
         if request.stream:
             return error("the stand-in does not stream", "NotImplementedError", 501)
         if request.model and request.model != MODEL:
-            return error(f"The model `{request.model}` does not exist. Valid aliases: {MODEL}.",
-                         "NotFoundError", 404, "model")  # fmt: skip
+            return error(
+                f"The model `{request.model}` does not exist. Valid aliases: {MODEL}.",
+                "NotFoundError",
+                404,
+                "model",
+            )
         max_model_len = engine.max_model_len
         request.build_tok_params(client.model_config)  # max_tokens over max_model_len: 400
         prompts = _prompts(request.prompt, engine)
@@ -431,9 +470,12 @@ def build_app(engine: StandInEngine, env: dict[str, str | None] | None = None,
         generators = []
         for i, ids in enumerate(prompts):
             max_tokens = get_max_tokens(
-                max_model_len, request.max_tokens, len(ids), {},
+                max_model_len,
+                request.max_tokens,
+                len(ids),
+                {},
                 truncate_prompt_tokens=request.truncate_prompt_tokens,
-            )  # fmt: skip
+            )
             params = request.to_sampling_params(max_tokens, {})
             engine_input = {"prompt_token_ids": ids}
             generators.append(client.generate(engine_input, params, f"{request_id}-{i}"))
@@ -449,12 +491,20 @@ def build_app(engine: StandInEngine, env: dict[str, str | None] | None = None,
                 choices.append(_choice(len(choices), out, ids, request))
         prompt_tokens = sum(len(ids) for ids in prompts)
         completion_tokens = sum(len(o.token_ids) for r in results for o in r.outputs)
-        return JSONResponse({
-            "id": request_id, "object": "text_completion", "created": int(time.time()),
-            "model": MODEL, "choices": choices,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens},
-        })  # fmt: skip
+        return JSONResponse(
+            {
+                "id": request_id,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": MODEL,
+                "choices": choices,
+                "usage": {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": completion_tokens,
+                    "total_tokens": prompt_tokens + completion_tokens,
+                },
+            }
+        )
 
     @app.post("/inference/v1/generate", dependencies=[Depends(validate_json_request)])
     async def generate_tokens(raw_request: Request) -> Any:
@@ -464,29 +514,41 @@ def build_app(engine: StandInEngine, env: dict[str, str | None] | None = None,
 
         body = await raw_request.json()
         if body.get("model") not in (None, MODEL):
-            return error(f"The model `{body['model']}` does not exist. Valid aliases: {MODEL}.",
-                         "NotFoundError", 404, "model")  # fmt: skip
+            return error(
+                f"The model `{body['model']}` does not exist. Valid aliases: {MODEL}.",
+                "NotFoundError",
+                404,
+                "model",
+            )
         ids = list(body.get("token_ids") or [])
         _check_prompt(ids, engine.max_model_len, engine.vocab_size)
         raw = dict(body.get("sampling_params") or {})
-        max_tokens = get_max_tokens(engine.max_model_len, raw.pop("max_tokens", None), len(ids),
-                                    {})  # fmt: skip
+        max_tokens = get_max_tokens(engine.max_model_len, raw.pop("max_tokens", None), len(ids), {})
         params = SamplingParams(max_tokens=max_tokens, **raw)
         request_id = f"generate-tokens-{uuid.uuid4().hex}"
-        outputs = [out async for out in client.generate({"prompt_token_ids": ids}, params,
-                                                        request_id)]  # fmt: skip
+        outputs = [
+            out async for out in client.generate({"prompt_token_ids": ids}, params, request_id)
+        ]
         choices = []
         for k, out in enumerate(outputs[-1].outputs):
             content = None
             if params.logprobs is not None:
                 steps = zip(out.token_ids, out.logprobs, strict=True)
-                content = [{"token_id": t, "logprob": max(step[t].logprob, -9999.0)}
-                           for t, step in steps]  # fmt: skip
-            choices.append({"index": k, "finish_reason": out.finish_reason,
-                            "stop_reason": out.stop_reason, "token_ids": list(out.token_ids),
-                            "logprobs": {"content": content}})  # fmt: skip
-        return JSONResponse({"request_id": request_id, "model": MODEL,
-                             "output_mode": "tokens", "choices": choices})  # fmt: skip
+                content = [
+                    {"token_id": t, "logprob": max(step[t].logprob, -9999.0)} for t, step in steps
+                ]
+            choices.append(
+                {
+                    "index": k,
+                    "finish_reason": out.finish_reason,
+                    "stop_reason": out.stop_reason,
+                    "token_ids": list(out.token_ids),
+                    "logprobs": {"content": content},
+                }
+            )
+        return JSONResponse(
+            {"request_id": request_id, "model": MODEL, "output_mode": "tokens", "choices": choices}
+        )
 
     metrics = Mount("/metrics", make_asgi_app(registry=registry or REGISTRY))
     metrics.path_regex = re.compile("^/metrics(?P<path>.*)$")  # as vLLM: no 307 to /metrics/
@@ -515,9 +577,15 @@ def free_port() -> int:
 def _uvicorn_server(app: Any, port: int) -> Any:
     import uvicorn
 
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                            access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=5)  # fmt: skip
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+    )
     return uvicorn.Server(config)
 
 
@@ -559,9 +627,13 @@ class InProcessServer:
             await self.task
 
 
-async def serve_in_process(engine: StandInEngine, initial_version: int | None = 0, *,
-                           token: str | None = TOKEN, weights_dir: Path | None = None,
-                           ) -> tuple[InProcessServer, str]:  # fmt: skip
+async def serve_in_process(
+    engine: StandInEngine,
+    initial_version: int | None = 0,
+    *,
+    token: str | None = TOKEN,
+    weights_dir: Path | None = None,
+) -> tuple[InProcessServer, str]:
     """Serve a stand-in around `engine` in this process: (the server, its URL). Each gets its
     own Prometheus registry (several may run at once; a real server is a process of its own)."""
     from prometheus_client import CollectorRegistry
@@ -572,9 +644,12 @@ async def serve_in_process(engine: StandInEngine, initial_version: int | None = 
 
 
 async def spawn_standin(
-    delay_s: float, engine: str = "plain", initial_version: int | None = 0, port: int = 0,
+    delay_s: float,
+    engine: str = "plain",
+    initial_version: int | None = 0,
+    port: int = 0,
     weights_dir: Path | None = None,
-) -> tuple[subprocess.Popen[bytes], str]:  # fmt: skip
+) -> tuple[subprocess.Popen[bytes], str]:
     """Start this file as a server process; return it and its URL once /health answers.
 
     engine "plain": StandInEngine(delay_s); "gloo": GlooEngine(delay_s per loaded tensor).
@@ -603,8 +678,10 @@ async def spawn_standin(
             await asyncio.sleep(0.1)
     proc.kill()
     proc.wait(timeout=10)
-    raise TimeoutError(f"stand-in server on {url} did not answer /health within "
-                       f"{STARTUP_TIMEOUT_S:.0f} s (exit status {proc.returncode})")  # fmt: skip
+    raise TimeoutError(
+        f"stand-in server on {url} did not answer /health within "
+        f"{STARTUP_TIMEOUT_S:.0f} s (exit status {proc.returncode})"
+    )
 
 
 def _main(argv: Sequence[str]) -> None:

@@ -16,14 +16,26 @@ def reply(n: int = 2, tokens: int = 3, **change: Any) -> dict[str, Any]:
     """A reply as vLLM's route writes it (output_mode "tokens", logprobs 0), choices in
     reverse order (the route numbers them; the client must sort)."""
     choices = [
-        {"index": k, "finish_reason": "length", "stop_reason": None,
-         "token_ids": [10 * k + t for t in range(tokens)],
-         "logprobs": {"content": [{"token_id": 10 * k + t, "logprob": -0.25 * (t + 1),
-                                   "top_logprobs": []} for t in range(tokens)]}}
+        {
+            "index": k,
+            "finish_reason": "length",
+            "stop_reason": None,
+            "token_ids": [10 * k + t for t in range(tokens)],
+            "logprobs": {
+                "content": [
+                    {"token_id": 10 * k + t, "logprob": -0.25 * (t + 1), "top_logprobs": []}
+                    for t in range(tokens)
+                ]
+            },
+        }
         for k in reversed(range(n))
-    ]  # fmt: skip
-    body = {"request_id": "generate-tokens-1", "model": "m", "output_mode": "tokens",
-            "choices": choices}  # fmt: skip
+    ]
+    body = {
+        "request_id": "generate-tokens-1",
+        "model": "m",
+        "output_mode": "tokens",
+        "choices": choices,
+    }
     for path, value in change.items():
         *keys, last = path.split("__")
         target: Any = body
@@ -33,8 +45,9 @@ def reply(n: int = 2, tokens: int = 3, **change: Any) -> dict[str, Any]:
     return body
 
 
-def parse(body: dict[str, Any], n: int = 2, version: str | None = "3",
-          expected: int | None = 3) -> list[dict[str, Any]]:  # fmt: skip
+def parse(
+    body: dict[str, Any], n: int = 2, version: str | None = "3", expected: int | None = 3
+) -> list[dict[str, Any]]:
     return _parse_choices(json.dumps(body).encode(), n, version, expected)
 
 

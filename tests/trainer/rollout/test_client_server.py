@@ -42,8 +42,15 @@ def _check_groups(batch: Any, params: SamplingParams = PARAMS) -> None:
 
 def completion(prompt: list[int], **sampling: Any) -> dict[str, Any]:
     """A /v1/completions body as the learner's client sends it."""
-    return {"model": MODEL, "prompt": prompt, "n": 1, "max_tokens": 3, "logprobs": 0,
-            "return_token_ids": True, **sampling}  # fmt: skip
+    return {
+        "model": MODEL,
+        "prompt": prompt,
+        "n": 1,
+        "max_tokens": 3,
+        "logprobs": 0,
+        "return_token_ids": True,
+        **sampling,
+    }
 
 
 async def test_order_and_spread_over_two_servers() -> None:
@@ -61,8 +68,12 @@ async def test_order_and_spread_over_two_servers() -> None:
         assert sum(counts) == len(PROMPTS) and counts[0] >= 16  # least-outstanding: ~even
         # One request per prompt, each with its batch seed (base + index * n), whichever
         # server and chunk it went to.
-        seeds = sorted((p, params.seed) for e in engines for rid, p, params in e.requests
-                       if rid.startswith(ROUTE_REQUESTS))  # fmt: skip
+        seeds = sorted(
+            (p, params.seed)
+            for e in engines
+            for rid, p, params in e.requests
+            if rid.startswith(ROUTE_REQUESTS)
+        )
         assert seeds == sorted((p, 1000 + i * 3) for i, p in enumerate(PROMPTS))
         for engine in engines:  # the plugin warmed each engine up once, at start-up
             assert len(engine.warm_ups) == 1 and engine.requests[0][0] == engine.warm_ups[0]
@@ -147,8 +158,9 @@ async def test_not_synced_server_gets_no_traffic_and_is_not_ready() -> None:
             assert resp.status == 200 and health["synced"] is False
             assert health["policy_version"] is None
             # Asked directly, it refuses to generate rather than serve unsynced weights.
-            async with http.post(b[1] + "/v1/completions", json=completion([3, 4]),
-                                 headers=AUTH) as resp:  # fmt: skip
+            async with http.post(
+                b[1] + "/v1/completions", json=completion([3, 4]), headers=AUTH
+            ) as resp:
                 assert resp.status == 503 and "not synced" in (await resp.json())["error"]
         async with RolloutClient([a[1], b[1]], TOKEN) as client:
             batch = await client.generate(PROMPTS, PARAMS)
@@ -165,8 +177,13 @@ async def test_control_routes_need_the_token() -> None:
     server, url = await serve_in_process(engine, 1)
     try:
         async with aiohttp.ClientSession() as http:
-            paths = ("/control/pause", "/control/resume", "/control/sync/update",
-                     "/control/sync/init", "/control/sync/load")  # fmt: skip
+            paths = (
+                "/control/pause",
+                "/control/resume",
+                "/control/sync/update",
+                "/control/sync/init",
+                "/control/sync/load",
+            )
             for path in paths:
                 for headers in ({}, {"Authorization": "Bearer wrong"}):
                     async with http.post(url + path, json={}, headers=headers) as resp:
@@ -184,8 +201,9 @@ async def test_control_routes_need_the_token() -> None:
             async with http.get(url + "/metrics") as resp:
                 text = await resp.text()
             assert "gspo_rollout_policy_version 99.0" in text
-            async with http.post(url + "/v1/completions", json=completion([3]),
-                                 headers=AUTH) as resp:  # fmt: skip
+            async with http.post(
+                url + "/v1/completions", json=completion([3]), headers=AUTH
+            ) as resp:
                 assert resp.headers[ports.VERSION_HEADER] == "99"
     finally:
         await server.stop()

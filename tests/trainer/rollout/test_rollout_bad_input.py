@@ -19,8 +19,14 @@ from rollout_standin import MODEL, TOKEN, StandInEngine, serve_in_process
 
 from gspo_trainer import ports
 
-GOOD = {"model": MODEL, "prompt": [3, 4, 5], "n": 2, "max_tokens": 4, "logprobs": 0,
-        "return_token_ids": True}  # fmt: skip
+GOOD = {
+    "model": MODEL,
+    "prompt": [3, 4, 5],
+    "n": 2,
+    "max_tokens": 4,
+    "logprobs": 0,
+    "return_token_ids": True,
+}
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
@@ -112,11 +118,15 @@ BAD_CONTROL = [
     ("/control/pause", b"{nope", 400, "not JSON"),
     ("/control/pause", b"[1, 2]", 400, "JSON object"),
     ("/control/sync/init", b"{}", 400, "missing fields"),
-    ("/control/sync/init", b'{"master_addr": "127.0.0.1", "master_port": 1}', 400,
-     "'rank_offset', 'world_size', 'group_name'"),
+    (
+        "/control/sync/init",
+        b'{"master_addr": "127.0.0.1", "master_port": 1}',
+        400,
+        "'rank_offset', 'world_size', 'group_name'",
+    ),
     ("/control/sync/update", b"7", 400, "JSON object"),
     ("/control/sync/load", b'{"name": "v00000001", "version": 1}', 409, "GSPO_WEIGHTS_DIR"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("path", "raw", "status", "words"), BAD_CONTROL)

@@ -36,8 +36,13 @@ async def test_without_a_token_the_control_routes_are_disabled() -> None:
     server, url = await serve_in_process(engine, 5, token=None)
     try:
         async with aiohttp.ClientSession() as http:
-            for path in ("/control/pause", "/control/resume", "/control/sync/update",
-                         "/control/sync/init", "/control/sync/load"):  # fmt: skip
+            for path in (
+                "/control/pause",
+                "/control/resume",
+                "/control/sync/update",
+                "/control/sync/init",
+                "/control/sync/load",
+            ):
                 for headers in ({}, GOOD):
                     async with http.post(url + path, json={}, headers=headers) as resp:
                         assert resp.status == 403, path

@@ -29,8 +29,9 @@ SAMPLE = SamplingParams(n=3, max_tokens=10, temperature=1.0, seed=7)
 GREEDY = SamplingParams(n=1, max_tokens=10, temperature=0.0)
 
 
-def hf_logprobs(model: Any, prompt: list[int], response: list[int],
-                temperature: float = 1.0) -> torch.Tensor:  # fmt: skip
+def hf_logprobs(
+    model: Any, prompt: list[int], response: list[int], temperature: float = 1.0
+) -> torch.Tensor:
     """log pi(response_t | prompt, response_<t) from a transformers forward, under the
     sampling temperature (the distribution the tokens were drawn from).  # (T,)"""
     ids = torch.tensor([prompt + response])  # (1, P+T)
@@ -116,14 +117,16 @@ def weights_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def dense_pair(start_rollout: Any, dense_dir: Path, weights_root: Path) -> list[Any]:
-    return start_rollout(dense_dir, 2, "--initial-policy-version", "0",
-                         "--weights-dir", str(weights_root))  # fmt: skip
+    return start_rollout(
+        dense_dir, 2, "--initial-policy-version", "0", "--weights-dir", str(weights_root)
+    )
 
 
 def sync_from_files(urls: list[str], model: Any, version: int, root: Path) -> Any:
     async def run() -> Any:
-        sync = SyncOptions(master_addr="127.0.0.1", method="filesystem", directory=str(root),
-                           bucket_mb=0.05)  # fmt: skip
+        sync = SyncOptions(
+            master_addr="127.0.0.1", method="filesystem", directory=str(root), bucket_mb=0.05
+        )
         async with RolloutClient(urls, TOKEN, sync=sync) as client:
             return await client.sync_weights(model.named_parameters(), version=version)
 
@@ -134,8 +137,9 @@ def test_moe_generation_logprobs_and_update(
     start_rollout: Any, model_root: Path, tmp_path: Path
 ) -> None:
     moe_dir = materialize("builtin:tiny-qwen3-moe", model_root)
-    (server,) = start_rollout(moe_dir, 1, "--initial-policy-version", "0",
-                              "--weights-dir", str(tmp_path))  # fmt: skip
+    (server,) = start_rollout(
+        moe_dir, 1, "--initial-policy-version", "0", "--weights-dir", str(tmp_path)
+    )
     old, _ = build_tiny_model("builtin:tiny-qwen3-moe")
     new = with_experts_perturbed(old, std=0.3)  # only the experts differ
     first = generate([server.url], SAMPLE)
@@ -334,8 +338,9 @@ def test_server_killed_mid_sync_the_survivor_takes_the_version(
     source = KillMidBroadcast(after, after=len(list(after.parameters())) // 2, victim=victim)
 
     async def run() -> tuple[Any, Any, RolloutBatch]:
-        sync = SyncOptions(master_addr="127.0.0.1", master_port=free_port(), bucket_mb=0.01,
-                           timeout_s=20)  # fmt: skip
+        sync = SyncOptions(
+            master_addr="127.0.0.1", master_port=free_port(), bucket_mb=0.01, timeout_s=20
+        )
         async with RolloutClient([survivor.url, victim.url], TOKEN, sync=sync) as client:
             clean = await client.sync_weights(before.named_parameters(), version=11)
             broken = await client.sync_weights(source, version=12)

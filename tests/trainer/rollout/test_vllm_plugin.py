@@ -43,8 +43,9 @@ NAME = "builtin:tiny-qwen3"
 PROMPT = [3, 4, 13, 5, 14]
 
 
-def call(url: str, body: dict[str, Any] | None = None, token: str | None = TOKEN,
-         timeout_s: float = 60) -> tuple[int, dict[str, str], Any]:  # fmt: skip
+def call(
+    url: str, body: dict[str, Any] | None = None, token: str | None = TOKEN, timeout_s: float = 60
+) -> tuple[int, dict[str, str], Any]:
     """(status, headers, JSON body) of a GET (no body) or POST."""
     headers = {"Content-Type": "application/json"}
     if token:
@@ -59,8 +60,16 @@ def call(url: str, body: dict[str, Any] | None = None, token: str | None = TOKEN
 
 
 def complete(url: str, temperature: float = 0.7, **kw: Any) -> tuple[int, dict[str, str], Any]:
-    body = {"model": NAME, "prompt": [PROMPT], "max_tokens": 8, "n": 2, "logprobs": 0,
-            "return_token_ids": True, "temperature": temperature, "seed": 5}  # fmt: skip
+    body = {
+        "model": NAME,
+        "prompt": [PROMPT],
+        "max_tokens": 8,
+        "n": 2,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "temperature": temperature,
+        "seed": 5,
+    }
     return call(url + "/v1/completions", body, **kw)
 
 
@@ -71,18 +80,23 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     port = free_port()
     # What `gspo rollout-server` would exec: the builtin model built, CPU defaults, no chat
     # template in the tiny tokenizer so the plain one, the plugin and token in the env.
+    # fmt: skip: each flag beside its value, as on a command line (ruff splits the pairs).
     args = parse_args(["--model", NAME, "--host", "127.0.0.1", "--port", str(port),
                        "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "16",
                        "--cache-dir", str(root / "models"),
                        "--weights-dir", str(root / "weights")])  # fmt: skip
-    environ = {**os.environ, ports.ENV_SYNC_TOKEN: TOKEN,
-               "PYTHONPATH": f"{REPO / 'operator'}:{REPO / 'trainer'}"}  # fmt: skip
+    environ = {
+        **os.environ,
+        ports.ENV_SYNC_TOKEN: TOKEN,
+        "PYTHONPATH": f"{REPO / 'operator'}:{REPO / 'trainer'}",
+    }
     argv, env = command(args, environ)
     assert "--chat-template" in argv and env["VLLM_API_KEY"] == TOKEN
     log = root / "server.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
@@ -124,8 +138,12 @@ def test_a_server_serves_nothing_until_the_learner_syncs_it(server: Any) -> None
 def test_the_token_guards_every_route_but_the_probes_and_metrics(server: Any) -> None:
     url, _ = server
     tokenize = {"model": NAME, "prompt": "1+2"}
-    for path, body in (("/tokenize", tokenize), ("/v1/completions", {"model": NAME}),
-                       ("/control/pause", {}), ("/control/sync/update", {})):  # fmt: skip
+    for path, body in (
+        ("/tokenize", tokenize),
+        ("/v1/completions", {"model": NAME}),
+        ("/control/pause", {}),
+        ("/control/sync/update", {}),
+    ):
         assert call(url + path, body, token=None)[0] == 401, path
         assert call(url + path, body, token="wrong")[0] == 401, path
     assert call(url + "/tokenize", tokenize)[0] == 200
@@ -147,8 +165,13 @@ def test_weights_from_the_learner_are_what_generates_and_each_response_names_its
             p.add_(0.2 * torch.randn_like(p))
 
     async def sync(weights: Any, version: int, method: str = "broadcast") -> Any:
-        opts = SyncOptions(master_addr="127.0.0.1", master_port=free_port(), timeout_s=120,
-                           method=method, directory=str(root / "weights"))  # fmt: skip
+        opts = SyncOptions(
+            master_addr="127.0.0.1",
+            master_port=free_port(),
+            timeout_s=120,
+            method=method,
+            directory=str(root / "weights"),
+        )
         async with RolloutClient([url], TOKEN, sync=opts) as client:
             return await client.sync_weights(weights.named_parameters(), version=version)
 
@@ -216,8 +239,12 @@ def test_bad_generation_requests_are_refused_and_leave_nothing_held(server: Any)
     generation; none stays admitted (a leak would hang the next sync's drain) and the server
     answers the next good request."""
     url = server[0] + "/inference/v1/generate"
-    good = {"model": NAME, "token_ids": PROMPT, "output_mode": "tokens",
-            "sampling_params": {"n": 1, "max_tokens": 4, "logprobs": 0}}  # fmt: skip
+    good = {
+        "model": NAME,
+        "token_ids": PROMPT,
+        "output_mode": "tokens",
+        "sampling_params": {"n": 1, "max_tokens": 4, "logprobs": 0},
+    }
     for what, change in BAD_GENERATIONS.items():
         body = {**good, **change}
         if "sampling_params" in change:
@@ -257,8 +284,12 @@ def test_a_paused_server_holds_generations_until_it_resumes(server: Any) -> None
     status, headers, _ = result[0]
     assert status == 200 and ports.VERSION_HEADER in headers
     # A control body that is not JSON is refused with the reason, not a server error.
-    req = urllib.request.Request(url + "/control/pause", b"{nope", method="POST",
-                                 headers={"Authorization": f"Bearer {TOKEN}"})  # fmt: skip
+    req = urllib.request.Request(
+        url + "/control/pause",
+        b"{nope",
+        method="POST",
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    )
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(req, timeout=10)
     assert err.value.code == 400 and "not JSON" in json.loads(err.value.read())["error"]

@@ -73,8 +73,9 @@ async def test_every_server_loads_the_version_and_one_without_the_volume_is_left
     started.append(await serve_in_process(engines[2], None))  # no $GSPO_WEIGHTS_DIR
     urls = [url for _, url in started]
     try:
-        sync = SyncOptions(master_addr="127.0.0.1", method="filesystem", directory=str(weights),
-                           bucket_mb=0.05)  # fmt: skip
+        sync = SyncOptions(
+            master_addr="127.0.0.1", method="filesystem", directory=str(weights), bucket_mb=0.05
+        )
         async with RolloutClient(urls, TOKEN, sync=sync) as client:
             report = await client.sync_weights(model.named_parameters(), version=5)
             assert report.servers == urls[:2] and report.servers_failed == [urls[2]]
@@ -93,12 +94,17 @@ async def test_every_server_loads_the_version_and_one_without_the_volume_is_left
             for url, version in zip(urls, [5, 5, None], strict=True):
                 async with http.get(url + "/health") as resp:
                     assert (await resp.json())["policy_version"] == version
-            async with http.post(urls[2] + "/control/sync/load", headers=AUTH,
-                                 json={"name": "v00000005", "version": 5}) as resp:  # fmt: skip
+            async with http.post(
+                urls[2] + "/control/sync/load",
+                headers=AUTH,
+                json={"name": "v00000005", "version": 5},
+            ) as resp:
                 assert resp.status == 409 and "GSPO_WEIGHTS_DIR" in (await resp.json())["error"]
-            async with http.post(urls[0] + "/v1/completions", headers=AUTH,
-                                 json={"prompt": [3, 4], "max_tokens": 2,
-                                       "return_token_ids": True}) as resp:  # fmt: skip
+            async with http.post(
+                urls[0] + "/v1/completions",
+                headers=AUTH,
+                json={"prompt": [3, 4], "max_tokens": 2, "return_token_ids": True},
+            ) as resp:
                 assert resp.status == 200 and resp.headers[ports.VERSION_HEADER] == "5"
                 digest = int(sum(float(t.double().sum()) for t in expected.values())) % 15
                 assert (await resp.json())["choices"][0]["token_ids"][0] == digest

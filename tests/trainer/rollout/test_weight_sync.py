@@ -20,8 +20,10 @@ def _named(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, 
 
 
 def _round_trip(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> list[ws.Bucket]:
-    metas = [(n, tuple(t.shape), str(t.dtype)[6:], t.numel() * t.element_size())
-             for n, t in tensors.items()]  # fmt: skip
+    metas = [
+        (n, tuple(t.shape), str(t.dtype)[6:], t.numel() * t.element_size())
+        for n, t in tensors.items()
+    ]
     buckets = ws.plan_buckets(metas, bucket_bytes)
     decoded = list(ws.decode_layout(ws.encode_layout(buckets)))
     assert decoded == buckets
@@ -41,10 +43,16 @@ def _round_trip(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> list[ws.
 
 
 def test_round_trip_mixed_dtypes_and_shapes() -> None:
-    tensors = _named({
-        "a": ((3, 5), torch.float32), "b": ((7,), torch.bfloat16), "c": ((), torch.float16),
-        "d": ((2, 3, 4), torch.int64), "e": ((0,), torch.float32), "f": ((9,), torch.uint8),
-    })  # fmt: skip
+    tensors = _named(
+        {
+            "a": ((3, 5), torch.float32),
+            "b": ((7,), torch.bfloat16),
+            "c": ((), torch.float16),
+            "d": ((2, 3, 4), torch.int64),
+            "e": ((0,), torch.float32),
+            "f": ((9,), torch.uint8),
+        }
+    )
     _round_trip(tensors, bucket_bytes=128)
     _round_trip(tensors, bucket_bytes=1 << 20)
 
@@ -60,8 +68,13 @@ def test_bucket_boundaries_respect_size_and_alignment() -> None:
 
 
 def test_tensor_larger_than_a_bucket_gets_its_own() -> None:
-    tensors = _named({"small": ((4,), torch.float32), "big": ((100,), torch.float32),
-                      "tail": ((4,), torch.float32)})  # fmt: skip
+    tensors = _named(
+        {
+            "small": ((4,), torch.float32),
+            "big": ((100,), torch.float32),
+            "tail": ((4,), torch.float32),
+        }
+    )
     buckets = _round_trip(tensors, bucket_bytes=64)
     assert [[m.name for m in b.tensors] for b in buckets] == [["small"], ["big"], ["tail"]]
     assert buckets[1].nbytes == 400

@@ -36,10 +36,11 @@ def main() -> None:
         if len(sys.argv) > 2:
             with open(sys.argv[2], encoding="utf-8") as f:
                 exec(compile(f.read(), sys.argv[2], "exec"), namespace)
-            if callable(namespace.get("check")):
+            check = namespace.get("check")
+            if callable(check):
                 if sys.argv[3] not in namespace:  # the program lacks the function checked
                     raise NameError(f"name {sys.argv[3]!r} is not defined")
-                namespace["check"](namespace[sys.argv[3]])
+                check(namespace[sys.argv[3]])
             sys.stdout.write("\n" + done + "\n")
     except MemoryError:
         sys.stderr.write("MemoryError\n")

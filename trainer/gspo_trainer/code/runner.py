@@ -128,12 +128,13 @@ def classify(result: RunResult) -> Outcome:
         return "runtime_error"
     if result.exit_code in (SIGXCPU_EXIT, SIGKILL_EXIT):  # the CPU limit's soft, then hard
         return "timeout"
-    return {
+    by_exit_code: dict[int, Outcome] = {
         0: "passed",
         COMPILE_ERROR: "compile_error",
         MEMORY_ERROR: "memory",
         ASSERTION_FAILED: "wrong_answer",
-    }.get(result.exit_code or 0, "runtime_error")
+    }
+    return by_exit_code.get(result.exit_code or 0, "runtime_error")
 
 
 @dataclass

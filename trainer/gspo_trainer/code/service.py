@@ -178,9 +178,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--host", default="0.0.0.0", help="address to listen on")
     p.add_argument("--port", type=int, default=8080, help="port of POST /run and GET /healthz")
-    token = p.add_mutually_exclusive_group(required=True)
-    token.add_argument("--token-file", help="file holding the job's bearer token")
-    token.add_argument("--token-sha256-file", help="file holding its hex SHA-256 instead")
+    token_source = p.add_mutually_exclusive_group(required=True)
+    token_source.add_argument("--token-file", help="file holding the job's bearer token")
+    token_source.add_argument("--token-sha256-file", help="file holding its hex SHA-256 instead")
     p.add_argument("--sandbox", default="{}", help="reward.sandbox as JSON (camelCase keys)")
     args = p.parse_args(argv)
     with open(args.token_file or args.token_sha256_file, encoding="utf-8") as f:

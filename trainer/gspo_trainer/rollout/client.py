@@ -56,8 +56,7 @@ class RequestRefused(RolloutError):
 class ServerError(Exception):
     """A server answered, but not with a usable result; try another server."""
 
-    def __init__(self, message: str, status: int | None = None,
-                 payload: Any = None) -> None:  # fmt: skip
+    def __init__(self, message: str, status: int | None = None, payload: Any = None) -> None:
         super().__init__(message)
         self.status, self.payload = status, payload
 
@@ -169,8 +168,9 @@ class RolloutClient:
             if resp.status in (401, 403):
                 raise RolloutError(f"{url}{path}: {resp.status} {_error_text(payload)}")
             if resp.status != 200:
-                raise ServerError(f"{url}{path}: {resp.status} {_error_text(payload)}",
-                                  resp.status, payload)  # fmt: skip
+                raise ServerError(
+                    f"{url}{path}: {resp.status} {_error_text(payload)}", resp.status, payload
+                )
             return payload
 
     # --- health ------------------------------------------------------------------------
@@ -269,21 +269,27 @@ class RolloutClient:
                 ]
             return
 
-    async def _complete(self, server: Server, chunk: list[list[int]], start: int,
-                        params: SamplingParams) -> list[list[dict[str, Any]]]:  # fmt: skip
+    async def _complete(
+        self, server: Server, chunk: list[list[int]], start: int, params: SamplingParams
+    ) -> list[list[dict[str, Any]]]:
         """A chunk through vLLM's token-in/token-out route (/inference/v1/generate): one
         request per prompt, each with its own seed (vLLM's /v1/completions would give a
         batched request's prompts one seed, so one random stream, and detokenize every
         token besides)."""
         if server.model is None:
             raise ServerError(f"{server.url} did not name its model on /health")
-        return list(await asyncio.gather(*(
-            self._complete_one(server, prompt, start + i, params.for_prompt(start + i))
-            for i, prompt in enumerate(chunk)
-        )))  # fmt: skip
+        return list(
+            await asyncio.gather(
+                *(
+                    self._complete_one(server, prompt, start + i, params.for_prompt(start + i))
+                    for i, prompt in enumerate(chunk)
+                )
+            )
+        )
 
-    async def _complete_one(self, server: Server, prompt: list[int], index: int,
-                            params: SamplingParams) -> list[dict[str, Any]]:  # fmt: skip
+    async def _complete_one(
+        self, server: Server, prompt: list[int], index: int, params: SamplingParams
+    ) -> list[dict[str, Any]]:
         body = generate_body(server.model or "", prompt, params)
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         url = server.url + GENERATE_ROUTE
@@ -334,6 +340,7 @@ class RolloutClient:
             paused = await self._control_all(live, "/control/pause", body, failed)
             try:
                 regrouped = await self._ensure_group(paused, failed)
+                # _ensure_group formed the group (or raised).
                 members = [self.servers[u] for u in self._group.members]  # type: ignore[union-attr]
                 bytes_total, bcast_s = await self._update(members, tensors, version, failed)
                 break
@@ -383,9 +390,12 @@ class RolloutClient:
             raise RolloutError("weightSync.method filesystem needs SyncOptions(directory=...)")
         start = time.perf_counter()
         path, bytes_total = await device.to_thread(  # reads (gathers) on the rank's GPU
-            weight_files.write_version, tensors, Path(opts.directory), version,
+            weight_files.write_version,
+            tensors,
+            Path(opts.directory),
+            version,
             int(opts.bucket_mb * 2**20),
-        )  # fmt: skip
+        )
         failed: list[str] = []
         await self.refresh()
         live = [s for s in self.servers.values() if s.alive]
@@ -431,9 +441,12 @@ class RolloutClient:
         assert opts is not None
         if self._store is None:
             self._store = await asyncio.to_thread(
-                weight_sync.connect_store, opts.master_addr, opts.master_port, is_master=True,
+                weight_sync.connect_store,
+                opts.master_addr,
+                opts.master_port,
+                is_master=True,
                 timeout_s=opts.timeout_s,
-            )  # fmt: skip
+            )
         self._generation += 1
         name = f"g{self._generation}-{int(time.time())}"
         world_size = 1 + sum(s.workers for s in servers)
@@ -456,9 +469,14 @@ class RolloutClient:
             for s, offset in zip(servers, offsets, strict=True)
         ]
         root = device.to_thread(  # an NCCL group binds to the thread's GPU
-            weight_sync.open_group, self._store, name, 0, world_size,
-            backend=opts.backend, timeout_s=opts.timeout_s,
-        )  # fmt: skip
+            weight_sync.open_group,
+            self._store,
+            name,
+            0,
+            world_size,
+            backend=opts.backend,
+            timeout_s=opts.timeout_s,
+        )
         outcomes = await asyncio.gather(root, *joins, return_exceptions=True)
         errors = [o for o in outcomes if isinstance(o, BaseException)]
         if errors:
@@ -470,6 +488,7 @@ class RolloutClient:
                 outcomes[0].close(abort=True)
             raise RolloutError(f"forming the weight-sync group failed: {errors[0]}")
         group = outcomes[0]
+        assert not isinstance(group, BaseException)  # none raised
         self._group = _Group(
             members, group, weight_sync.WeightSender(group, bucket_mb=opts.bucket_mb)
         )
@@ -504,7 +523,9 @@ class RolloutClient:
         if errors:
             self._drop_group(abort=True)  # a broken collective leaves it unusable: re-form it
             raise RolloutError(f"weight update to version {version} failed: {errors[0]}")
-        return outcomes[0].bytes_total, bcast_s
+        sent = outcomes[0]
+        assert not isinstance(sent, BaseException)  # none raised
+        return sent.bytes_total, bcast_s
 
 
 def _error_text(payload: Any) -> str:
@@ -522,12 +543,22 @@ GENERATE_ROUTE = "/inference/v1/generate"  # vLLM's, with --enable-scale-out (se
 def generate_body(model: str, prompt: list[int], params: SamplingParams) -> dict[str, Any]:
     """One prompt's request to vLLM's generate route: token ids in, `n` samples of token ids
     and each sampled token's log-prob out (logprobs 0: the sampled token only)."""
-    sampling = {"n": params.n, "max_tokens": params.max_tokens,
-                "temperature": params.temperature, "top_p": params.top_p,
-                "top_k": params.top_k, "seed": params.seed,
-                "stop_token_ids": list(params.stop_token_ids), "logprobs": 0}  # fmt: skip
-    return {"model": model, "token_ids": prompt, "sampling_params": sampling,
-            "output_mode": "tokens"}  # fmt: skip
+    sampling = {
+        "n": params.n,
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "seed": params.seed,
+        "stop_token_ids": list(params.stop_token_ids),
+        "logprobs": 0,
+    }
+    return {
+        "model": model,
+        "token_ids": prompt,
+        "sampling_params": sampling,
+        "output_mode": "tokens",
+    }
 
 
 class _Step(msgspec.Struct):
@@ -563,8 +594,9 @@ def _json_or_text(raw: bytes) -> Any:
         return raw.decode(errors="replace")
 
 
-def _parse_choices(raw: bytes, n: int, version: str | None,
-                   expected_version: int | None) -> list[dict[str, Any]]:  # fmt: skip
+def _parse_choices(
+    raw: bytes, n: int, version: str | None, expected_version: int | None
+) -> list[dict[str, Any]]:
     """One prompt's n completions from a /inference/v1/generate reply (output_mode tokens),
     checked whole and from the expected version (the plugin's header); ServerError if not."""
     if version is None or not version.isdigit():
@@ -585,7 +617,12 @@ def _parse_choices(raw: bytes, n: int, version: str | None,
         logprobs = [step.logprob for step in choice.logprobs.content]
         if len(logprobs) != len(choice.token_ids):
             raise ServerError(f"{len(logprobs)} log-probs for {len(choice.token_ids)} tokens")
-        out.append({"token_ids": choice.token_ids, "logprobs": logprobs,
-                    "finish_reason": choice.finish_reason,
-                    "policy_version": int(version)})  # fmt: skip
+        out.append(
+            {
+                "token_ids": choice.token_ids,
+                "logprobs": logprobs,
+                "finish_reason": choice.finish_reason,
+                "policy_version": int(version),
+            }
+        )
     return out

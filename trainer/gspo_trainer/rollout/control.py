@@ -140,8 +140,9 @@ class RolloutState:
 
         return await self.swap_weights(load, timeout_s, "sync/update")
 
-    async def load_file(self, body: dict[str, Any], weights_dir: Any, setting: str,
-                        load: Loader) -> dict[str, Any]:  # fmt: skip
+    async def load_file(
+        self, body: dict[str, Any], weights_dir: Any, setting: str, load: Loader
+    ) -> dict[str, Any]:
         """/control/sync/load: the version a body names, loaded from `weights_dir` (`load(path,
         timeout_s)`), under the swap's pause; `setting` names what gives the directory."""
         version, path = load_version(body, weights_dir, setting)
@@ -152,8 +153,12 @@ class RolloutState:
 
         return await self.swap_weights(swap, timeout_s, "sync/load")
 
-    async def swap_weights(self, load: Callable[[], Awaitable[tuple[int, dict[str, int]]]],
-                           timeout_s: float, route: str) -> dict[str, Any]:  # fmt: skip
+    async def swap_weights(
+        self,
+        load: Callable[[], Awaitable[tuple[int, dict[str, int]]]],
+        timeout_s: float,
+        route: str,
+    ) -> dict[str, Any]:
         """Load new weights with generation paused and drained; bump the version after.
         `load` returns (version, {"bytes": ..., ...})."""
         async with self.sync_lock:
@@ -174,8 +179,7 @@ class RolloutState:
             self.set_version(version)
             self.sync_seconds.set(seconds)
             self.sync_bytes.set(received["bytes"])
-        log.info("Loaded policy version %s (%s bytes, %.2fs)", version, received["bytes"],
-                 seconds)  # fmt: skip
+        log.info("Loaded policy version %s (%s bytes, %.2fs)", version, received["bytes"], seconds)
         return {**received, "version": version, "policy_version": version, "seconds": seconds}
 
 
@@ -196,14 +200,18 @@ def load_version(body: dict[str, Any], weights_dir: Any, setting: str) -> tuple[
     from gspo_trainer.rollout import weight_files
 
     if weights_dir is None:
-        raise ControlError(409, f"sync/load: this server was started without {setting}, so "
-                           "it cannot load weights from files; use the broadcast, or start "
-                           f"it with {setting} on the learner's volume")  # fmt: skip
+        raise ControlError(
+            409,
+            f"sync/load: this server was started without {setting}, so "
+            "it cannot load weights from files; use the broadcast, or start "
+            f"it with {setting} on the learner's volume",
+        )
     version = body.get("version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-        raise ControlError(400, f"sync/load: version must be a non-negative integer, got "
-                           f"{version!r}")  # fmt: skip
+        raise ControlError(
+            400, f"sync/load: version must be a non-negative integer, got {version!r}"
+        )
     try:
-        return version, weight_files.resolve(weights_dir, body.get("name"))  # type: ignore[arg-type]
+        return version, weight_files.resolve(weights_dir, body.get("name"))
     except ValueError as exc:
         raise ControlError(400, f"sync/load: {exc}") from exc

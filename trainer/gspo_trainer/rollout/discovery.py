@@ -23,7 +23,7 @@ Resolver = Callable[[str, int], list[str]]
 
 def system_resolver(host: str, port: int) -> list[str]:
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return sorted({info[4][0] for info in infos})
+    return sorted({str(info[4][0]) for info in infos})  # the address (a str; typeshed: str | int)
 
 
 def _url(address: str, port: int) -> str:
@@ -66,8 +66,12 @@ class FleetDiscovery:
         try:
             urls = await asyncio.to_thread(resolve_urls, self.value, self.resolver)
         except OSError as exc:
-            log.warning("Resolving %s failed (%s); keeping %d servers", self.value, exc,
-                        len(self.client.servers))  # fmt: skip
+            log.warning(
+                "Resolving %s failed (%s); keeping %d servers",
+                self.value,
+                exc,
+                len(self.client.servers),
+            )
             return []
         if not urls:
             log.warning("%s resolved to no address; keeping the current servers", self.value)

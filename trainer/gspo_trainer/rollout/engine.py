@@ -36,8 +36,9 @@ async def warm_up(llm: Any) -> None:
 async def init_sync_group(llm: Any, **coords: Any) -> int:
     """Every worker joins the learner's weight-sync group; returns how many did."""
     timeout_s = float(coords["timeout_s"])
-    results = await llm.collective_rpc("gspo_init_sync_group", timeout=rpc_timeout(timeout_s),
-                                       kwargs=coords)  # fmt: skip
+    results = await llm.collective_rpc(
+        "gspo_init_sync_group", timeout=rpc_timeout(timeout_s), kwargs=coords
+    )
     return len(results)
 
 

@@ -82,9 +82,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "server is not ready until the learner's first update",
     )
     p.add_argument("--cache-dir", default=None, help="where builtin:* models are written")
-    p.add_argument("--weights-dir", type=Path, default=None,
-                   help="the learner's weight directory on a shared volume, for "
-                   "weightSync.method filesystem (/control/sync/load)")  # fmt: skip
+    p.add_argument(
+        "--weights-dir",
+        type=Path,
+        default=None,
+        help="the learner's weight directory on a shared volume, for "
+        "weightSync.method filesystem (/control/sync/load)",
+    )
     return p.parse_args(argv)
 
 

@@ -68,14 +68,27 @@ class LocalRollout:
 
         ids = torch.tensor([prompt], device=self.model.device)  # (1, P), on the model's device
         greedy = params.temperature == 0
-        sampling = {} if greedy else {"temperature": params.temperature, "top_p": params.top_p,
-                                      "top_k": max(params.top_k, 0)}  # fmt: skip
+        sampling = (
+            {}
+            if greedy
+            else {
+                "temperature": params.temperature,
+                "top_p": params.top_p,
+                "top_k": max(params.top_k, 0),
+            }
+        )
         out = self.model.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=not greedy, **sampling,
-            max_new_tokens=params.max_tokens, num_return_sequences=params.n,
-            pad_token_id=self.pad_id, eos_token_id=self.eos_id,
-            output_scores=True, return_dict_in_generate=True,
-        )  # fmt: skip
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=not greedy,
+            **sampling,
+            max_new_tokens=params.max_tokens,
+            num_return_sequences=params.n,
+            pad_token_id=self.pad_id,
+            eos_token_id=self.eos_id,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
         seqs = out.sequences[:, len(prompt) :]  # (n, T)
         logp = torch.stack(out.scores, 1).float().log_softmax(-1)  # (n, T, V)
         token_logp = logp.gather(-1, seqs[..., None])[..., 0]  # (n, T)

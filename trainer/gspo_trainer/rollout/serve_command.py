@@ -42,6 +42,7 @@ class ServeOptions:
 
 
 def serve_argv(opts: ServeOptions, python: str = sys.executable) -> list[str]:
+    # fmt: skip: each flag beside its value, as on a command line (ruff splits the pairs).
     argv = [python, "-m", SERVER_MODULE, "--model", opts.model,
             "--served-model-name", opts.served_name, "--host", opts.host,
             "--port", str(opts.port), "--dtype", opts.dtype,

@@ -136,16 +136,22 @@ class GSPOEndpoints:
             except Exception as exc:
                 return JSONResponse({"status": "engine dead", "error": str(exc)}, 503)
             gate, version = self.state.gate, self.state.policy_version
-            return JSONResponse({"status": "ok", "policy_version": version,
-                                 "synced": version is not None, "paused": gate.paused,
-                                 "active_requests": gate.active, "model": self.model_name,
-                                 "workers": self.workers})  # fmt: skip
+            return JSONResponse(
+                {
+                    "status": "ok",
+                    "policy_version": version,
+                    "synced": version is not None,
+                    "paused": gate.paused,
+                    "active_requests": gate.active,
+                    "model": self.model_name,
+                    "workers": self.workers,
+                }
+            )
 
         @router.get("/ready")
         async def ready() -> JSONResponse:
             if self.state.policy_version is None:
-                return JSONResponse({"error": "not synced: waiting for the learner's weights"},
-                                    503)  # fmt: skip
+                return JSONResponse({"error": "not synced: waiting for the learner's weights"}, 503)
             return JSONResponse({"ready": True, "policy_version": self.state.policy_version})
 
         @router.post("/control/pause")
@@ -206,12 +212,21 @@ async def _body(request: Any) -> dict[str, Any]:
     return body
 
 
-async def _send_json(send: Any, status: int, body: dict[str, Any],
-                     headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:  # fmt: skip
+async def _send_json(
+    send: Any, status: int, body: dict[str, Any], headers: tuple[tuple[bytes, bytes], ...] = ()
+) -> None:
     data = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(data)).encode()), *headers]})  # fmt: skip
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(data)).encode()),
+                *headers,
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": data})
 
 
@@ -229,13 +244,20 @@ class TokenMiddleware:
         token = self.plugin.token
         if path not in OPEN_PATHS:
             if token is None and path.startswith(CONTROL_PREFIX):
-                return await _send_json(send, 403, {"error": "control routes are disabled: "
-                                                    f"set ${ports.ENV_SYNC_TOKEN}"})  # fmt: skip
+                return await _send_json(
+                    send,
+                    403,
+                    {"error": f"control routes are disabled: set ${ports.ENV_SYNC_TOKEN}"},
+                )
             if token is not None and not _authorized(scope, token):
                 if kind == "websocket":
                     return await _refuse_websocket(send, "missing or wrong bearer token")
-                return await _send_json(send, 401, {"error": "missing or wrong bearer token"},
-                                        ((b"www-authenticate", b"Bearer"),))  # fmt: skip
+                return await _send_json(
+                    send,
+                    401,
+                    {"error": "missing or wrong bearer token"},
+                    ((b"www-authenticate", b"Bearer"),),
+                )
         await self.app(scope, receive, send)
 
 
@@ -253,8 +275,9 @@ class GateMiddleware:
             return await _refuse_websocket(send, "generation is served over HTTP only")
         state = self.plugin.state
         if state.policy_version is None:
-            return await _send_json(send, 503, {"error": "not synced: waiting for the "
-                                                "learner's weights"})  # fmt: skip
+            return await _send_json(
+                send, 503, {"error": "not synced: waiting for the learner's weights"}
+            )
         try:
             async with state.gate.admit(ADMIT_TIMEOUT_S):
                 version = str(state.policy_version).encode()
@@ -276,8 +299,9 @@ class GateMiddleware:
                 finally:
                     state.requests.labels("ok" if status < 400 else "error").inc()
         except TimeoutError:
-            await _send_json(send, 503, {"error": f"paused for a weight sync for over "
-                                         f"{ADMIT_TIMEOUT_S:.0f} s"})  # fmt: skip
+            await _send_json(
+                send, 503, {"error": f"paused for a weight sync for over {ADMIT_TIMEOUT_S:.0f} s"}
+            )
 
 
 def route_pattern(template: str) -> re.Pattern[str]:
@@ -308,8 +332,9 @@ def _authorized(scope: Any, token: str) -> bool:
     for key, value in scope.get("headers", []):
         if key == b"authorization":
             scheme, _, given = value.decode("latin-1").partition(" ")
-            return scheme.lower() == "bearer" and hmac.compare_digest(given.encode(),
-                                                                      token.encode())  # fmt: skip
+            return scheme.lower() == "bearer" and hmac.compare_digest(
+                given.encode(), token.encode()
+            )
     return False
 
 

@@ -54,8 +54,9 @@ def write_version(
         nonlocal shard, used, shards
         if shard:
             shards += 1
-            save_file(shard, str(tmp / SHARD.format(shards)),
-                      metadata={"policy_version": str(version)})  # fmt: skip
+            save_file(
+                shard, str(tmp / SHARD.format(shards)), metadata={"policy_version": str(version)}
+            )
             shard, used = {}, 0
 
     # Closed however the writing ends: a failed write ends the stream's pass now, not when
@@ -82,15 +83,17 @@ def write_version(
     return final, total
 
 
-def resolve(root: Path, name: str) -> Path:
-    """The version directory `name` under `root`; ValueError for anything else."""
+def resolve(root: Path, name: object) -> Path:
+    """The version directory `name` under `root` (as a request sent it); ValueError for anything
+    else."""
     if not isinstance(name, str) or not NAME.match(name):
-        raise ValueError(f"name must be a version directory like {version_name(7)!r}, "
-                         f"got {name!r}")  # fmt: skip
+        raise ValueError(f"name must be a version directory like {version_name(7)!r}, got {name!r}")
     path = root / name
     if not any(path.glob("*.safetensors")):
-        raise ValueError(f"{path} holds no safetensors: is the learner's checkpoint volume "
-                         "mounted here at the same path?")  # fmt: skip
+        raise ValueError(
+            f"{path} holds no safetensors: is the learner's checkpoint volume "
+            "mounted here at the same path?"
+        )
     return path
 
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
+    from torch import Tensor  # for functions whose local `torch` is torch_module()
 
 log = logging.getLogger("gspo.weight_sync")
 
@@ -122,7 +123,7 @@ class SendBuffers:
         size = max((b.nbytes for b in buckets), default=0)
         slots = 2 if len(buckets) > 1 else 1
         self.buffers = [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(slots)]
-        self.views: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self.views: dict[tuple[int, int], list[Tensor]] = {}
 
     def fill(
         self, k: int, bucket: Bucket, tensors: Iterator[tuple[str, torch.Tensor]]
@@ -311,8 +312,10 @@ class CheckpointNamed:
 
     def metas(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         torch = torch_module()
-        shapes = ((name, torch.empty(shape, dtype=dtype, device="meta"))
-                  for name, shape, dtype in self.source.metas())  # fmt: skip
+        shapes = (
+            (name, torch.empty(shape, dtype=dtype, device="meta"))
+            for name, shape, dtype in self.source.metas()
+        )
         return [(name, tuple(t.shape), t.dtype) for name, t in checkpoint_named_tensors(shapes)]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -323,7 +326,7 @@ class CheckpointNamed:
 def tensor_source(named_tensors: Iterable[tuple[str, torch.Tensor]] | TensorSource) -> TensorSource:
     """`named_tensors` as a TensorSource: itself when it is one, else held in memory."""
     if hasattr(named_tensors, "metas"):
-        return named_tensors  # type: ignore[return-value]
+        return named_tensors  # type: ignore[return-value]  # hasattr narrows nothing for mypy
     return InMemory(named_tensors)
 
 
@@ -337,8 +340,9 @@ class SyncTimeout(RuntimeError):
 POLL_FIRST_S, POLL_MAX_S = 5e-5, 1e-3
 
 
-def wait_bounded(work: Any, timeout_s: float, *, clock: Any = time.monotonic,
-                 sleep: Any = time.sleep) -> None:  # fmt: skip
+def wait_bounded(
+    work: Any, timeout_s: float, *, clock: Any = time.monotonic, sleep: Any = time.sleep
+) -> None:
     """Block this thread until `work` completes, for at most `timeout_s`; then `work.wait()`.
 
     Under NCCL `wait()` neither blocks the host nor raises: it makes the current CUDA stream
@@ -351,8 +355,10 @@ def wait_bounded(work: Any, timeout_s: float, *, clock: Any = time.monotonic,
     deadline, delay = clock() + timeout_s, POLL_FIRST_S
     while not work.is_completed():
         if clock() >= deadline:
-            raise SyncTimeout(f"a weight-sync collective did not complete in {timeout_s:.0f} s "
-                              "(a peer died or hangs); the group is aborted")  # fmt: skip
+            raise SyncTimeout(
+                f"a weight-sync collective did not complete in {timeout_s:.0f} s "
+                "(a peer died or hangs); the group is aborted"
+            )
         sleep(delay)
         delay = min(delay * 2, POLL_MAX_S)
     work.wait()
@@ -364,8 +370,9 @@ class SyncGroup:
     is healthy, aborted when a collective failed (NCCL's abort unblocks kernels a dead peer
     left waiting, which a shutdown would wait on)."""
 
-    def __init__(self, pg: Any, store: Any, rank: int, world_size: int, device: Any,
-                 timeout_s: float = 120.0) -> None:  # fmt: skip
+    def __init__(
+        self, pg: Any, store: Any, rank: int, world_size: int, device: Any, timeout_s: float = 120.0
+    ) -> None:
         self.pg, self.store, self.rank, self.world_size = pg, store, rank, world_size
         self.device, self.timeout_s = device, timeout_s
         self.closed = False
@@ -493,8 +500,10 @@ class WeightSender:
         start = time.perf_counter()
         source = tensor_source(named_tensors)
         with gc_paused():
-            metas = [(name, shape, _dtype_name(dtype), math.prod(shape) * dtype.itemsize)
-                     for name, shape, dtype in source.metas()]  # fmt: skip
+            metas = [
+                (name, shape, _dtype_name(dtype), math.prod(shape) * dtype.itemsize)
+                for name, shape, dtype in source.metas()
+            ]
             key = tuple(metas)
             if self._layout is None or self._layout[0] != key:
                 self._layout = None  # free the old buffers before making new ones
@@ -533,11 +542,11 @@ def receive_weights(group: SyncGroup) -> tuple[int, Iterator[tuple[str, torch.Te
     version, layout = _receive_header(group)
     buckets = decode_layout(layout)
 
-    def post(bucket: Bucket) -> tuple[Bucket, torch.Tensor, Any]:
+    def post(bucket: Bucket) -> tuple[Bucket, Tensor, Any]:
         buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=group.device)
         return bucket, buffer, group.broadcast_async(buffer)
 
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors() -> Iterator[tuple[str, Tensor]]:
         # Receive bucket k+1 while the caller loads bucket k.
         with gc_paused():
             pending = post(buckets[0]) if buckets else None

@@ -172,6 +172,7 @@ class WeightSyncExtension:
             version, tensors = weight_sync.receive_weights(self._gspo_group)
             counted = {"tensors": 0, "bytes": 0}
             stream = _counting(tensors, counted)
+            # vLLM mixes this class into its worker, which has the model_runner.
             reload_weights(self.model_runner, stream)  # type: ignore[attr-defined]
             for _ in stream:  # every bucket is a collective: take part if the loader stopped
                 pass
@@ -184,6 +185,7 @@ class WeightSyncExtension:
         """Load one version written by `weight_files.write_version` in place."""
         counted = {"tensors": 0, "bytes": 0}
         stream = _counting(weight_files.read_version(Path(path)), counted)
+        # vLLM mixes this class into its worker, which has the model_runner.
         reload_weights(self.model_runner, stream)  # type: ignore[attr-defined]
         return counted
 

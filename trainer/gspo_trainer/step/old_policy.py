@@ -85,6 +85,6 @@ def old_policy(policy: Policy, packed: Packed, plan: list[MiniBatch], alg: Algor
     return OldPolicy(logps, refs if policy.reference is not None else None, experts, mismatch)
 
 
-def _logp(hidden, weight, targets, mask, temperature, chunk):  # type: ignore[no-untyped-def]
+def _logp(hidden, weight, targets, mask, temperature, chunk):
     return token_logprobs_from_hidden(hidden, weight.detach(), targets, chunk,
                                       temperature=temperature, mask=mask).logp  # fmt: skip

@@ -71,11 +71,12 @@ def can_pack(module: Any) -> bool:
     if base is None:
         return False
     impl = getattr(getattr(base, "config", None), "_attn_implementation", None)
-    return impl in PACKABLE_ATTENTION and _masks_packed(type(base))
+    # A class is hashable; mypy checks type[...] against Hashable through its metaclass.
+    return impl in PACKABLE_ATTENTION and _masks_packed(type(base))  # type: ignore[arg-type]
 
 
 @functools.cache
-def _masks_packed(cls: type) -> bool:
+def _masks_packed(cls: type[Any]) -> bool:
     import inspect
     import sys
 

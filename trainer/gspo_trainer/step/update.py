@@ -111,12 +111,14 @@ def update(policy: Policy, packed: Packed, plan: list[MiniBatch], old: OldPolicy
                   **{("max", k): v for k, v in maxima.items()},
                   ("grad_norm", ""): engine.get_global_grad_norm()})  # fmt: skip
     for (kind, key), value in read.items():
-        if kind == "sum":
-            out.add(key, value)
-        elif kind == "max":
-            out.maxima[key] = value
-        else:
+        if kind == "grad_norm":
             out.grad_norm = value
+        elif value is None:  # the sums and maxima are tensors
+            raise TypeError(f"{kind} {key} is None")
+        elif kind == "sum":
+            out.add(key, value)
+        else:
+            out.maxima[key] = value
     return out
 
 
@@ -152,7 +154,7 @@ def routing_drift_after(policy: Policy, packed: Packed, mb: MiniBatch,
     return routing_drift(old_experts, per_layer(chosen))
 
 
-def _fused(hidden, weight, targets, mask, old_logp, advantages, temperature, kw):  # type: ignore[no-untyped-def]
+def _fused(hidden, weight, targets, mask, old_logp, advantages, temperature, kw):
     from gspo_trainer.fused_loss import policy_loss_from_hidden
 
     return policy_loss_from_hidden(hidden, weight, targets, mask, old_logp, advantages,
