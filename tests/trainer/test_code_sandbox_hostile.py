@@ -221,6 +221,58 @@ def test_a_program_that_exits_early_keeping_children_is_not_waited_for() -> None
     assert seconds < 1.0
 
 
+def test_filling_its_directory_and_tmp_takes_none_of_the_learners_disk(tmp_path, monkeypatch):
+    """Its directory and /tmp are small tmpfs of its own: many files each under fileBytes, or
+    many empty ones, stop at their caps instead of filling the learner's disk."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the sandbox's dirs go
+    program = (
+        "import os\n"
+        "for where in ('.', '/tmp'):\n"
+        "    try:\n"
+        "        for i in range(40):\n"
+        "            with open(f'{where}/big{i}', 'wb') as f:\n"
+        "                f.write(b'x' * (4 << 20))\n"
+        "        print('room for 160 MiB')\n"
+        "    except OSError:\n"
+        "        print('full')\n"
+        "    try:\n"
+        "        for i in range(10000):\n"
+        "            os.close(os.open(f'{where}/{i}', os.O_CREAT | os.O_WRONLY))\n"
+        "        print('room for 10000 files')\n"
+        "    except OSError:\n"
+        "        print('full')\n"
+    )
+    result, _ = run(program, "full\nfull\nfull\nfull")
+    assert result.outcome == "passed", result
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_tree_too_deep_or_unreadable_neither_crashes_the_learner_nor_stays(
+    tmp_path, monkeypatch, mode
+) -> None:
+    """What a program leaves in its directory goes with its run, whatever its shape: a tree
+    deeper than shutil.rmtree's recursion, a directory it made unreadable to its owner."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    program = (
+        "import os\n"
+        "os.mkdir('closed')\n"
+        "open('closed/kept', 'wb').write(b'x' * (1 << 20))\n"
+        "os.chmod('closed', 0)\n"
+        "for _ in range(1200):\n"
+        "    os.mkdir('d')\n"
+        "    os.chdir('d')\n"
+        "print('left')\n"
+    )
+    result, _ = run(program, "left")
+    assert result.outcome == "passed", result
+    assert list(tmp_path.iterdir()) == []
+    if mode == "local":  # isolation none: the program wrote in the learner's own directory
+        bare = LocalSandbox(LIMITS.model_copy(update={"isolation": "none"}))
+        done = bare.run({"p.py": program}, ["{python}", "-I", "-S", "p.py"])
+        assert done.stdout == b"left\n", done
+        assert list(tmp_path.iterdir()) == []
+
+
 def test_without_namespaces_the_code_reward_refuses_unless_isolation_none(
     monkeypatch, caplog
 ) -> None:
@@ -273,6 +325,7 @@ def _non_root_run(tmp_path: Path) -> None:
     plan = {
         "isolation": "namespaces", "workdir": str(box / "work"), "root": str(box / "root"),
         "read_only": ["/usr", "/lib", "/lib64", "/bin"], "tmp_bytes": 1 << 20,
+        "work_bytes": 1 << 20, "inodes": 64,
         "status_fd": status_w, "argv": [SYSTEM_PYTHON, "-I", "-S", "p.py"],
         "env": {"PATH": "/usr/bin"},
         "cpu_seconds": 2, "memory_bytes": 256 << 20, "processes": 16, "file_bytes": 1 << 20,

@@ -33,7 +33,8 @@ from gspo_trainer.config import SandboxConfig
 INIT = Path(__file__).with_name("sandbox_init.py")
 OPEN_FILES = 64
 SETUP_SECONDS = 30  # for the sandbox to start the program; its own limit starts then
-TMP_BYTES = 64 << 20  # its /tmp (a tmpfs: memory); its own directory is on disk
+TMP_BYTES = 64 << 20  # its /tmp and its own directory (tmpfs: the pod's memory, not disk)
+INODES = 4096  # files and directories in each of them
 
 
 @dataclass(frozen=True)
@@ -78,21 +79,17 @@ class LocalSandbox:
         except OSError as exc:
             return RunResult(None, b"", b"", 0.0, failure=f"{type(exc).__name__}: {exc}")
         finally:
-            shutil.rmtree(box, ignore_errors=True)
+            _remove(box)
 
     def _run(
         self, box: Path, files: dict[str, str], argv: list[str], stdin: bytes, env: dict[str, str]
     ) -> RunResult:
-        cfg, isolated = self.cfg, self.cfg.isolation == "namespaces"
+        cfg = self.cfg
         work = box / "work"
         work.mkdir()
         (box / "root").mkdir()
         for name, text in files.items():
             (work / name).write_text(text, encoding="utf-8")
-        if isolated and os.geteuid() == 0:  # the program runs as nobody: let it write here
-            os.chown(box, 65534, 65534)
-            for path in (work, *work.iterdir()):
-                os.chown(path, 65534, 65534)
         status_r, status_w = os.pipe()
         plan = {
             "isolation": cfg.isolation,
@@ -100,6 +97,8 @@ class LocalSandbox:
             "root": str(box / "root"),
             "read_only": self.read_only,
             "tmp_bytes": TMP_BYTES,
+            "work_bytes": max(TMP_BYTES, cfg.file_bytes),
+            "inodes": INODES,
             "status_fd": status_w,
             "argv": [self.python if a == "{python}" else a for a in argv],
             "same_python": True,
@@ -233,6 +232,20 @@ def probe(sandbox: Any) -> str | None:
     if result.stdout.strip() != b"ok":
         return f"a trivial program failed (exit {result.exit_code}): {result.stderr[-300:]!r}"
     return None
+
+
+def _remove(box: Path) -> None:
+    """Remove a run's directory, whatever the program left in it. With namespaces it holds
+    only what the sandbox wrote (the program's directory is a tmpfs of its own); with
+    isolation none the program wrote here itself: a tree too deep for shutil.rmtree's
+    recursion, or a directory it made unreadable to its owner, is left to chmod and rm, which
+    walk any depth, rather than crashing the scorer or staying on the learner's disk."""
+    try:
+        shutil.rmtree(box)
+    except (OSError, RecursionError):
+        for argv in (["chmod", "-R", "u+rwx"], ["rm", "-rf", "--one-file-system"]):
+            with contextlib.suppress(OSError):
+                subprocess.run([*argv, str(box)], capture_output=True, check=False)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

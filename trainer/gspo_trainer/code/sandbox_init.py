@@ -4,10 +4,10 @@ Run as `python -I -S sandbox_init.py <plan.json>` by sandbox.py (never imported:
 load the learner's packages into a process the program inherits). With isolation
 "namespaces" it enters new user, mount, PID, network, IPC and UTS namespaces, maps one user
 (the learner's own uid, or nobody when the learner is root), builds a root of its own (the
-program's directory read-write at /work, the Python install and system libraries read-only, a
-fresh /proc, /dev/null and friends, a small /tmp) and pivots into it, so the job's files, its
-token, the network and the host's processes are out of sight. Then it forks the PID
-namespace's init, which forks the program with resource limits, no capabilities and
+program's files copied to a small tmpfs at /work, the Python install and system libraries
+read-only, a fresh /proc, /dev/null and friends, a small /tmp) and pivots into it, so the
+job's files, its token, the network and the host's processes are out of sight. Then it forks
+the PID namespace's init, which forks the program with resource limits, no capabilities and
 no_new_privs, waits for it, and exits with its status: the kernel then kills whatever the
 program left behind in the namespace (children that setsid or sleep past it).
 
@@ -102,11 +102,37 @@ def bind(src: str, dst: str, writable: bool) -> None:
     mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_NOSUID | kept | (0 if writable else MS_RDONLY))
 
 
-def build_root(plan: dict, fresh_proc: bool) -> None:
+def tmpfs_options(plan: dict, size: int, mode: str) -> str:
+    # Files and directories are capped too: an empty file takes no room but kernel memory.
+    return f"size={size},nr_inodes={plan['inodes']},mode={mode}"
+
+
+def work_dir(plan: dict, work: str, owner: int | None) -> None:
+    """The program's directory: a tmpfs of its own (size and file count capped) holding a copy
+    of the files it was given. Not the host's directory: what the program writes there takes
+    none of the learner's disk, and whatever tree it leaves (too deep to walk, unreadable to
+    its owner) goes with its mount namespace instead of staying for the learner to remove."""
+    os.makedirs(work, exist_ok=True)
+    options = tmpfs_options(plan, plan["work_bytes"], "0755")
+    mount("tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV, options)
+    for name in os.listdir(plan["workdir"]):
+        with open(os.path.join(plan["workdir"], name), "rb") as src:
+            data = src.read()
+        path = os.path.join(work, name)
+        with open(path, "wb") as dst:
+            dst.write(data)
+        if owner is not None:
+            os.chown(path, owner, owner)
+    if owner is not None:
+        os.chown(work, owner, owner)
+
+
+def build_root(plan: dict, fresh_proc: bool, owner: int | None = None) -> None:
     """A root of the program's own, then pivot into it (the host's tree is detached).
     `fresh_proc`: mount the new PID namespace's /proc now; otherwise bind the host's, for the
     namespace's init to mount its own over (a user namespace may mount proc only where one is
-    already fully visible)."""
+    already fully visible). `owner`: the host uid the program will run as, when that is not
+    the uid building the root (a root learner's program runs as nobody)."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     root = plan["root"]
     mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
@@ -118,11 +144,10 @@ def build_root(plan: dict, fresh_proc: bool) -> None:
             bind(path, root + path, writable=False)
     for dev in ("null", "zero", "urandom", "random"):
         bind(f"/dev/{dev}", f"{root}/dev/{dev}", writable=True)
-    bind(plan["workdir"], root + "/work", writable=True)
+    work_dir(plan, root + "/work", owner)
     os.makedirs(root + "/tmp", exist_ok=True)
-    mount(
-        "tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={plan['tmp_bytes']},mode=1777"
-    )
+    tmp = tmpfs_options(plan, plan["tmp_bytes"], "1777")
+    mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, tmp)
     os.makedirs(root + "/proc", exist_ok=True)
     if fresh_proc:
         mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
@@ -207,7 +232,7 @@ def isolate(plan: dict) -> None:
     nobody; any other learner does it all inside its user namespace (in the init)."""
     if os.geteuid() == 0:
         check(libc.unshare(CLONE_NEWNS), "unshare mount namespace")
-        build_root(plan, fresh_proc=False)
+        build_root(plan, fresh_proc=False, owner=NOBODY)
         become_nobody()
     enter_namespaces(os.geteuid(), os.getegid())
 
