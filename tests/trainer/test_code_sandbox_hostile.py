@@ -273,6 +273,15 @@ def test_a_tree_too_deep_or_unreadable_neither_crashes_the_learner_nor_stays(
         assert list(tmp_path.iterdir()) == []
 
 
+def test_a_program_is_the_first_the_out_of_memory_killer_takes() -> None:
+    """No cgroup caps a program's processes together (each has memoryMiB of address space,
+    and memfds or pipes hold memory outside it): when the pod runs out, the kernel must kill
+    the program, not the learner. It runs at oom_score_adj 1000 (whether it can lower it
+    depends on the learner's CAP_SYS_RESOURCE: docs/rewards.md)."""
+    result, _ = run("print(open('/proc/self/oom_score_adj').read())", "1000")
+    assert result.outcome == "passed", result
+
+
 def test_without_namespaces_the_code_reward_refuses_unless_isolation_none(
     monkeypatch, caplog
 ) -> None:

@@ -16,6 +16,7 @@ about to run, or b"fail: <why>" when isolation could not be set up (sandbox_fail
 blamed on the program).
 """
 
+import contextlib
 import ctypes
 import json
 import os
@@ -259,7 +260,18 @@ def start_init(plan: dict, status_fd: int) -> None:
     os._exit(wait_for(program))  # the kernel kills what is left in the namespace
 
 
+def first_to_go() -> None:
+    """oom_score_adj 1000, for this process and all it starts: no cgroup caps a program's
+    processes together, so when the pod or the machine runs out of memory the kernel must
+    kill a program, not the learner (the largest process, its usual pick). Set with
+    CAP_SYS_RESOURCE (a root learner's, where the machine grants it), it is also the floor
+    the program cannot go under; otherwise a program may lower it back to the learner's."""
+    with contextlib.suppress(OSError):
+        write("/proc/self/oom_score_adj", "1000")
+
+
 def main() -> None:
+    first_to_go()
     with open(sys.argv[1], encoding="utf-8") as f:
         plan = json.load(f)
     status_fd = plan["status_fd"]
