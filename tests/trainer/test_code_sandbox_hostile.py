@@ -282,6 +282,42 @@ def test_a_program_is_the_first_the_out_of_memory_killer_takes() -> None:
     assert result.outcome == "passed", result
 
 
+SQUARE_TESTS = CodeTask(test="def check(f):\n    assert f(2) == 4\n    assert f(3) == 9\n",
+                        entry_point="square")  # fmt: skip
+FORGERIES = {
+    "the token from the harness's frame": (
+        "import os, sys\nprint(sys._getframe(1).f_locals['done'])\nsys.stdout.flush()\n"
+        "os._exit(0)\n"
+    ),
+    "builtins the tests use, patched": (
+        "import builtins\ndef square(x):\n    return 0\n"
+        "_compile = compile\n"
+        "builtins.compile = lambda *a, **k: _compile('pass', 'test.py', 'exec')\n"
+    ),
+    "the expected values, read from the test file": (
+        "import re\nsource = open('test.py').read()\n"
+        "answers = {int(a): int(b) for a, b in re.findall(r'f\\((\\d+)\\) == (\\d+)', source)}\n"
+        "def square(x):\n    return answers[x]\n"
+    ),
+    "an object equal to anything": (
+        "class Any:\n    def __eq__(self, other):\n        return True\n"
+        "def square(x):\n    return Any()\n"
+    ),
+    "an exit before the asserts": "import os\nos._exit(0)\ndef square(x):\n    return x * x\n",
+}
+
+
+def test_assert_style_tests_are_judged_out_of_the_programs_reach() -> None:
+    """The tests run in the harness, the program in a process of its own that gets data in
+    and out: it cannot read the tests or the token, nor patch what the tests run on."""
+    runner = CodeRunner(SANDBOX, CodeConfig())
+    honest = runner.run_case("def square(x):\n    return x * x\n", SQUARE_TESTS, None)
+    assert honest.outcome == "passed", honest
+    for how, program in FORGERIES.items():
+        result = runner.run_case(program, SQUARE_TESTS, None)
+        assert result.outcome != "passed", how
+
+
 def test_without_namespaces_the_code_reward_refuses_unless_isolation_none(
     monkeypatch, caplog
 ) -> None:

@@ -1,7 +1,7 @@
 """The local sandbox: one model-written program, run isolated and limited, in a thread.
 
 Each run gets a private temporary directory (removed after), a fresh session and process
-group, a scrubbed environment (PATH, LANG and the harness's token only: no secret of the job),
+group, a scrubbed environment (PATH, LANG and HOME only: no secret of the job),
 and sandbox_init.py as its first process, which applies the isolation and the resource limits
 (reward.sandbox) before the program starts. The wall-clock limit is enforced here: past it,
 or past the output cap, the whole group is killed (and with namespaces, the program's PID
