@@ -392,3 +392,56 @@ def _non_root_run(tmp_path: Path) -> None:
     first = done.stdout.decode().splitlines()[0]
     assert first.startswith("0 ") and "'work'" in first and "'tmp'" in first
     assert SECRET.encode() not in done.stdout and b"No such file" in done.stderr
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not Path(SYSTEM_PYTHON).exists() or not shutil.which("setpriv"),
+    reason="needs root to act out a non-root learner, setpriv and a system Python",
+)
+def test_isolation_none_under_a_busy_non_root_learner_still_runs_assert_style_tests() -> None:
+    """Without namespaces the process limit counts every process and thread of the
+    learner's uid (the learner's own dozens included): the harness's fork, and any program's,
+    must still fit under it."""
+    tmp_path = Path(tempfile.mkdtemp(prefix="gspo-none-"))
+    learner = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+               "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]  # fmt: skip
+    busy = subprocess.Popen(
+        [*learner, SYSTEM_PYTHON, "-I", "-S", "-c",
+         "import sys, threading\nfor _ in range(40):\n"
+         "    threading.Thread(target=sys.stdin.read, daemon=True).start()\n"
+         "print('up', flush=True)\nsys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert busy.stdout and busy.stdout.readline() == b"up\n"
+        work = tmp_path / "work"
+        work.mkdir(parents=True)
+        files = {"harness.py": CodeRunner(SANDBOX, CodeConfig()).harness,
+                 "program.py": "def square(x):\n    return x * x\n",
+                 "test.py": SQUARE_TESTS.test or "", "done": "token"}  # fmt: skip
+        for name, text in files.items():
+            (work / name).write_text(text)
+        status_r, status_w = os.pipe()
+        plan = {
+            "isolation": "none", "workdir": str(work), "status_fd": status_w,
+            "argv": [SYSTEM_PYTHON, "-I", "-S", "harness.py", "program.py", "test.py", "square",
+                     "done"], "same_python": True, "env": {"PATH": "/usr/bin"},
+            "cpu_seconds": 2, "memory_bytes": 256 << 20, "processes": 16, "file_bytes": 1 << 20,
+            "open_files": 64,
+        }  # fmt: skip
+        (tmp_path / "plan.json").write_text(json.dumps(plan))
+        shutil.copy(Path(sandbox_init.__file__), tmp_path / "init.py")
+        for path in (tmp_path, work, *work.iterdir(), tmp_path / "plan.json"):
+            os.chown(path, 65534, 65534)
+        done = subprocess.run(
+            [*learner, SYSTEM_PYTHON, "-I", "-S", str(tmp_path / "init.py"),
+             str(tmp_path / "plan.json")],
+            capture_output=True, timeout=10, pass_fds=(status_w,), env={"PATH": "/usr/bin:/bin"},
+        )  # fmt: skip
+        os.close(status_w)
+        os.close(status_r)
+        assert done.stdout.rstrip().endswith(b"token"), done.stderr
+    finally:
+        busy.kill()
+        busy.wait()
+        shutil.rmtree(tmp_path)

@@ -177,12 +177,31 @@ def drop_privileges() -> None:
     check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
 
 
+def tasks_of(uid: int) -> int:
+    """Processes and threads of `uid` now (what RLIMIT_NPROC counts outside a namespace)."""
+    count = 0
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            with contextlib.suppress(OSError):
+                if os.stat(f"/proc/{pid}").st_uid == uid:
+                    count += len(os.listdir(f"/proc/{pid}/task"))
+    return count
+
+
 def set_limits(plan: dict) -> None:
+    """The program's rlimits. RLIMIT_NPROC counts every process and thread of the real uid in
+    the user namespace: with namespaces that is the program's own; with isolation none it is
+    the learner's uid, whose threads (dozens) would leave the program no fork at all, so
+    there it is `processes` more than that uid runs now (loose: concurrent runs count each
+    other; root is exempt from it)."""
     cpu = int(plan["cpu_seconds"])
+    processes = plan["processes"]
+    if plan["isolation"] != "namespaces" and os.getuid() != 0:
+        processes += tasks_of(os.getuid())
     for limit, value in (
         (resource.RLIMIT_CPU, (cpu, cpu + 1)),
         (resource.RLIMIT_AS, (plan["memory_bytes"],) * 2),
-        (resource.RLIMIT_NPROC, (plan["processes"],) * 2),
+        (resource.RLIMIT_NPROC, (processes,) * 2),
         (resource.RLIMIT_FSIZE, (plan["file_bytes"],) * 2),
         (resource.RLIMIT_NOFILE, (plan["open_files"],) * 2),
         (resource.RLIMIT_CORE, (0, 0)),
