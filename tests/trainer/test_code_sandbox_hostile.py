@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -445,3 +446,44 @@ def test_isolation_none_under_a_busy_non_root_learner_still_runs_assert_style_te
         busy.kill()
         busy.wait()
         shutil.rmtree(tmp_path)
+
+
+def _userns_allowed() -> bool:
+    if not shutil.which("unshare"):
+        return False
+    return subprocess.run(["unshare", "-U", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _userns_allowed(), reason="needs unshare and user namespaces")
+def test_a_rootless_containers_root_is_isolated_and_a_refusal_names_unshare(tmp_path, mode) -> None:
+    """Root in a user namespace that maps only itself (a rootless container, a pod with
+    hostUsers: false): nobody is not there to become, yet the program is isolated. Where
+    the kernel refuses user namespaces (max_user_namespaces 0 in it), the probe says so."""
+    if mode == "service":
+        pytest.skip("the learner's own sandbox: one mode is enough")
+    secret = tmp_path / "secret"
+    secret.write_text(SECRET)
+    secret.chmod(0o600)
+    program = f"import os\nprint(sorted(os.listdir('/')))\nprint(open({str(secret)!r}).read())"
+    script = (
+        "from gspo_trainer.code.sandbox import LocalSandbox\n"
+        "from gspo_trainer.config import SandboxConfig\n"
+        "sandbox = LocalSandbox(SandboxConfig())\n"
+        "print(sandbox.probe())\n"
+        f"result = sandbox.run({{'p.py': {program!r}}}, ['{{python}}', '-I', '-S', 'p.py'])\n"
+        "print(result.stdout.decode(), result.stderr.decode()[-200:])\n"
+    )
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": os.pathsep.join(sys.path)}
+    rootless = ["unshare", "-U", "-r", "--fork"]
+    done = subprocess.run(
+        [*rootless, sys.executable, "-c", script], capture_output=True, env=env, timeout=30
+    )
+    lines = done.stdout.decode().splitlines() or [""]
+    assert lines[0] == "None", done.stdout + done.stderr  # the probe ran a program
+    assert "'work'" in lines[1] and SECRET not in done.stdout.decode()
+    refused = subprocess.run(
+        [*rootless, "sh", "-c", 'echo 0 > /proc/sys/user/max_user_namespaces && exec "$@"',
+         "-", sys.executable, "-c", script],
+        capture_output=True, env=env, timeout=30,
+    )  # fmt: skip
+    assert refused.stdout.decode().startswith("[Errno 28] unshare:"), refused

@@ -250,11 +250,25 @@ def wait_for(pid: int) -> int:
             )
 
 
+def can_become_nobody() -> bool:
+    """Root, with nobody's uid and gid mapped in its user namespace (a rootless container's
+    root maps often only itself: chown to nobody fails there with EINVAL)."""
+    if os.geteuid() != 0:
+        return False
+    for kind in ("uid", "gid"):
+        with open(f"/proc/self/{kind}_map", encoding="ascii") as f:
+            ranges = [tuple(map(int, line.split())) for line in f if line.strip()]
+        if not any(inside <= NOBODY < inside + count for inside, _, count in ranges):
+            return False
+    return True
+
+
 def isolate(plan: dict) -> None:
     """Everything before the namespace's init starts. A root learner builds the new root
     while it still can read what it binds (its Python may sit under /root), then drops to
-    nobody; any other learner does it all inside its user namespace (in the init)."""
-    if os.geteuid() == 0:
+    nobody; any other learner (and a root that cannot become nobody) does it all inside its
+    user namespace (in the init)."""
+    if plan["root_built"]:
         check(libc.unshare(CLONE_NEWNS), "unshare mount namespace")
         build_root(plan, fresh_proc=False, owner=NOBODY)
         become_nobody()
@@ -301,7 +315,7 @@ def main() -> None:
     try:
         if plan["isolation"] != "namespaces":
             run_program(plan, status_fd)
-        plan["root_built"] = os.geteuid() == 0
+        plan["root_built"] = can_become_nobody()
         isolate(plan)
     except Exception as exc:
         os.write(status_fd, f" fail: {exc}".encode())
