@@ -263,7 +263,8 @@ def build_code_scorer(
     if sandbox.isolation == "none":
         log.warning(
             "reward.sandbox.isolation is none: model-written programs run with only "
-            "resource limits; they can read what the learner can and reach the network"
+            "resource limits; they can read what the learner can, reach the network, and "
+            "signal or trace the learner (docs/rewards.md, 'What holds where')"
         )
     return CodeScorer(CodeRunner(local, code), sandbox.concurrency, code.scoring, on_failure)
 
