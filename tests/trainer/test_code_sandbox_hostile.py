@@ -487,3 +487,32 @@ def test_a_rootless_containers_root_is_isolated_and_a_refusal_names_unshare(tmp_
         capture_output=True, env=env, timeout=30,
     )  # fmt: skip
     assert refused.stdout.decode().startswith("[Errno 28] unshare:"), refused
+
+
+@pytest.mark.skipif(not _userns_allowed(), reason="needs unshare and user namespaces")
+def test_a_volume_mounted_under_usr_stays_out_of_sight(mode) -> None:
+    """/usr and the Python install are bound into the program's root read-only: a volume the
+    pod mounts under them (spec.learner.volumes may put one anywhere) must not come along.
+    Acted out in a mount namespace of the test's own, as root and as a rootless root."""
+    if mode == "service":
+        pytest.skip("the learner's own sandbox: one mode is enough")
+    under = next(p for p in ("/usr/local/src", "/usr/local/games", "/usr/src") if os.path.isdir(p))
+    program = f"print(open({under + '/secret'!r}).read())"
+    script = (
+        "import subprocess\n"
+        f"subprocess.run(['mount', '-t', 'tmpfs', 'volume', {under!r}], check=True)\n"
+        f"open({under + '/secret'!r}, 'w').write({SECRET!r})\n"
+        "from gspo_trainer.code.sandbox import LocalSandbox\n"
+        "from gspo_trainer.config import SandboxConfig\n"
+        f"result = LocalSandbox(SandboxConfig()).run({{'p.py': {program!r}}}, "
+        "['{python}', '-I', '-S', 'p.py'])\n"
+        "print(result.stdout.decode(), result.stderr.decode(), result.failure)\n"
+    )
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": os.pathsep.join(sys.path)}
+    as_root = [["unshare", "-m", "--propagation", "private"]] if os.geteuid() == 0 else []
+    for unshare in [*as_root, ["unshare", "-U", "-r", "-m", "--propagation", "private"]]:
+        done = subprocess.run(
+            [*unshare, sys.executable, "-c", script], capture_output=True, env=env, timeout=30
+        )
+        assert b"No such file" in done.stdout, (unshare, done.stdout, done.stderr)
+        assert SECRET.encode() not in done.stdout

@@ -18,8 +18,10 @@ blamed on the program).
 
 import contextlib
 import ctypes
+import errno
 import json
 import os
+import re
 import resource
 import signal
 import sys
@@ -95,12 +97,41 @@ def bind(src: str, dst: str, writable: bool) -> None:
     else:
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         open(dst, "a").close()
-    mount(src, dst, None, MS_BIND | MS_REC)
+    try:  # this tree alone: a volume mounted under /usr or the Python install stays out
+        mount(src, dst, None, MS_BIND)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        # In a user namespace a tree with mounts under it binds only whole (they are locked
+        # to it): bind it whole, then cover each of them with an empty mount.
+        mount(src, dst, None, MS_BIND | MS_REC)
+        cover_mounts_under(dst)
     kept = 0
     for st, ms in KEPT_FLAGS.items():
         if os.statvfs(dst).f_flag & st:
             kept |= ms
     mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_NOSUID | kept | (0 if writable else MS_RDONLY))
+
+
+def cover_mounts_under(top: str) -> None:
+    """An empty read-only tmpfs over each directory mounted under `top`, /dev/null over each
+    file (a volume, a secret, a driver library bound in by the runtime)."""
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        points = {octal_unescape(line.split()[4]) for line in f}
+    covered: list[str] = []
+    for point in sorted(p for p in points if p.startswith(top + "/")):
+        if any(point.startswith(c + "/") for c in covered):
+            continue  # hidden with the mount above it
+        if os.path.isdir(point):
+            mount("tmpfs", point, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,mode=0555")
+        else:
+            mount("/dev/null", point, None, MS_BIND)
+        covered.append(point)
+
+
+def octal_unescape(text: str) -> str:
+    """/proc/self/mountinfo writes space, tab, newline and backslash as \\ooo."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), text)
 
 
 def tmpfs_options(plan: dict, size: int, mode: str) -> str:
@@ -228,7 +259,15 @@ def run_program(plan: dict, status_fd: int) -> None:
         os.close(status_fd)
         import runpy
 
-        runpy.run_path(argv[3], run_name="__main__")
+        try:
+            runpy.run_path(argv[3], run_name="__main__")
+        except SystemExit:
+            raise
+        except BaseException:  # as the interpreter ends on an uncaught exception
+            import traceback
+
+            traceback.print_exc()
+            sys.exit(1)
         sys.exit(0)
     os.set_inheritable(status_fd, False)  # closed by a successful exec
     os.write(status_fd, b"ok")
