@@ -283,8 +283,10 @@ def test_a_program_is_the_first_the_out_of_memory_killer_takes() -> None:
     assert result.outcome == "passed", result
 
 
-SQUARE_TESTS = CodeTask(test="def check(f):\n    assert f(2) == 4\n    assert f(3) == 9\n",
-                        entry_point="square")  # fmt: skip
+SQUARE_TESTS = CodeTask(
+    test="def check(f):\n    assert f(2) == 4\n    assert abs(f(3) - 9) < 1e-9\n",
+    entry_point="square",
+)
 FORGERIES = {
     "the token from the harness's frame": (
         "import os, sys\nprint(sys._getframe(1).f_locals['done'])\nsys.stdout.flush()\n"
@@ -297,8 +299,12 @@ FORGERIES = {
     ),
     "the expected values, read from the test file": (
         "import re\nsource = open('test.py').read()\n"
-        "answers = {int(a): int(b) for a, b in re.findall(r'f\\((\\d+)\\) == (\\d+)', source)}\n"
+        "answers = {int(a): int(b) for a, b in re.findall(r'f\\((\\d+)\\) - (\\d+)', source)}\n"
+        "answers[2] = 4\n"
         "def square(x):\n    return answers[x]\n"
+    ),
+    "a built-in the tests call, shadowed": (
+        "def abs(x):\n    return 0\ndef square(x):\n    return 4 if x == 2 else 0\n"
     ),
     "an object equal to anything": (
         "class Any:\n    def __eq__(self, other):\n        return True\n"
