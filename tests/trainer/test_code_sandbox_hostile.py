@@ -8,6 +8,7 @@ Network checks stay on loopback: a listener this test opens receives nothing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -522,3 +523,37 @@ def test_a_volume_mounted_under_usr_stays_out_of_sight(mode) -> None:
         )
         assert b"No such file" in done.stdout, (unshare, done.stdout, done.stderr)
         assert SECRET.encode() not in done.stdout
+
+
+def test_with_isolation_none_what_a_program_leaves_dies_with_it(mode) -> None:
+    """No PID namespace there: grandchildren that setsid (a new session, out of the group the
+    sandbox kills) and ignore SIGTERM must still end when the program ends or times out,
+    not live on under the pod's init, holding the output pipe the learner waits on."""
+    if mode == "service":
+        pytest.skip("the learner's own sandbox: one mode is enough")
+    program = (
+        "import os, signal, sys, time\n"
+        "for _ in range(3):\n"
+        "    if os.fork() == 0:\n"
+        "        os.setsid()\n"
+        "        if os.fork() == 0:\n"
+        "            signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "            print(os.getpid(), flush=True)\n"
+        "            time.sleep(60)\n"
+        "        os._exit(0)\n"
+        "time.sleep(0.2)\n"
+        "print('done', flush=True)\n"
+        "time.sleep(float(sys.argv[1]))\n"
+    )
+    bare = LocalSandbox(LIMITS.model_copy(update={"isolation": "none"}))
+    for sleep, timed_out in (("0", False), ("60", True)):
+        result = bare.run({"p.py": program}, ["{python}", "-I", "-S", "p.py", sleep])
+        *pids, last = result.stdout.split()
+        try:
+            assert (last, len(pids), result.timed_out) == (b"done", 3, timed_out), result
+            assert result.seconds < LIMITS.timeout_seconds + 1.5
+            assert not [p for p in pids if os.path.exists(f"/proc/{int(p)}")]
+        finally:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)

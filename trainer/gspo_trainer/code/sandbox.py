@@ -209,9 +209,10 @@ class LocalSandbox:
         return out, err, bytes(status), timed_out, capped
 
     def _stop(self, proc: subprocess.Popen) -> None:
-        """End the run and everything it started. With namespaces, the first process kills
-        the PID namespace and returns once it is empty; the group is killed after anyway."""
-        if self.cfg.isolation == "namespaces" and proc.poll() is None:
+        """End the run and everything it started. The first process, on SIGTERM, kills the
+        PID namespace (with namespaces) or every process below it (isolation none, as their
+        subreaper) and returns once they are gone; the group is killed after anyway."""
+        if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=2)

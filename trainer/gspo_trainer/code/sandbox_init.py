@@ -32,6 +32,7 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 38
+PR_SET_CHILD_SUBREAPER = 36
 SYS_PIVOT_ROOT, SYS_CAPSET = 155, 126  # x86_64
 NOBODY = 65534
 # statvfs flags -> the mount flags a bind remount must keep (a user namespace may not drop
@@ -346,6 +347,65 @@ def first_to_go() -> None:
         write("/proc/self/oom_score_adj", "1000")
 
 
+def descendants() -> set[int]:
+    """Every process below this one now (from each process's parent in /proc)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(name))
+    found: set[int] = set()
+    todo = [os.getpid()]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def kill_descendants() -> None:
+    for pid in descendants():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def end_descendants() -> None:
+    """Kill and reap until no child is left: then nothing is left below (an orphan comes to
+    its subreaper), even a process that forked while the others were being killed."""
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0]:
+                continue
+        except ChildProcessError:
+            return
+        kill_descendants()
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(-1, 0)
+
+
+def run_unisolated(plan: dict, status_fd: int) -> None:
+    """isolation none: no PID namespace ends the program's leftovers with it, so this process
+    is their subreaper (an orphan, a child that setsid and double-forked, comes to it, not to
+    the pod's or the machine's init) and kills everything below it when the program ends or
+    the sandbox's SIGTERM says time or output is up."""
+    check(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl child subreaper")
+    program = os.fork()
+    if program == 0:
+        try:
+            run_program(plan, status_fd)
+        except Exception as exc:
+            os.write(status_fd, f" fail: {exc}".encode())
+        os._exit(1)
+    os.close(status_fd)
+    signal.signal(signal.SIGTERM, lambda *_: kill_descendants())
+    code = wait_for(program)
+    end_descendants()
+    sys.exit(code)
+
+
 def main() -> None:
     first_to_go()
     with open(sys.argv[1], encoding="utf-8") as f:
@@ -353,7 +413,7 @@ def main() -> None:
     status_fd = plan["status_fd"]
     try:
         if plan["isolation"] != "namespaces":
-            run_program(plan, status_fd)
+            run_unisolated(plan, status_fd)
         plan["root_built"] = can_become_nobody()
         isolate(plan)
     except Exception as exc:
