@@ -204,7 +204,7 @@ def serve_calls(path, requests, replies) -> None:
     if loaded[0] == "raise":
         send(replies, loaded)
         end(0)
-    names = {}
+    names: dict[str, object] = {}  # "function", or ["value", data]
     for name, value in list(namespace.items()):
         if name.startswith("__"):
             continue
