@@ -186,7 +186,7 @@ class DataConfig(Section):
         description=(
             "jsonl or parquet file, a local HF dataset directory (save_to_disk), a Hugging Face "
             "Hub dataset name (e.g. openai/gsm8k, downloaded once into the HF cache with "
-            "HF_TOKEN), or builtin:addition."
+            "HF_TOKEN), or a built-in task: builtin:addition, builtin:sort."
         ),
     )
     format: Literal["auto", "jsonl", "parquet", "hf-dataset", "hub", "builtin"] = Field(
@@ -250,7 +250,8 @@ class DataConfig(Section):
         description=(
             "Held-out evaluation set in the format of source (same fields and templates), "
             "never trained on; needed for algorithm.evalEverySteps with a data set of your own. "
-            "builtin:addition evaluates on all of its 100 problems."
+            "builtin:addition evaluates on all of its 100 problems, builtin:sort on 100 held-out "
+            "ones."
         ),
     )
     max_prompt_tokens: int = Field(
@@ -285,7 +286,7 @@ def looks_like_hub_name(source: str) -> bool:
     )
 
 
-RewardKind = Literal["arithmetic", "math", "python", "code"]
+RewardKind = Literal["arithmetic", "positional", "math", "python", "code"]
 RewardConvention = Literal["gspo", "trl", "verl"]
 _CONVENTION = (
     "How function is called (kind python). gspo: fn(prompt, completion, answer) -> float, "
@@ -294,7 +295,9 @@ _CONVENTION = (
     "scores 0). verl: verl's compute_score(data_source, solution_str, ground_truth, "
     "extra_info) -> float or {score: float}, once per response."
 )
-RewardComponentKind = Literal["arithmetic", "math", "python", "code", "format", "length"]
+RewardComponentKind = Literal[
+    "arithmetic", "positional", "math", "python", "code", "format", "length"
+]
 
 
 class CodeConfig(Section):
@@ -430,9 +433,9 @@ class RewardFunctionConfig(Section):
     kind: RewardComponentKind = Field(
         ...,
         description=(
-            "arithmetic, math, python, code as reward.kind; format: 1 when the response ended with "
-            "EOS, is not empty and (with pattern) fully matches pattern, else 0; length: 0 up "
-            "to targetTokens response tokens, then linearly down to -1 at "
+            "arithmetic, positional, math, python, code as reward.kind; format: 1 when the "
+            "response ended with EOS, is not empty and (with pattern) fully matches pattern, "
+            "else 0; length: 0 up to targetTokens response tokens, then linearly down to -1 at "
             "algorithm.maxResponseTokens."
         ),
     )
@@ -468,8 +471,10 @@ class RewardConfig(Section):
     kind: RewardKind | None = Field(
         None,
         description=(
-            "arithmetic: the built-in toy task; math: boxed/final answers checked with "
-            "math-verify; python: the function named in `function`; code: the response's "
+            "arithmetic: the exact answer, then EOS (builtin:addition); positional: the share "
+            "of the answer's positions (each character, then EOS) the response gets right, per "
+            "token under lossLevel gspo-token (builtin:sort); math: boxed/final answers checked "
+            "with math-verify; python: the function named in `function`; code: the response's "
             "program run against the row's tests in a sandbox (reward.code, reward.sandbox). "
             "math when neither this "
             "nor functions is set; not with functions."

@@ -1,4 +1,4 @@
-"""Prompts for the learner: the built-in addition task, jsonl, parquet, a local HF dataset
+"""Prompts for the learner: the built-in tasks (tasks.py), jsonl, parquet, a local HF dataset
 or a Hugging Face Hub dataset, in the row shapes TRL's and verl's preparations write.
 
 A prompt is text or a conversation (a list of {role, content} messages: TRL's conversational
@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from gspo_trainer.config import DataConfig, looks_like_hub_name
+from gspo_trainer.tasks import BUILTIN_TASKS, Problem
 from gspo_trainer.validation import ConfigError
 
-BUILTIN_ADDITION = "builtin:addition"
 log = logging.getLogger("gspo.data")
 
 Message = dict[str, Any]  # {"role": ..., "content": ...} and whatever else the row had
@@ -49,13 +49,26 @@ class DataError(ConfigError):
         self.field = field
 
 
+def _problem_examples(problems: list[Problem]) -> list[Example]:
+    """A built-in task's problems, each with its row {prompt, answer} (the columns a TRL
+    reward function is given)."""
+    return [Example(p, a, p, {"prompt": p, "answer": a}) for p, a in problems]
+
+
 def addition_examples() -> list[Example]:
-    """Every "a+b=" with single digits; the answer is the last digit of a+b (100 examples),
-    each with its row {prompt, answer} (the columns a TRL reward function is given)."""
-    rows = [
-        {"prompt": f"{a}+{b}=", "answer": str((a + b) % 10)} for a in range(10) for b in range(10)
-    ]
-    return [Example(r["prompt"], r["answer"], r["prompt"], r) for r in rows]
+    """builtin:addition: every "a+b=" with single digits (100 examples)."""
+    return _problem_examples(BUILTIN_TASKS["builtin:addition"].train())
+
+
+def builtin_examples(name: str, what: str, *, evaluation: bool = False) -> list[Example]:
+    """A built-in task's training problems (or its evaluation set); an unknown name is a
+    DataError naming `what` (data.source or data.evalSource) and the tasks there are."""
+    task = BUILTIN_TASKS.get(name)
+    if task is None:
+        raise DataError(
+            f"{what} {name!r} is not a built-in task; use one of {', '.join(BUILTIN_TASKS)}"
+        )
+    return _problem_examples(task.evaluation() if evaluation else task.train())
 
 
 def _format_of(cfg: DataConfig) -> str:
@@ -341,9 +354,7 @@ def load_examples(
     """Every row of `cfg.source` as an Example (`what`, `split`: for the evaluation set)."""
     fmt = _format_of(cfg)
     if fmt == "builtin":
-        if cfg.source != BUILTIN_ADDITION:
-            raise DataError(f"{what} {cfg.source!r}: the built-in task is {BUILTIN_ADDITION}")
-        return addition_examples()
+        return builtin_examples(cfg.source, what)
     out = [
         example_of(cfg, row, where, tokenizer, what)
         for where, row in _rows(cfg, split or cfg.split, what)
@@ -355,19 +366,19 @@ def load_examples(
 
 def load_eval_examples(cfg: DataConfig, tokenizer: Any | None = None) -> list[Example] | None:
     """The evaluation set, kept apart from the training stream: data.evalSource (held out,
-    read like source), or for builtin:addition all of its 100 problems, which are also its
-    training problems (the task has no others, so its evaluation measures how much of the
-    table the policy has learned, not generalisation). None: a data set of your own without
-    an evalSource, which is not evaluated (evaluating on training prompts would flatter it)."""
+    read like source), or a built-in task's own (tasks.py): builtin:sort's 100 held-out
+    problems; for builtin:addition all of its 100 problems, which are also its training
+    problems (the task has no others, so its evaluation measures how much of the table the
+    policy has learned, not generalisation). None: a data set of your own without an
+    evalSource, which is not evaluated (evaluating on training prompts would flatter it).
+    An evalSource naming a built-in task reads that task's evaluation set."""
     if cfg.eval_source:
-        return load_examples(
-            cfg.model_copy(update={"source": cfg.eval_source}),
-            tokenizer,
-            what="data.evalSource",
-            split=cfg.eval_split,
-        )
+        held_out = cfg.model_copy(update={"source": cfg.eval_source})
+        if _format_of(held_out) == "builtin":
+            return builtin_examples(cfg.eval_source, "data.evalSource", evaluation=True)
+        return load_examples(held_out, tokenizer, what="data.evalSource", split=cfg.eval_split)
     if _format_of(cfg) == "builtin":
-        return load_examples(cfg, tokenizer)
+        return builtin_examples(cfg.source, "data.source", evaluation=True)
     return None
 
 

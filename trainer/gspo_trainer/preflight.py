@@ -62,7 +62,8 @@ def check_reward(spec: GSPOJobSpec) -> list[Problem]:
 
     reward, problems = spec.reward, []
     try:
-        if reward.functions is None and reward.kind != "code":  # code: check_code_reward
+        # code: check_code_reward; positional: built in, nothing to import
+        if reward.functions is None and reward.kind not in ("code", "positional"):
             reward_function(reward)
     except ValueError as exc:
         problems.append(Problem("spec.reward.function", str(exc).removeprefix("reward.function ")))

@@ -1,9 +1,11 @@
 """Reward functions, and the scorer that keeps a failing one from stopping a run.
 
-Four kinds (spec.reward.kind): `arithmetic`, the built-in toy task (the exact answer, then
-EOS); `math`, answers checked with math-verify (boxed or final answers against the dataset's
-reference); `python`, any `module:function(prompt, completion, answer) -> float`; `code`, the
-response's program run against the row's tests in a sandbox (code/runner.py).
+Five kinds (spec.reward.kind): `arithmetic`, builtin:addition's (the exact answer, then
+EOS); `positional`, builtin:sort's (partial credit: the share of the answer's positions right,
+per token under lossLevel gspo-token); `math`, answers checked with math-verify (boxed or
+final answers against the dataset's reference); `python`, any
+`module:function(prompt, completion, answer) -> float`; `code`, the response's program run
+against the row's tests in a sandbox (code/runner.py).
 A call that raises, returns a value that is not a finite float32 (NaN, inf, or past ±3.4e38,
 which the learner's float32 tensors would turn into inf), or runs past `timeout_seconds`
 scores 0 and is counted by reason ("error", "timeout"), with one warning per batch; the run
@@ -137,6 +139,28 @@ class Scored:
 def arithmetic_reward(prompt: str, completion: str, answer: str) -> float:
     """1 for exactly the reference answer (the scorer zeroes unfinished responses), else 0."""
     return 1.0 if completion.strip() == answer.strip() else 0.0
+
+
+def positional_reward(item: Scored, per_token: bool = False) -> Score:
+    """Partial credit: the share of positions where the response matches the reference, a
+    position being each character of the answer, then EOS. The response's positions are its
+    characters, then EOS if it ended with one; position i is right when both hold the same
+    there, and the share is of the longer of the two, so a response too short or too long
+    loses the positions it lacks or adds, and only the exact answer with its EOS scores 1.
+
+    With `per_token`, one score per response token (for lossLevel gspo-token): 1 for a right
+    position, 0 for a wrong one, all scaled by (response positions / the longer length) so
+    that their mean is the share (a response too short spreads the loss of the positions it
+    lacks over its tokens). Only where the response has one token per position (the built-in
+    character tokenizer); otherwise, and for a response of no tokens, one number."""
+    want: list[str | None] = [*item.answer.strip(), None]  # None: EOS
+    got: list[str | None] = [*item.completion, None] if item.finished else [*item.completion]
+    right = [g == w for g, w in zip(got, want, strict=False)]
+    longer = max(len(got), len(want))
+    if not per_token or not got or item.tokens != len(got):
+        return sum(right) / longer
+    scale = len(got) / longer
+    return tuple(scale * (i < len(right) and right[i]) for i in range(len(got)))
 
 
 THINK_END = "</think>"
@@ -461,12 +485,16 @@ def build_scorer(
     cfg: RewardConfig,
     on_failure: Callable[[str], None] | None = None,
     max_response_tokens: int | None = None,
+    per_token: bool = False,
 ) -> RewardScorer | WeightedScorer:
     """The scorer of reward.kind, or of every reward.functions component (the length component
-    needs `max_response_tokens`, algorithm.maxResponseTokens)."""
+    needs `max_response_tokens`, algorithm.maxResponseTokens). `per_token` (lossLevel
+    gspo-token): built-in kinds that can score each token (positional) do."""
     if cfg.functions is None:
         if cfg.kind == "code":
             return _code_scorer(cfg, on_failure)
+        if cfg.kind == "positional":
+            return _positional_scorer(per_token, cfg.timeout_seconds, on_failure, "positional")
         if cfg.kind == "python" and cfg.convention != "gspo":
             kw = {"timeout_s": cfg.timeout_seconds, "on_failure": on_failure}
             return convention_scorer(reward_function(cfg), cfg.convention, **kw)
@@ -482,9 +510,19 @@ def build_scorer(
         )
     return WeightedScorer([
         Component(f.name, f.weight,
-                  _component_scorer(f, cfg, on_failure, max_response_tokens))
+                  _component_scorer(f, cfg, on_failure, max_response_tokens, per_token))
         for f in cfg.functions
     ])  # fmt: skip
+
+
+def _positional_scorer(
+    per_token: bool, timeout_s: float, on_failure: Callable[[str], None] | None, name: str
+) -> RewardScorer:
+    """positional_reward, scored inline (it cannot hang); unfinished responses are scored
+    too, their missing EOS one wrong position."""
+    fn = partial(positional_reward, per_token=per_token)
+    return RewardScorer(fn, timeout_s=timeout_s, inline=True, takes_item=True,
+                        on_failure=on_failure, name=name)  # fmt: skip
 
 
 def _code_scorer(cfg: RewardConfig, on_failure: Callable[[str], None] | None) -> Any:
@@ -496,9 +534,11 @@ def _code_scorer(cfg: RewardConfig, on_failure: Callable[[str], None] | None) ->
 
 def _component_scorer(f: RewardFunctionConfig, cfg: RewardConfig,
                       on_failure: Callable[[str], None] | None,
-                      max_response_tokens: int | None) -> Any:  # fmt: skip
+                      max_response_tokens: int | None, per_token: bool) -> Any:  # fmt: skip
     if f.kind == "code":
         return _code_scorer(cfg, on_failure)
+    if f.kind == "positional":
+        return _positional_scorer(per_token, cfg.timeout_seconds, on_failure, f.name)
     kw: dict[str, Any] = dict(timeout_s=cfg.timeout_seconds, on_failure=on_failure)
     if f.kind == "format":
         return RewardScorer(lambda item: format_reward(item, f.pattern), inline=True,

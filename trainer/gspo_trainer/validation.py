@@ -19,6 +19,7 @@ from gspo_trainer.config import BUILTIN_MODELS, GSPOJobSpec, PodSettings, Sandbo
 from gspo_trainer.model_shape import TINY_KINDS
 from gspo_trainer.ports import RESERVED_PORTS
 from gspo_trainer.rollout.engine_args import engine_arg_problems
+from gspo_trainer.tasks import BUILTIN_TASKS
 
 
 @dataclass(frozen=True)
@@ -220,6 +221,38 @@ ZERO0_BF16 = (
 )
 
 
+def builtin_task_problems(spec: GSPOJobSpec) -> list[tuple[str, str]]:
+    """(field, message) for a data.source or data.evalSource naming no built-in task, and,
+    with a built-in model (one token per character, tasks.py), limits too short for the
+    task's longest prompt or answer (prompts past data.maxPromptTokens would be left out, an
+    answer past algorithm.maxResponseTokens could never be right)."""
+    out, data, alg = [], spec.data, spec.algorithm
+    for field, source in (("source", data.source), ("evalSource", data.eval_source)):
+        if source and source.startswith("builtin:") and source not in BUILTIN_TASKS:
+            tasks = ", ".join(BUILTIN_TASKS)
+            out.append((f"data.{field}", f"{source!r} is not a built-in task; use one of {tasks}"))
+    if not spec.model.name.startswith("builtin:"):
+        return out
+    names = dict.fromkeys(s for s in (data.source, data.eval_source) if s in BUILTIN_TASKS)
+    for task in map(BUILTIN_TASKS.__getitem__, names):
+        prompt, response = task.longest_prompt, task.longest_answer + 1  # the answer, then EOS
+        also = "(and model.maxModelLen with it)"
+        if data.max_prompt_tokens < prompt:
+            message = (
+                f"{data.max_prompt_tokens} is shorter than {task.name}'s longest prompt "
+                f"({prompt} tokens); raise it to {prompt} {also}"
+            )
+            out.append(("data.maxPromptTokens", message))
+        if alg.max_response_tokens < response:
+            message = (
+                f"{alg.max_response_tokens} is shorter than {task.name}'s longest answer and "
+                f"its EOS ({response} tokens), which could never be right; raise it to "
+                f"{response} or more {also}"
+            )
+            out.append(("algorithm.maxResponseTokens", message))
+    return out
+
+
 def check_spec(spec: GSPOJobSpec, *, prefix: str = "spec") -> list[Problem]:
     """Cross-field rules that no single field can express. Pure; returns every problem."""
     out: list[Problem] = []
@@ -280,6 +313,7 @@ def check_spec(spec: GSPOJobSpec, *, prefix: str = "spec") -> list[Problem]:
             f"{spec.model.max_model_len} is shorter than data.maxPromptTokens + "
             f"algorithm.maxResponseTokens = {longest}; raise it or shorten those",
         )
+    out.extend(Problem(f"{prefix}.{path}", m) for path, m in builtin_task_problems(spec))
 
     if rollout.gpus_per_replica == 0 and rollout.tensor_parallel_size != 1:
         bad("rollout.tensorParallelSize", "must be 1 when rollout.gpusPerReplica is 0 (CPU)")
