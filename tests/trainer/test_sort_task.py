@@ -1,0 +1,152 @@
+"""builtin:sort and its positional reward: the problems (lengths, determinism, the held-out
+split), partial credit per position and per token, and the limits that must hold it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gspo_trainer.config import DataConfig, RewardConfig
+from gspo_trainer.data import load_eval_examples, load_examples
+from gspo_trainer.preflight import check_data
+from gspo_trainer.rewards import Scored, build_scorer, positional_reward, sequence_reward
+from gspo_trainer.tasks import SORT_MAX_DIGITS, SORT_MIN_DIGITS
+from gspo_trainer.validation import SpecError, parse_spec
+
+REPO = Path(__file__).resolve().parents[2]
+SORT = DataConfig(source="builtin:sort")
+
+
+def test_sort_problems_vary_in_length_and_average_at_least_eight_response_tokens() -> None:
+    examples = load_examples(SORT)
+    lengths = [len(e.answer) for e in examples]
+    assert set(lengths) == set(range(SORT_MIN_DIGITS, SORT_MAX_DIGITS + 1))
+    assert sum(n + 1 for n in lengths) / len(lengths) >= 8  # the answer, then EOS
+    for e in examples[:200]:
+        digits = e.prompt.removesuffix("=")
+        assert e.prompt.endswith("=") and digits.isdigit()
+        assert e.answer == "".join(sorted(digits))
+        assert e.row == {"prompt": e.prompt, "answer": e.answer}  # what rewards are given
+    assert len({e.prompt for e in examples}) == len(examples)
+
+
+def test_sort_problems_are_the_same_in_every_process_and_evaluation_is_held_out() -> None:
+    train, held_out = load_examples(SORT), load_eval_examples(SORT)
+    assert held_out is not None and len(held_out) == 100
+    assert train == load_examples(SORT) and held_out == load_eval_examples(SORT)
+    assert not {e.prompt for e in train} & {e.prompt for e in held_out}
+    assert len({len(e.answer) for e in held_out}) > 4
+    # data.evalSource naming the task reads its held-out set, not its training problems
+    other = DataConfig(source="builtin:addition", evalSource="builtin:sort")
+    assert load_eval_examples(other) == held_out
+
+
+def scored(completion: str, finished: bool = True, answer: str = "1123") -> Scored:
+    return Scored("3121=", completion, answer, finished, len(completion) + finished)
+
+
+@pytest.mark.parametrize(
+    ("completion", "finished", "share"),
+    [
+        ("1123", True, 1.0),  # exact, then EOS: the only full score
+        ("1123", False, 4 / 5),  # cut before EOS: the EOS position is wrong
+        ("1133", True, 4 / 5),
+        ("112", True, 3 / 5),  # too short: EOS where "3" belongs
+        ("11", True, 2 / 5),
+        ("11233", True, 4 / 6),  # too long: the extra position counts against it
+        ("11233333", False, 4 / 8),
+        ("", True, 0.0),
+        ("", False, 0.0),
+    ],
+)
+def test_positional_reward_is_the_share_of_positions_right(
+    completion: str, finished: bool, share: float
+) -> None:
+    item = scored(completion, finished)
+    assert positional_reward(item) == pytest.approx(share)
+    per_token = positional_reward(item, per_token=True)
+    if completion or finished:
+        assert isinstance(per_token, tuple) and len(per_token) == item.tokens
+    assert sequence_reward(per_token) == pytest.approx(share)  # the response's one reward
+
+
+def test_per_token_scores_credit_each_position() -> None:
+    assert positional_reward(scored("1133"), per_token=True) == (1.0, 1.0, 0.0, 1.0, 1.0)
+    # too long: the tokens past the answer and its EOS score 0
+    assert positional_reward(scored("112345"), per_token=True) == (1, 1, 1, 1, 0, 0, 0)
+    # too short: right tokens share the missing positions' loss, the early EOS scores 0
+    assert positional_reward(scored("11"), per_token=True) == pytest.approx((3 / 5, 3 / 5, 0))
+    # not one token per position (a tokenizer with longer tokens): one number
+    assert positional_reward(Scored("", "1123", "1123", True, 2), per_token=True) == 1.0
+
+
+def test_per_token_scores_line_up_with_the_built_in_tokenizers_tokens() -> None:
+    from gspo_trainer.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    ids = [*tok("1933", add_special_tokens=False).input_ids, tok.eos_token_id]
+    text = tok.decode(ids, skip_special_tokens=True)
+    item = Scored("3121=", text, "1123", True, len(ids), ids)
+    token_level = build_scorer(RewardConfig(kind="positional"), per_token=True)
+    assert text == "1933"
+    assert token_level.scores([item]) == [(1.0, 0.0, 0.0, 1.0, 1.0)]
+    assert token_level.score([item]) == [pytest.approx(3 / 5)]
+    # under gspo and grpo (one advantage per response) the kind gives one number
+    assert build_scorer(RewardConfig(kind="positional")).scores([item]) == [3 / 5]
+    # as a weighted component too, a number (format) counting on every token
+    components = [{"name": "pos", "kind": "positional"}, {"name": "f", "kind": "format"}]
+    cfg = RewardConfig(functions=[*components[:1], {**components[1], "weight": 0.5}])
+    assert build_scorer(cfg, per_token=True).score_components([item])[0] == [
+        (1.5, 0.5, 0.5, 1.5, 1.5)
+    ]
+
+
+def sort_spec(**overrides: Any) -> dict[str, Any]:
+    spec = yaml.safe_load((REPO / "examples/sort.yaml").read_text())["spec"]
+    for path, value in overrides.items():
+        section, field = path.split(".")
+        spec[section][field] = value
+    return spec
+
+
+def problems(spec: dict[str, Any]) -> dict[str, str]:
+    with pytest.raises(SpecError) as info:
+        parse_spec(spec)
+    return {p.path: p.message for p in info.value.problems}
+
+
+def test_the_example_holds_the_task() -> None:
+    spec = parse_spec(sort_spec())
+    assert (spec.data.source, spec.reward.kind) == ("builtin:sort", "positional")
+
+
+def test_limits_too_short_for_the_task_name_the_field_and_the_fix() -> None:
+    found = problems(sort_spec(**{"data.maxPromptTokens": 12, "algorithm.maxResponseTokens": 12}))
+    assert found["spec.data.maxPromptTokens"].startswith(
+        "12 is shorter than builtin:sort's longest prompt (13 tokens); raise it to 13"
+    )
+    assert "longest answer and its EOS (13 tokens)" in found["spec.algorithm.maxResponseTokens"]
+    # the model's context must hold both (the rule every job has)
+    found = problems(sort_spec(**{"model.maxModelLen": 24}))
+    assert list(found) == ["spec.model.maxModelLen"]
+
+
+@pytest.mark.parametrize("field", ["source", "evalSource"])
+def test_an_unknown_built_in_task_names_the_field(field: str) -> None:
+    found = problems(sort_spec(**{f"data.{field}": "builtin:reverse"}))
+    assert found == {
+        f"spec.data.{field}": "'builtin:reverse' is not a built-in task; use one of "
+        "builtin:addition, builtin:sort"
+    }
+
+
+def test_the_learners_preflight_names_the_field_too() -> None:
+    """A spec that skipped `gspo validate` still stops at the learner's preflight."""
+    spec = parse_spec(sort_spec()).model_copy()
+    spec.data = DataConfig(source="builtin:reverse")
+    (problem,) = check_data(spec)
+    assert problem.path == "spec.data.source"
+    assert "'builtin:reverse' is not a built-in task" in problem.message
