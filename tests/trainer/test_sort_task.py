@@ -12,7 +12,13 @@ import yaml
 from gspo_trainer.config import DataConfig, RewardConfig
 from gspo_trainer.data import load_eval_examples, load_examples
 from gspo_trainer.preflight import check_data
-from gspo_trainer.rewards import Scored, build_scorer, positional_reward, sequence_reward
+from gspo_trainer.rewards import (
+    Scored,
+    build_scorer,
+    positional_reward,
+    sequence_reward,
+    tokenizer_answer_ids,
+)
 from gspo_trainer.tasks import SORT_MAX_DIGITS, SORT_MIN_DIGITS
 from gspo_trainer.validation import SpecError, parse_spec
 
@@ -104,6 +110,25 @@ def test_per_token_scores_line_up_with_the_built_in_tokenizers_tokens() -> None:
     ]
 
 
+def test_with_token_ids_every_token_is_a_position_pads_included() -> None:
+    """The decoded text drops special tokens: "1123" with pads where its EOS belongs would
+    read as the answer cut before EOS. Scored on token ids, each pad is a wrong position."""
+    from gspo_trainer.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    answer_ids = tokenizer_answer_ids(tok)
+    padded = [*tok("1123", add_special_tokens=False).input_ids, *[tok.pad_token_id] * 4]
+    item = Scored("3121=", "1123", "1123", False, len(padded), padded)
+    assert positional_reward(item) == pytest.approx(4 / 5)  # the text alone is fooled
+    assert positional_reward(item, answer_ids=answer_ids) == pytest.approx(4 / 8)
+    assert positional_reward(item, True, answer_ids) == (1, 1, 1, 1, 0, 0, 0, 0)
+    exact = [*padded[:4], tok.eos_token_id]
+    item = Scored("3121=", "1123", "1123", True, 5, exact)
+    assert positional_reward(item, True, answer_ids) == (1.0,) * 5
+    scorer = build_scorer(RewardConfig(kind="positional"), tokenizer=tok)
+    assert scorer.score([item]) == [1.0]
+
+
 def sort_spec(**overrides: Any) -> dict[str, Any]:
     spec = yaml.safe_load((REPO / "examples/sort.yaml").read_text())["spec"]
     for path, value in overrides.items():
@@ -150,3 +175,47 @@ def test_the_learners_preflight_names_the_field_too() -> None:
     (problem,) = check_data(spec)
     assert problem.path == "spec.data.source"
     assert "'builtin:reverse' is not a built-in task" in problem.message
+
+
+def test_a_learner_step_on_the_sort_task_credits_each_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The task, its reward and GSPO-token through a learner step (in-process rollouts):
+    every response token's reward is its position's credit, and the evaluation is held out."""
+    import asyncio
+
+    import torch
+    from learner_helpers import make_learner, tiny_spec
+
+    import gspo_trainer.learner as learner_module
+
+    seen = []
+    real_pack = learner_module.pack
+    monkeypatch.setattr(learner_module, "pack", lambda *a: seen.append(real_pack(*a)) or seen[-1])
+    manifest = tiny_spec(lossLevel="gspo-token", promptsPerStep=2, groupSize=4, miniBatches=1,
+                         maxResponseTokens=13, evalEverySteps=100)  # fmt: skip
+    spec = manifest["spec"]
+    spec["model"]["maxModelLen"] = 32
+    spec["data"] = {"source": "builtin:sort", "chatTemplate": False, "maxPromptTokens": 13}
+    spec["reward"] = {"kind": "positional"}
+    learner = make_learner(tmp_path, None, manifest)
+    tok = learner.tokenizer
+    asyncio.run(learner.sync(0))
+    asyncio.run(learner.train_step(1))
+    (packed,) = seen
+    assert packed.token_rewards is not None
+    for i, n in enumerate(map(int, packed.lengths.tolist())):
+        ids = packed.ids[i, : int(packed.attn[i].sum())].tolist()
+        prompt, response = tok.decode(ids[:-n]), ids[-n:]
+        finished = response[-1] == tok.eos_token_id
+        text = tok.decode(response, skip_special_tokens=True)
+        answer = "".join(sorted(prompt.removesuffix("=")))
+        item = Scored(prompt, text, answer, finished, n, response)
+        want = positional_reward(item, per_token=True, answer_ids=tokenizer_answer_ids(tok))
+        got = packed.token_rewards[i][packed.mask[i]]
+        torch.testing.assert_close(got, torch.tensor(want, dtype=got.dtype).reshape(-1))
+        assert float(packed.rewards[i]) == pytest.approx(sequence_reward(want))
+    held_out = {e.prompt for e in load_eval_examples(SORT) or []}
+    assert learner.eval_examples and {e.prompt for e in learner.eval_examples} == held_out
+    evaluation = asyncio.run(learner.collector.evaluate(1, learner.eval_examples[:4]))
+    assert 0.0 <= evaluation["eval_accuracy"] <= 1.0

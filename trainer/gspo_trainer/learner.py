@@ -119,6 +119,7 @@ class Learner:
             on_failure=lambda r: self.metrics.reward_failures.labels(r).inc(),
             max_response_tokens=spec.algorithm.max_response_tokens,
             per_token=spec.algorithm.loss_level == "gspo-token",
+            tokenizer=self.tokenizer,
         )
         refused = self.metrics.prompts_dropped.labels("train").inc
         self.collector = Collector(spec.algorithm, spec.metrics, rollout, self.tokenizer,  # type: ignore[arg-type]

@@ -141,26 +141,54 @@ def arithmetic_reward(prompt: str, completion: str, answer: str) -> float:
     return 1.0 if completion.strip() == answer.strip() else 0.0
 
 
-def positional_reward(item: Scored, per_token: bool = False) -> Score:
-    """Partial credit: the share of positions where the response matches the reference, a
-    position being each character of the answer, then EOS. The response's positions are its
-    characters, then EOS if it ended with one; position i is right when both hold the same
-    there, and the share is of the longer of the two, so a response too short or too long
-    loses the positions it lacks or adds, and only the exact answer with its EOS scores 1.
+AnswerIds = Callable[[str], Sequence[int]]  # an answer's token ids, then EOS's
+
+
+def positional_reward(item: Scored, per_token: bool = False,
+                      answer_ids: AnswerIds | None = None) -> Score:  # fmt: skip
+    """Partial credit: the share of positions where the response matches the reference.
+
+    With `answer_ids` and the response's token ids, a position is a token: the answer's
+    tokens, then EOS, against the response's tokens as sampled (EOS among them when it ended
+    with one), so a special token the decoded text would not show (a pad) is a wrong
+    position like any other. Without them, the answer's characters then EOS, against the
+    response's characters then EOS if it ended with one. Position i is right when both hold
+    the same there, and the share is of the longer of the two, so a response too short or
+    too long loses the positions it lacks or adds, and only the exact answer with its EOS
+    scores 1.
 
     With `per_token`, one score per response token (for lossLevel gspo-token): 1 for a right
     position, 0 for a wrong one, all scaled by (response positions / the longer length) so
     that their mean is the share (a response too short spreads the loss of the positions it
-    lacks over its tokens). Only where the response has one token per position (the built-in
-    character tokenizer); otherwise, and for a response of no tokens, one number."""
-    want: list[str | None] = [*item.answer.strip(), None]  # None: EOS
-    got: list[str | None] = [*item.completion, None] if item.finished else [*item.completion]
+    lacks over its tokens). Only where the positions are the response's tokens (token ids,
+    or one character per token); otherwise, and for a response of no tokens, one number."""
+    want: list[object]
+    got: list[object]
+    if answer_ids is not None and item.token_ids is not None:
+        want, got = list(answer_ids(item.answer.strip())), list(item.token_ids)
+    else:  # None stands for EOS
+        want = [*item.answer.strip(), None]
+        got = [*item.completion, None] if item.finished else [*item.completion]
     right = [g == w for g, w in zip(got, want, strict=False)]
     longer = max(len(got), len(want))
     if not per_token or not got or item.tokens != len(got):
         return sum(right) / longer
     scale = len(got) / longer
     return tuple(scale * (i < len(right) and right[i]) for i in range(len(got)))
+
+
+def tokenizer_answer_ids(tokenizer: Any) -> AnswerIds:
+    """An answer's token ids as the policy's tokenizer writes them (no special tokens), then
+    its EOS id; remembered per answer (the same few are scored 16 times a step)."""
+    from functools import lru_cache
+
+    eos = tokenizer.eos_token_id
+
+    @lru_cache(maxsize=65536)
+    def ids(answer: str) -> tuple[int, ...]:
+        return (*tokenizer(answer, add_special_tokens=False).input_ids, eos)
+
+    return ids
 
 
 THINK_END = "</think>"
@@ -486,15 +514,18 @@ def build_scorer(
     on_failure: Callable[[str], None] | None = None,
     max_response_tokens: int | None = None,
     per_token: bool = False,
+    tokenizer: Any | None = None,
 ) -> RewardScorer | WeightedScorer:
     """The scorer of reward.kind, or of every reward.functions component (the length component
     needs `max_response_tokens`, algorithm.maxResponseTokens). `per_token` (lossLevel
-    gspo-token): built-in kinds that can score each token (positional) do."""
+    gspo-token): built-in kinds that can score each token (positional) do. `tokenizer` (the
+    policy's): positional compares token ids rather than decoded text."""
+    ids = tokenizer_answer_ids(tokenizer) if tokenizer is not None else None
     if cfg.functions is None:
         if cfg.kind == "code":
             return _code_scorer(cfg, on_failure)
         if cfg.kind == "positional":
-            return _positional_scorer(per_token, cfg.timeout_seconds, on_failure, "positional")
+            return _positional_scorer(per_token, ids, cfg.timeout_seconds, on_failure, "positional")
         if cfg.kind == "python" and cfg.convention != "gspo":
             kw = {"timeout_s": cfg.timeout_seconds, "on_failure": on_failure}
             return convention_scorer(reward_function(cfg), cfg.convention, **kw)
@@ -510,17 +541,21 @@ def build_scorer(
         )
     return WeightedScorer([
         Component(f.name, f.weight,
-                  _component_scorer(f, cfg, on_failure, max_response_tokens, per_token))
+                  _component_scorer(f, cfg, on_failure, max_response_tokens, per_token, ids))
         for f in cfg.functions
     ])  # fmt: skip
 
 
 def _positional_scorer(
-    per_token: bool, timeout_s: float, on_failure: Callable[[str], None] | None, name: str
+    per_token: bool,
+    answer_ids: AnswerIds | None,
+    timeout_s: float,
+    on_failure: Callable[[str], None] | None,
+    name: str,
 ) -> RewardScorer:
     """positional_reward, scored inline (it cannot hang); unfinished responses are scored
     too, their missing EOS one wrong position."""
-    fn = partial(positional_reward, per_token=per_token)
+    fn = partial(positional_reward, per_token=per_token, answer_ids=answer_ids)
     return RewardScorer(fn, timeout_s=timeout_s, inline=True, takes_item=True,
                         on_failure=on_failure, name=name)  # fmt: skip
 
@@ -534,11 +569,12 @@ def _code_scorer(cfg: RewardConfig, on_failure: Callable[[str], None] | None) ->
 
 def _component_scorer(f: RewardFunctionConfig, cfg: RewardConfig,
                       on_failure: Callable[[str], None] | None,
-                      max_response_tokens: int | None, per_token: bool) -> Any:  # fmt: skip
+                      max_response_tokens: int | None, per_token: bool,
+                      answer_ids: AnswerIds | None) -> Any:  # fmt: skip
     if f.kind == "code":
         return _code_scorer(cfg, on_failure)
     if f.kind == "positional":
-        return _positional_scorer(per_token, cfg.timeout_seconds, on_failure, f.name)
+        return _positional_scorer(per_token, answer_ids, cfg.timeout_seconds, on_failure, f.name)
     kw: dict[str, Any] = dict(timeout_s=cfg.timeout_seconds, on_failure=on_failure)
     if f.kind == "format":
         return RewardScorer(lambda item: format_reward(item, f.pattern), inline=True,
