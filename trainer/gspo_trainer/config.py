@@ -472,7 +472,7 @@ class RewardConfig(Section):
         None,
         description=(
             "arithmetic: the exact answer, then EOS (builtin:addition); positional: the share "
-            "of the answer's positions (each character, then EOS) the response gets right, per "
+            "of the answer's positions (each token, then EOS) the response gets right, per "
             "token under lossLevel gspo-token (builtin:sort); math: boxed/final answers checked "
             "with math-verify; python: the function named in `function`; code: the response's "
             "program run against the row's tests in a sandbox (reward.code, reward.sandbox). "
