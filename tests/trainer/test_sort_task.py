@@ -129,6 +129,15 @@ def test_with_token_ids_every_token_is_a_position_pads_included() -> None:
     assert scorer.score([item]) == [1.0]
 
 
+def test_a_response_cut_before_its_eos_scores_nothing() -> None:
+    """As for arithmetic: otherwise a run of rising digits to maxResponseTokens still earns
+    part of the credit, and a policy learns to never end its answers."""
+    cut = scored("1123", finished=False)
+    for per_token in (False, True):
+        scorer = build_scorer(RewardConfig(kind="positional"), per_token=per_token)
+        assert scorer.scores([cut, scored("1123")]) == [0.0, (1.0,) * 5 if per_token else 1.0]
+
+
 def sort_spec(**overrides: Any) -> dict[str, Any]:
     spec = yaml.safe_load((REPO / "examples/sort.yaml").read_text())["spec"]
     for path, value in overrides.items():

@@ -2,8 +2,8 @@
 
 Five kinds (spec.reward.kind): `arithmetic`, builtin:addition's (the exact answer, then
 EOS); `positional`, builtin:sort's (partial credit: the share of the answer's positions right,
-per token under lossLevel gspo-token); `math`, answers checked with math-verify (boxed or
-final answers against the dataset's reference); `python`, any
+per token under lossLevel gspo-token, 0 without EOS); `math`, answers checked with
+math-verify (boxed or final answers against the dataset's reference); `python`, any
 `module:function(prompt, completion, answer) -> float`; `code`, the response's program run
 against the row's tests in a sandbox (code/runner.py).
 A call that raises, returns a value that is not a finite float32 (NaN, inf, or past ±3.4e38,
@@ -506,7 +506,7 @@ def _now() -> float:
 
 # Built-in kinds that score a response cut at maxResponseTokens 0: its final answer is not
 # there (a math answer cut mid-number, or still inside the reasoning, would otherwise count).
-FINISHED_ONLY = ("arithmetic", "math")
+FINISHED_ONLY = ("arithmetic", "positional", "math")
 
 
 def build_scorer(
@@ -553,11 +553,13 @@ def _positional_scorer(
     on_failure: Callable[[str], None] | None,
     name: str,
 ) -> RewardScorer:
-    """positional_reward, scored inline (it cannot hang); unfinished responses are scored
-    too, their missing EOS one wrong position."""
+    """positional_reward, scored inline (it cannot hang). A response cut at maxResponseTokens
+    scores 0, as for arithmetic: with its missing EOS counted as one wrong position only, a
+    probe run's policy stopped ending its answers and ran every one to the cap, where a
+    rising run of digits still earned a third of the credit."""
     fn = partial(positional_reward, per_token=per_token, answer_ids=answer_ids)
-    return RewardScorer(fn, timeout_s=timeout_s, inline=True, takes_item=True,
-                        on_failure=on_failure, name=name)  # fmt: skip
+    return RewardScorer(fn, timeout_s=timeout_s, require_finished=True, inline=True,
+                        takes_item=True, on_failure=on_failure, name=name)  # fmt: skip
 
 
 def _code_scorer(cfg: RewardConfig, on_failure: Callable[[str], None] | None) -> Any:
