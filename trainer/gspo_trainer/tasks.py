@@ -57,7 +57,7 @@ def _sort_problem(rng: random.Random) -> Problem:
 
 def sort_eval_problems() -> list[Problem]:
     """The held-out set: SORT_EVAL_PROBLEMS fixed problems with distinct prompts."""
-    rng, out, seen = random.Random(_SORT_EVAL_SEED), [], set()
+    rng, out, seen = random.Random(_SORT_EVAL_SEED), list[Problem](), set[str]()
     while len(out) < SORT_EVAL_PROBLEMS:
         problem = _sort_problem(rng)
         if problem[0] not in seen:
@@ -70,7 +70,7 @@ def sort_train_problems() -> list[Problem]:
     """SORT_TRAIN_PROBLEMS fixed problems with distinct prompts, none of them an evaluation
     prompt (the evaluation measures sorting digit strings never trained on)."""
     held_out = {prompt for prompt, _ in sort_eval_problems()}
-    rng, out, seen = random.Random(_SORT_TRAIN_SEED), [], set(held_out)
+    rng, out, seen = random.Random(_SORT_TRAIN_SEED), list[Problem](), set(held_out)
     while len(out) < SORT_TRAIN_PROBLEMS:
         problem = _sort_problem(rng)
         if problem[0] not in seen:

@@ -226,7 +226,8 @@ def builtin_task_problems(spec: GSPOJobSpec) -> list[tuple[str, str]]:
     with a built-in model (one token per character, tasks.py), limits too short for the
     task's longest prompt or answer (prompts past data.maxPromptTokens would be left out, an
     answer past algorithm.maxResponseTokens could never be right)."""
-    out, data, alg = [], spec.data, spec.algorithm
+    out: list[tuple[str, str]] = []
+    data, alg = spec.data, spec.algorithm
     for field, source in (("source", data.source), ("evalSource", data.eval_source)):
         if source and source.startswith("builtin:") and source not in BUILTIN_TASKS:
             tasks = ", ".join(BUILTIN_TASKS)
