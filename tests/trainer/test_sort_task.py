@@ -213,6 +213,7 @@ def test_a_learner_step_on_the_sort_task_credits_each_token(
     asyncio.run(learner.train_step(1))
     (packed,) = seen
     assert packed.token_rewards is not None
+    ended = 0
     for i, n in enumerate(map(int, packed.lengths.tolist())):
         ids = packed.ids[i, : int(packed.attn[i].sum())].tolist()
         prompt, response = tok.decode(ids[:-n]), ids[-n:]
@@ -221,9 +222,12 @@ def test_a_learner_step_on_the_sort_task_credits_each_token(
         answer = "".join(sorted(prompt.removesuffix("=")))
         item = Scored(prompt, text, answer, finished, n, response)
         want = positional_reward(item, per_token=True, answer_ids=tokenizer_answer_ids(tok))
+        want = want if finished else (0.0,) * n  # cut at maxResponseTokens: nothing
+        ended += finished
         got = packed.token_rewards[i][packed.mask[i]]
         torch.testing.assert_close(got, torch.tensor(want, dtype=got.dtype).reshape(-1))
         assert float(packed.rewards[i]) == pytest.approx(sequence_reward(want))
+    assert ended  # some responses are scored position by position
     held_out = {e.prompt for e in load_eval_examples(SORT) or []}
     assert learner.eval_examples and {e.prompt for e in learner.eval_examples} == held_out
     evaluation = asyncio.run(learner.collector.evaluate(1, learner.eval_examples[:4]))
