@@ -10,7 +10,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from operator_harness import NS, api_server, eventually, tiny_job
+from operator_harness import NS, api_server, eventually, stopped, tiny_job
 
 from gspo_operator import run
 from gspo_operator.handlers import Context
@@ -46,7 +46,7 @@ async def test_a_namespaced_operator_makes_no_cluster_scoped_request() -> None:
             await asyncio.sleep(0.5)  # a few reconciliations
         finally:
             stop.set()
-            await asyncio.wait([task], timeout=20)
+            await stopped(task, ctx, 20)
             ctx.kube.close()
         ours = [
             r
