@@ -717,10 +717,14 @@ class ApiServer(kmock.KubernetesScaffold):
                     cursor = rv
                     if k == key and wanted(obj):
                         await send(type_, obj)
-                try:
-                    await asyncio.wait_for(changed.wait(), deadline - loop.time())
+                try:  # a second at a time, to see whether the client is still there
+                    await asyncio.wait_for(changed.wait(), min(1.0, deadline - loop.time()))
                 except TimeoutError:
-                    break
+                    # A client gone (a process killed): the watch ends, as kube-apiserver's
+                    # does when its request's context is cancelled. Else its handler would
+                    # wait out timeoutSeconds, and the server's shutdown wait for it 60 s.
+                    if raw.transport is None or raw.transport.is_closing():
+                        break
         except (ConnectionResetError, asyncio.CancelledError):
             pass
         return response

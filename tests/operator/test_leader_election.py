@@ -368,6 +368,15 @@ class Replica:
             return False
 
 
+# The replicas' Lease timings, through their flags: a third of client-go's (15 s, 10 s, 2 s),
+# so a takeover after SIGKILL waits ~6 s instead of ~17 s; the renew deadline still leaves a
+# leader four tries at renewing on a loaded machine.
+LEASE_FLAGS = (
+    *("--leader-election-lease-duration", "5", "--leader-election-renew-deadline", "4"),
+    *("--leader-election-retry-period", "1"),
+)
+
+
 async def start_replica(pod: str, kubeconfig: Path) -> Replica:
     metrics_port, health_port = free_port(), free_port()
     env = checkout_env(KUBECONFIG=str(kubeconfig), POD_NAME=pod, PYTHONUNBUFFERED="1")
@@ -377,6 +386,7 @@ async def start_replica(pod: str, kubeconfig: Path) -> Replica:
         *(sys.executable, "-m", "gspo_operator.cli", "operator", "--leader-elect"),
         *("--leader-election-namespace", NS, "--namespace", NS, "--interval", "1"),
         *("--metrics-port", str(metrics_port), "--health-port", str(health_port)),
+        *LEASE_FLAGS,
         env=env,
         cwd=REPO,
         stdout=asyncio.subprocess.PIPE,
