@@ -33,6 +33,7 @@ from gspo_trainer import ports
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = list(yaml.safe_load_all((REPO / "examples/local-cluster.yaml").read_text()))
 JOB = "tiny-cluster"
+MAX_STEPS = 150  # of the faults run: three times the steps its faults take to land
 # What the pods compile on a first start (DeepSpeed's CPU comm op, torch.compile's kernels),
 # kept between runs on this machine in the example's build-cache claim.
 BUILD_CACHE = Path(os.environ.get("GSPO_LOCAL_CLUSTER_CACHE", "/tmp/gspo-local-cluster-cache"))
@@ -108,8 +109,9 @@ def history_steps(cluster: LocalCluster) -> list[int]:
 async def test_a_job_trains_through_faults_suspend_and_resume_to_succeeded(tmp_path) -> None:
     async with local_cluster(tmp_path / "cluster") as cluster:
         share_build_cache(cluster)
-        # Steps take ~0.1 s: enough of them that every fault lands before the end.
-        path = manifest(tmp_path, algorithm={"maxSteps": 300})
+        # Every fault lands within the first ~50 steps (the learner waits while its server is
+        # replaced, and is evicted at its first step after the resume); steps take 0.1-1 s.
+        path = manifest(tmp_path, algorithm={"maxSteps": MAX_STEPS})
         out = await cluster.kubectl("apply", "--validate=false", "-f", str(path))
         assert f"gspojob.gspo.dev/{JOB} created" in out
 
@@ -291,7 +293,10 @@ async def test_a_job_trains_through_faults_suspend_and_resume_to_succeeded(tmp_p
             "Running after the eviction",
             JOB,
         )
-        cluster.mark("learner pod evicted -> restarted from its final checkpoint, not counted")
+        cluster.mark(
+            f"learner pod evicted at step {words.group(1)} -> restarted from its final "
+            "checkpoint, not counted"
+        )
 
         out = await cluster.kubectl(
             "wait", "--for=condition=Succeeded", f"gspojob/{JOB}", "--timeout=900s", timeout_s=960
@@ -302,7 +307,7 @@ async def test_a_job_trains_through_faults_suspend_and_resume_to_succeeded(tmp_p
         # --- the exported model is on the claim and loads with transformers ------------------
         assert cluster.status(JOB)["restarts"] == 2
         steps = history_steps(cluster)
-        assert max(steps) == 300 and max(stopped) + 1 in steps
+        assert max(steps) == MAX_STEPS and max(stopped) + 1 in steps
         export = cluster.claim_dir(f"{JOB}-checkpoints") / "export"
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
