@@ -20,7 +20,9 @@ from gspo_trainer import checkpoint as ckpt
 from gspo_trainer.plot import read_history
 
 pytestmark = pytest.mark.e2e
-STEPS = 300
+# The reward rises well within 200 steps (eval accuracy 0.8-1.0 at step 200 on five seeds:
+# BENCHMARKS.md); the windows compared are steps 1-50 and 151-200.
+STEPS = 200
 
 
 def wait_for_steps(history: Path, steps: int, proc: subprocess.Popen, timeout_s: float) -> None:
@@ -74,6 +76,7 @@ def test_gspo_train_default_stops_resumes_and_raises_reward(tmp_path: Path) -> N
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     rewards = [r["reward_mean"] for r in records]
     first_50, last_50 = sum(rewards[:50]) / 50, sum(rewards[-50:]) / 50
+    print(f"reward: first 50 steps {first_50:.3f}, last 50 {last_50:.3f}")
     assert last_50 >= first_50 + 0.03 and last_50 >= 2 * first_50, (first_50, last_50)
     assert records[-1]["entropy"] < records[0]["entropy"]
     final = ckpt.latest(out / "checkpoints")
