@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import hashlib
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 
 import pytest
 
+from gspo_trainer.code import service as service_module
 from gspo_trainer.code.runner import CodeRunner, CodeScorer, build_code_scorer, wait_for_service
-from gspo_trainer.code.sandbox import LocalSandbox, RunResult
-from gspo_trainer.code.service import RemoteSandbox, serve_sandbox
+from gspo_trainer.code.sandbox import SETUP_SECONDS, LocalSandbox, RunResult
+from gspo_trainer.code.service import RemoteSandbox, request_timeout, serve_sandbox
 from gspo_trainer.config import CodeConfig, SandboxConfig
 from gspo_trainer.ports import ENV_SANDBOX_URL, ENV_SYNC_TOKEN
 from gspo_trainer.rewards import Scored
@@ -118,7 +121,11 @@ def test_a_sandbox_server_refused_its_isolation_exits_2_saying_why(monkeypatch, 
     """Exit 2, which the sandbox Job's podFailurePolicy fails at once on (tests/operator)."""
     from gspo_trainer.code import service
 
-    monkeypatch.setattr(LocalSandbox, "probe", lambda self: "unshare: Operation not permitted")
+    monkeypatch.setattr(
+        LocalSandbox, "probe_run", lambda self: ("unshare: Operation not permitted", False)
+    )
+    monkeypatch.setattr(service, "undumpable", lambda: None)  # not this test process
+    monkeypatch.setattr(service.signal, "signal", lambda *a: None)
     with tempfile.NamedTemporaryFile("w", suffix=".sha256") as f:
         f.write("0" * 64)
         f.flush()
@@ -243,7 +250,7 @@ class Gate:
     """A sandbox whose programs run until the test lets them go; counts those running."""
 
     def __init__(self) -> None:
-        self.running, self.most = 0, 0
+        self.running, self.most, self.runs = 0, 0, 0
         self.lock, self.entered, self.release = (
             threading.Lock(),
             threading.Event(),
@@ -253,6 +260,7 @@ class Gate:
     def run(self, files, argv, stdin=b"", env=None) -> RunResult:
         with self.lock:
             self.running += 1
+            self.runs += 1
             self.most = max(self.most, self.running)
         self.entered.set()
         self.release.wait(30)
@@ -265,7 +273,7 @@ def test_a_sandbox_pod_runs_at_most_concurrency_programs_at_once() -> None:
     """More requests than reward.sandbox.concurrency (the Service spreads them unevenly) wait
     for a slot rather than running beside the others past the pod's memory."""
     gate = Gate()
-    server = serve_sandbox(gate, TOKEN, "127.0.0.1", 0, concurrency=2)  # type: ignore[arg-type]
+    server = serve_sandbox(gate, TOKEN, "127.0.0.1", 0, concurrency=2, queue_seconds=30)  # type: ignore[arg-type]
     threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     remote = RemoteSandbox(f"http://127.0.0.1:{server.server_address[1]}", TOKEN, 30)
     results: list[RunResult] = []
@@ -307,3 +315,56 @@ def test_the_learner_sends_test_cases_past_any_proxy_its_environment_names(
         assert scorer_for(service, TOKEN).score([program]) == [1.0]
         with pytest.raises(BlockingIOError):
             proxy.accept()  # nothing connected to the proxy
+
+
+def test_a_request_that_finds_no_slot_in_time_gets_503_and_its_program_never_runs() -> None:
+    """The client gives up after request_timeout; a program queued longer than the server's
+    wait would run for nobody and hold a slot from live requests."""
+    gate = Gate()
+    server = serve_sandbox(gate, TOKEN, "127.0.0.1", 0, concurrency=1, queue_seconds=0.3)  # type: ignore[arg-type]
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    remote = RemoteSandbox(f"http://127.0.0.1:{server.server_address[1]}", TOKEN, 30)
+    first: list[RunResult] = []
+    holder = threading.Thread(target=lambda: first.append(remote.run({}, ["x"])))
+    try:
+        holder.start()
+        assert gate.entered.wait(10)
+        queued = remote.run({}, ["y"])
+        assert queued.failure and "503" in queued.failure, queued
+        gate.release.set()
+        holder.join(30)
+        assert first[0].exit_code == 0 and gate.runs == 1
+    finally:
+        gate.release.set()
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_learner_waits_for_a_slot_and_a_run_before_giving_up() -> None:
+    cfg = SandboxConfig(timeout_seconds=4)
+    assert request_timeout(cfg) > 2 * (SETUP_SECONDS + cfg.timeout_seconds)
+
+
+def test_the_sandbox_server_is_undumpable_and_retries_a_probe_that_only_ran_late(
+    monkeypatch, tmp_path
+) -> None:
+    """Its process holds the job's token (every /run carries it): a program run as its user
+    with isolation none must not ptrace it. A probe that ran out of time exits 1 (the Job
+    retries); one the isolation refused exits 2 (the pod failure policy fails it at once)."""
+    script = (
+        "import ctypes; from gspo_trainer.code.service import undumpable; undumpable(); "
+        "print(ctypes.CDLL(None).prctl(3, 0, 0, 0, 0))"  # PR_GET_DUMPABLE
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.stdout.strip() == "0", out.stderr
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    calls: list[str] = []
+    monkeypatch.setattr(service_module, "undumpable", lambda: calls.append("undumpable"))
+    monkeypatch.setattr(service_module.signal, "signal", lambda *a: calls.append("signal"))
+    for passing, code in [(True, 1), (False, 2)]:
+        monkeypatch.setattr(LocalSandbox, "probe_run", lambda _s, p=passing: ("refused", p))
+        with pytest.raises(SystemExit) as exit_:
+            service_module.main(["--token-file", str(token), "--sandbox", '{"isolation": "none"}'])
+        assert exit_.value.code == code
+    assert calls[:2] == ["undumpable", "signal"]

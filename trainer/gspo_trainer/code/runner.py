@@ -280,7 +280,7 @@ def _service_scorer(
     $GSPO_SANDBOX_URL), which start with the learner and are waited for."""
     import os
 
-    from gspo_trainer.code.service import RemoteSandbox
+    from gspo_trainer.code.service import RemoteSandbox, request_timeout
     from gspo_trainer.ports import (
         ENV_JOB_NAME,
         ENV_SANDBOX_URL,
@@ -299,7 +299,7 @@ def _service_scorer(
             "service you run (gspo sandbox-server), or use mode: local"
         )
     remote = RemoteSandbox(
-        url, os.environ.get(ENV_SYNC_TOKEN, ""), timeout_s=sandbox.timeout_seconds + 30
+        url, os.environ.get(ENV_SYNC_TOKEN, ""), timeout_s=request_timeout(sandbox)
     )
     concurrency = sandbox.concurrency * pods  # each pod runs `concurrency` at once
     if sandbox.service_url is None and not wait:

@@ -224,15 +224,34 @@ class LocalSandbox:
         """None when a program runs under this isolation here, else why not."""
         return probe(self)
 
+    def probe_run(self) -> tuple[str | None, bool]:
+        """probe(), and whether its failure may pass (module probe_run)."""
+        return probe_run(self)
+
 
 def probe(sandbox: Any) -> str | None:
     """None when `sandbox` (local or remote) runs a trivial program, else why not."""
+    return probe_run(sandbox)[0]
+
+
+def probe_run(sandbox: Any) -> tuple[str | None, bool]:
+    """probe(), and whether a failure may pass: the program did not finish in time (a cold
+    or loaded node), rather than the isolation being refused."""
     result = sandbox.run({"probe.py": "print('ok')"}, ["{python}", "-I", "-S", "probe.py"])
     if result.failure:
-        return result.failure
+        return result.failure, result.timed_out
     if result.stdout.strip() != b"ok":
-        return f"a trivial program failed (exit {result.exit_code}): {result.stderr[-300:]!r}"
-    return None
+        why = f"a trivial program failed (exit {result.exit_code}): {result.stderr[-300:]!r}"
+        return why, result.timed_out
+    return None, False
+
+
+STOP_SECONDS = 7  # _stop: 2 s for the first process to end the run, 5 s after the kill
+
+
+def run_bound_seconds(cfg: SandboxConfig) -> float:
+    """The longest one run can take: the sandbox's start, the program's limit, its stop."""
+    return SETUP_SECONDS + cfg.timeout_seconds + STOP_SECONDS
 
 
 def _remove(box: Path) -> None:

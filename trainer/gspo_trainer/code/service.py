@@ -19,13 +19,14 @@ import hmac
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from gspo_trainer.code.sandbox import LocalSandbox, RunResult
+from gspo_trainer.code.sandbox import LocalSandbox, RunResult, run_bound_seconds
 from gspo_trainer.config import SandboxConfig
 from gspo_trainer.ports import INVALID_CONFIG_EXIT_CODE
 
@@ -42,6 +43,7 @@ def serve_sandbox(
     *,
     hashed: bool = False,
     concurrency: int | None = None,
+    queue_seconds: float | None = None,
 ) -> ThreadingHTTPServer:
     """Serve `sandbox` on (host, port); every /run needs `Authorization: Bearer <token>`.
     With `hashed`, `token` is the token's hex SHA-256: what the operator's sandbox pods hold,
@@ -49,9 +51,12 @@ def serve_sandbox(
 
     At most `concurrency` programs run at once (reward.sandbox.concurrency by default): the
     Service spreads the learner's concurrency x replicas requests over the pods unevenly, and
-    each pod's memory is sized for that many. A request beyond it waits for a slot."""
+    each pod's memory is sized for that many. A request beyond it waits for a slot as long as
+    one run can take, then gets 503: the client waits for that and one run (request_timeout),
+    so a program is never run for a caller that has given up on it."""
     want = token.encode()
     slots = threading.BoundedSemaphore(concurrency or sandbox.cfg.concurrency)
+    queue_s = run_bound_seconds(sandbox.cfg) if queue_seconds is None else queue_seconds
 
     def authorized(header: str) -> bool:
         presented = header.removeprefix("Bearer ") if header.startswith("Bearer ") else ""
@@ -84,8 +89,13 @@ def serve_sandbox(
             except (ValueError, KeyError, TypeError) as exc:
                 self._reply(400, {"error": f"malformed request: {exc}"})
                 return
-            with slots:
+            if not slots.acquire(timeout=queue_s):
+                self._reply(503, {"error": f"every slot stayed busy for {queue_s:.0f} s"})
+                return
+            try:
                 result = sandbox.run(files, argv, stdin, env)
+            finally:
+                slots.release()
             self._reply(200, _encode(result))
 
         def _reply(self, code: int, body: dict) -> None:
@@ -107,6 +117,12 @@ def serve_sandbox(
 # No HTTP(S)_PROXY: urllib's default opener would send every /run, the job's bearer token
 # with it, through a proxy the learner's environment names; the sandbox is in the cluster.
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def request_timeout(cfg: SandboxConfig) -> float:
+    """How long the learner waits for one /run: a wait for a slot on a busy pod (the server
+    gives up on it after one run's bound) and then the run itself, with a margin."""
+    return 2 * run_bound_seconds(cfg) + 10
 
 
 class RemoteSandbox:
@@ -170,6 +186,17 @@ def _decode(body: dict) -> RunResult:
     )
 
 
+PR_SET_DUMPABLE = 4
+
+
+def undumpable() -> None:
+    """No core dumps, ptrace or /proc/<pid>/mem of this process by its own user."""
+    import ctypes
+
+    if ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise OSError("prctl(PR_SET_DUMPABLE, 0) failed")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         prog="gspo sandbox-server",
@@ -183,16 +210,24 @@ def main(argv: list[str] | None = None) -> None:
     token_source.add_argument("--token-sha256-file", help="file holding its hex SHA-256 instead")
     p.add_argument("--sandbox", default="{}", help="reward.sandbox as JSON (camelCase keys)")
     args = p.parse_args(argv)
+    # The job's token passes through this process with every /run: a program run with
+    # isolation none, as this user, must not read it from this process's memory (ptrace,
+    # /proc/<pid>/mem), as the assert-style harness guards its own pass token.
+    undumpable()
+    # As a pod's first process the kernel ignores SIGTERM without a handler: the kubelet's
+    # stop would wait out the grace period. 143, not 0: a Job counts 0 as done.
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(128 + signal.SIGTERM))
     with open(args.token_file or args.token_sha256_file, encoding="utf-8") as f:
         token = f.read().strip()
     sandbox = LocalSandbox(SandboxConfig.model_validate(json.loads(args.sandbox)))
-    why = sandbox.probe()
+    why, passing = sandbox.probe_run()
     if why is not None:
         # Exit 2, as a learner that cannot run as configured: the operator's podFailurePolicy
         # fails the sandbox Job at once (every pod on these nodes would refuse the same way),
-        # and these last lines become the pod's termination message, copied into the job.
+        # and these last lines become the pod's termination message, copied into the job. A
+        # probe that only ran out of time (a cold or loaded node) exits 1: the Job retries.
         print(f"the sandbox cannot run a program here: {why}", file=sys.stderr, flush=True)
-        raise SystemExit(INVALID_CONFIG_EXIT_CODE)
+        raise SystemExit(1 if passing else INVALID_CONFIG_EXIT_CODE)
     server = serve_sandbox(sandbox, token, args.host, args.port, hashed=not args.token_file)
     log.info("Serving the code sandbox on %s:%d (pid %d)", args.host, args.port, os.getpid())
     server.serve_forever()
