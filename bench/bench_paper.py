@@ -27,13 +27,8 @@ fractions (Fig. 2) and routing drift per update, seed-averaged, in bench/paper-*
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,14 +36,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "operator"), str(REPO / "trainer"), str(REPO / "bench")]
 
 from bench_train import reached  # noqa: E402
+from bench_train import run as run_train  # noqa: E402
 
-from gspo_trainer.plot import moving_average, read_history  # noqa: E402
+from gspo_trainer.plot import moving_average  # noqa: E402
 
-VARIANTS: dict[str, list[str]] = {
-    "gspo": ["--loss-level", "gspo"],
-    "grpo": ["--loss-level", "grpo"],
-    "grpo-replay": ["--loss-level", "grpo", "--set", "algorithm.routingReplay=true"],
-    "gspo-token": ["--loss-level", "gspo-token"],
+VARIANTS: dict[str, tuple[str, list[str]]] = {  # name: (lossLevel, more gspo train arguments)
+    "gspo": ("gspo", []),
+    "grpo": ("grpo", []),
+    "grpo-replay": ("grpo", ["--set", "algorithm.routingReplay=true"]),
+    "gspo-token": ("gspo-token", []),
 }
 
 
@@ -66,39 +62,17 @@ class Result:
 
 
 def run(config: str, variant: str, seed: int, args: argparse.Namespace) -> tuple[list, float]:
-    """One `gspo train` in a fresh directory (a leftover one would resume)."""
-    out = Path(args.work) / f"{variant}-seed{seed}"
-    shutil.rmtree(out, ignore_errors=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "gspo_operator.cli",
-        "train",
-        config,
-        "--output-dir",
-        str(out),
-        "--seed",
-        str(seed),
-        "--no-progress",
-        *VARIANTS[variant],
+    """One `gspo train` of `variant` (bench_train.run: a fresh directory, the history read)."""
+    level, extra = VARIANTS[variant]
+    extra = [
+        *extra,
         "--set",
         f"model.name={args.model}",
         "--set",
         "metrics.diagnosticsEverySteps=1",
-        *(["--max-steps", str(args.max_steps)] if args.max_steps else []),
     ]
-    env = {**os.environ, "PYTHONPATH": f"{REPO / 'operator'}:{REPO / 'trainer'}"}
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL)
-    try:
-        code = proc.wait()
-    except KeyboardInterrupt:  # let `gspo train` stop its learner and servers itself
-        proc.send_signal(signal.SIGINT)
-        proc.wait()
-        raise
-    if code != 0:
-        raise SystemExit(f"gspo train ({variant}, seed {seed}) exited {code}")
-    return read_history(out / "checkpoints" / "history.jsonl"), time.monotonic() - start
+    out = Path(args.work) / f"{variant}-seed{seed}"
+    return run_train(config, level, seed, args.max_steps, out, extra=extra)
 
 
 def _mean(records: list[dict], key: str) -> float | None:

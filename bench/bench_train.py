@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,10 +50,17 @@ class Result:
 
 
 def run(
-    config: str | None, level: str, seed: int, steps: int | None, out: Path, core: int | None = None
+    config: str | None,
+    level: str,
+    seed: int,
+    steps: int | None,
+    out: Path,
+    core: int | None = None,
+    extra: Sequence[str] = (),
 ) -> tuple[list[dict], float]:
     """One `gspo train` run in a fresh directory (a leftover one would resume), on one core
-    when `core` is given (`taskset`: the rollout server and the learner share it)."""
+    when `core` is given (`taskset`: the rollout server and the learner share it); `extra`:
+    more `gspo train` arguments (`--set algorithm.routingReplay=true`)."""
     import shutil
 
     shutil.rmtree(out, ignore_errors=True)
@@ -60,7 +68,7 @@ def run(
     # fmt: skip: each flag beside its value, as on a command line (ruff splits the pairs).
     cmd = [*pin, sys.executable, "-m", "gspo_operator.cli", "train", *([config] if config else []),
            "--output-dir", str(out), "--loss-level", level, "--seed", str(seed),
-           "--no-progress", *(["--max-steps", str(steps)] if steps else [])]  # fmt: skip
+           "--no-progress", *(["--max-steps", str(steps)] if steps else []), *extra]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'operator'}:{REPO / 'trainer'}"}
     start = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL)
