@@ -1239,8 +1239,10 @@ class ProcessKubelet:
             with contextlib.suppress(Exception):
                 await task
         if rt.endpoint is not None:
-            await self.network.remove(rt.endpoint)
-            rt.endpoint = None
+            # Detached before the namespace goes: a policy pass whose `nft -f` fails on it while
+            # it is being deleted sees the pod gone and skips it (_sync_policies).
+            endpoint, rt.endpoint = rt.endpoint, None
+            await self.network.remove(endpoint)
         rt.done = True
         rt.final_phase = rt.phase()
         if rt.final_phase not in TERMINAL:

@@ -230,6 +230,38 @@ async def test_job_traffic_flows_and_other_pods_are_kept_out(node: Any) -> None:
         await asyncio.sleep(0.1)
 
 
+async def test_a_policy_pass_while_a_pod_sandbox_is_torn_down_skips_it(node: Any) -> None:
+    """A pod's netns is deleted while a policy pass loads rules into it: the pass skips the
+    pod (its sandbox is going) instead of failing the node with `nft -f`'s "setting the network
+    namespace failed". The pass is run inside the teardown, after the namespace went."""
+    api, kubelet = node
+    await api.create(policy_of({"podSelector": {"matchLabels": {"app": "web"}}}))
+    pod = listener("web", NS, {"app": "web"}, [])
+    pod["spec"]["containers"][0]["command"] = ["python", "-c", "import time; time.sleep(1)"]
+    passes: list[str] = []
+    remove = kubelet.network.remove
+
+    async def remove_then_sync(ep: Any) -> None:
+        await remove(ep)  # the namespace is gone now
+        for rt in kubelet._pods.values():
+            rt.ruleset = None  # its rules "changed": the pass must load them again
+        await kubelet._sync_policies()
+        passes.append(ep.netns)
+
+    kubelet.network.remove = remove_then_sync  # type: ignore[method-assign]
+    await api.create(pod)
+    deadline = time.monotonic() + 60
+    while not passes:
+        assert time.monotonic() < deadline, "the pod's sandbox was never torn down"
+        await asyncio.sleep(0.1)
+    phase = (api.get("Pod", NS, "web").get("status") or {}).get("phase")
+    deadline = time.monotonic() + 10
+    while phase != "Succeeded":
+        assert time.monotonic() < deadline, f"the pod ended {phase}, not Succeeded"
+        await asyncio.sleep(0.1)
+        phase = (api.get("Pod", NS, "web").get("status") or {}).get("phase")
+
+
 # --- pod_ruleset: the semantics ---------------------------------------------------------------
 
 
