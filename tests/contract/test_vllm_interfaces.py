@@ -4,6 +4,7 @@ is started. The version is the one docker/versions.env pins for the images too."
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import inspect
 from pathlib import Path
@@ -70,6 +71,16 @@ def test_the_server_takes_every_flag_the_command_line_gives() -> None:
     assert args.worker_extension_cls.endswith("WeightSyncExtension")
     assert args.logprobs_mode == "processed_logprobs" and args.enforce_eager
     assert args.served_model_name == ["builtin:tiny"] and args.seed == 0
+    assert args.enable_chunked_prefill is None  # vLLM's own default where the build allows it
+
+    # The CPU build: no chunked prefill (a seeded prompt split over two steps kills its
+    # engine), unless engineArgs says otherwise.
+    cpu = dataclasses.replace(opts, chunked_prefill=False)
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(serve_argv(cpu)[3:])
+    assert args.enable_chunked_prefill is False
+    chosen = dataclasses.replace(cpu, engine_args={"enable_chunked_prefill": True})
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(serve_argv(chosen)[3:])
+    assert args.enable_chunked_prefill is True
 
 
 def test_the_generate_route_takes_the_clients_request_and_answers_what_it_reads() -> None:

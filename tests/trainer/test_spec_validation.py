@@ -238,3 +238,15 @@ def test_engine_args_vllm_takes_pass() -> None:
         )
     )
     assert spec.rollout.engine_args["kv_cache_dtype"] == "fp8"
+
+
+def test_chunked_prefill_on_cpu_rollout_servers_is_refused_and_on_gpus_taken() -> None:
+    """vLLM's CPU build dies on a seeded prompt split over two steps, which chunked prefill
+    does (serve_command.py turns it off there): asking for it on CPU servers is refused."""
+    on = {"enable_chunked_prefill": True}
+    got = problems(minimal(rollout={"gpusPerReplica": 0, "engineArgs": on}))
+    assert "CPU build" in got["spec.rollout.engineArgs.enable_chunked_prefill"]
+    assert "remove it" in got["spec.rollout.engineArgs.enable_chunked_prefill"]
+    assert parse_spec(minimal(rollout={"engineArgs": on})).rollout.engine_args == on  # GPUs
+    off = {"enable_chunked_prefill": False}
+    parse_spec(minimal(rollout={"gpusPerReplica": 0, "tensorParallelSize": 1, "engineArgs": off}))

@@ -358,6 +358,13 @@ def check_spec(spec: GSPOJobSpec, *, prefix: str = "spec") -> list[Problem]:
         )
     for key, message in engine_arg_problems(rollout.engine_args):
         bad(f"rollout.engineArgs.{key}", message)
+    if rollout.gpus_per_replica == 0 and rollout.engine_args.get("enable_chunked_prefill") is True:
+        bad(
+            "rollout.engineArgs.enable_chunked_prefill",
+            "vLLM's CPU build cannot split a seeded prompt over two engine steps (its engine "
+            "dies on the first batch larger than one step): remove it (gspo turns it off on "
+            "CPU) or give the rollout servers GPUs",
+        )
     return out
 
 

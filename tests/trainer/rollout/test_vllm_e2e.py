@@ -184,6 +184,27 @@ def test_engine_logprobs_are_those_of_the_sampling_distribution(dense_pair: list
     assert max_logprob_gap(model, batch, temperature=1.0) > 0.05  # raw log-probs would be these
 
 
+def test_seeded_prompts_over_one_steps_token_budget_are_all_served(dense_pair: list[Any]) -> None:
+    """32 distinct seeded 100-token prompts reach one server at once: 3,200 prompt tokens,
+    more than one engine step takes (2,048). With chunked prefill a prompt split over two steps
+    made the CPU engine rewind its seeded generator, which CPU generators refuse: the engine
+    died and every later request failed (serve_command.py)."""
+    generator = torch.Generator().manual_seed(0)
+    prompts = [
+        [int(t) for t in torch.randint(2, 15, (100,), generator=generator)] for _ in range(32)
+    ]
+    params = SamplingParams(n=1, max_tokens=4, temperature=1.0, seed=3)
+
+    async def run() -> RolloutBatch:
+        async with RolloutClient([dense_pair[0].url], TOKEN, timeout_s=120) as client:
+            return await client.generate(prompts, params)
+
+    batch = asyncio.run(run())
+    assert [len(group) for group in batch.groups] == [1] * len(prompts)
+    assert all(1 <= len(c.token_ids) <= params.max_tokens for g in batch.groups for c in g)
+    assert dense_pair[0].proc.poll() is None  # the server is still up for the tests after
+
+
 def test_update_without_token_is_refused_and_changes_nothing(dense_pair: list[Any]) -> None:
     url = dense_pair[0].url
     before = generate([url], GREEDY)

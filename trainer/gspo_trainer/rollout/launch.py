@@ -135,6 +135,7 @@ def command(args: argparse.Namespace, environ: dict[str, str]) -> tuple[list[str
         gpu_memory_utilization=args.gpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size,
         enforce_eager=cpu,
+        chunked_prefill=not cpu,
         engine_args=parse_engine_args(args.engine_arg),
         weights_dir=str(args.weights_dir) if args.weights_dir else None,
         initial_version=args.initial_policy_version,

@@ -36,6 +36,9 @@ class ServeOptions:
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     enforce_eager: bool = False  # the CPU backend needs it
+    # False on the CPU build: a seeded request's prompt must never be split over two engine
+    # steps there (see serve_argv).
+    chunked_prefill: bool = True
     engine_args: dict[str, Any] = field(default_factory=dict)  # more flags: --key value
     weights_dir: str | None = None  # weightSync.method filesystem: the learner's directory
     initial_version: int | None = None  # serve the loaded weights as this version at once
@@ -62,6 +65,15 @@ def serve_argv(opts: ServeOptions, python: str = sys.executable) -> list[str]:
         argv += ["--max-model-len", str(opts.max_model_len)]
     if opts.enforce_eager:
         argv.append("--enforce-eager")
+    if not opts.chunked_prefill and "enable_chunked_prefill" not in opts.engine_args:
+        # The CPU build's model runner (vllm/v1/worker/gpu_model_runner.py, 0.32) rewinds a
+        # seeded request's generator after a step that computed only part of its prompt, with
+        # `Generator.set_offset`, which a CPU generator refuses ("CPU Generator does not use
+        # offset"): the engine dies once a step's prompts exceed its token budget (2,048),
+        # e.g. 256 sequences of 13-token prompts. Without chunked prefill a prompt that does
+        # not fit waits for the next step whole (vllm/v1/core/sched/scheduler.py), and vLLM
+        # raises the budget to at least max_model_len (engine/arg_utils.py).
+        argv.append("--no-enable-chunked-prefill")
     for key, value in opts.engine_args.items():
         argv += engine_flag(key, value)
     return argv
