@@ -17,6 +17,7 @@ import copy
 import errno
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -24,7 +25,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -324,6 +325,56 @@ def wait_healthy(servers: list[tuple[Proc, str]], timeout_s: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"rollout servers not up after {timeout_s:.0f}s: see their logs")
         time.sleep(0.5)
+
+
+def follow_learner(
+    learner: Proc,
+    servers: Sequence[tuple[Proc, str]],
+    poll: Callable[[], None],
+    period_s: float = 1.0,
+    stop_timeout_s: float = 300,
+) -> str | None:
+    """Wait for the learner's exit, calling `poll` every period. A rollout server that exits
+    is named with the error its log gives (the learner moves its prompts to the others). Once
+    every server has exited the learner is stopped (SIGTERM: a final checkpoint) and the
+    returned line says why: it would otherwise wait for a server that no one restarts (a
+    cluster restarts the pod; here the user re-runs the command, which resumes)."""
+    reported: set[str] = set()
+    while learner.popen.poll() is None:
+        poll()
+        gone = [proc for proc, _ in servers if proc.popen.poll() is not None]
+        for proc in gone:
+            if proc.name not in reported:
+                reported.add(proc.name)
+                print(
+                    f"{proc.name} exited (code {proc.popen.returncode}): "
+                    f"{first_error(proc.tail(200_000)) or 'no error in its log'} ({proc.log})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        if servers and len(gone) == len(servers):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(learner.popen.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                learner.popen.wait(timeout=stop_timeout_s)
+            return (
+                "every rollout server exited, so the learner stopped after a final checkpoint; "
+                "fix what their logs name above, then run the same command again to resume"
+            )
+        time.sleep(period_s)
+    return None
+
+
+# At a line's start, or after a logger's "[file.py:123] " prefix (vLLM's): not one quoted in a
+# warning's text.
+ERROR_LINE = re.compile(r"(?:^|\] )((?:[A-Za-z_][\w.]*)?(?:Error|Exception): \S.*)", re.MULTILINE)
+
+
+def first_error(log: str) -> str | None:
+    """The first `SomethingError: message` in a log: the root cause, where what follows (an
+    engine's "EngineDeadError", interpreter shutdown noise) only reports it."""
+    found = ERROR_LINE.search(log)
+    return found.group(1).strip() if found else None
 
 
 class ProgressView:
@@ -727,15 +778,16 @@ def run(
             bar=not args.no_progress,
             out=sys.stderr,
         )
-        while learner.popen.poll() is None:
-            view.poll()
-            time.sleep(1.0)
+        ended = follow_learner(learner, servers, view.poll)
         view.poll()
         view.close()
         code = int(learner.popen.returncode)
-        if interrupted and code == ports.LEARNER_STOPPED_EXIT_CODE:
+        if ended is not None:
+            print(f"gspo train: {ended}", file=sys.stderr)
+            code = 1
+        elif interrupted and code == ports.LEARNER_STOPPED_EXIT_CODE:
             code = 0  # Ctrl-C: the learner stopped as asked, after a final checkpoint
-        if code != 0 and not interrupted:
+        if code != 0 and not interrupted and ended is None:
             print(
                 f"The learner failed (exit {code}); last lines of its log:\n{learner.tail()}",
                 file=sys.stderr,
