@@ -52,3 +52,19 @@ def run(learner: Learner) -> int:
 
 def params(learner: Learner) -> dict[str, Any]:
     return {n: p.detach().clone() for n, p in learner.engine.module.named_parameters()}
+
+
+class WrappedFleet:
+    """A test's wrapper around a rollout source (`inner`) that changes generate or
+    sync_weights: the rest of the learner's RolloutSource goes to `inner` unchanged."""
+
+    inner: Any
+
+    async def fleet_state(self) -> tuple[int, int]:
+        return await self.inner.fleet_state()  # type: ignore[no-any-return]
+
+    def server_versions(self) -> dict[str, int | None]:
+        return self.inner.server_versions()  # type: ignore[no-any-return]
+
+    async def discover(self) -> list[str]:
+        return await self.inner.discover()  # type: ignore[no-any-return]

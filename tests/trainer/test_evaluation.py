@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from learner_helpers import make_learner, run, tiny_spec
+from learner_helpers import WrappedFleet, make_learner, run, tiny_spec
 
 from gspo_trainer.config import DataConfig
 from gspo_trainer.data import load_eval_examples
@@ -56,7 +56,7 @@ def test_preflight_names_a_missing_eval_source(tmp_path: Path) -> None:
     assert [p.path for p in problems] == ["spec.data.evalSource"]
 
 
-class Spy:
+class Spy(WrappedFleet):
     """Records the sampling of every generate call, then lets the wrapped source answer."""
 
     def __init__(self, inner: LocalRollout) -> None:

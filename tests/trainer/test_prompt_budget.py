@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from learner_helpers import make_learner, tiny_spec
+from learner_helpers import WrappedFleet, make_learner, tiny_spec
 
 from gspo_trainer.data import Example, fit_prompts
 from gspo_trainer.tiny import build_tokenizer
@@ -72,7 +72,7 @@ def test_chat_template_kwargs_reach_the_template() -> None:
     assert render_prompt(off, "1+2", tok) == "<nothink>1+2="
 
 
-class Refusing:
+class Refusing(WrappedFleet):
     """The in-process source, refusing one prompt as RolloutClient reports a server's 400."""
 
     def __init__(self, inner: Any, refused: list[int]) -> None:

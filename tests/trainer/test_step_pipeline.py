@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from learner_helpers import make_learner, params, run, tiny_spec
+from learner_helpers import WrappedFleet, make_learner, params, run, tiny_spec
 
 from gspo_trainer.rollout.local import LocalRollout
 from gspo_trainer.rollout.types import SamplingParams, step_seed
@@ -53,7 +53,7 @@ SYNC_SUMS_AFTER_3_STEPS: dict[str, float] = {
 }
 
 
-class Traced:
+class Traced(WrappedFleet):
     """Wraps the in-process rollout source: when each generation and sync ran, for which
     step (known by its seed), and which policy version the source held meanwhile."""
 

@@ -178,7 +178,7 @@ class Learner:
             phase=s.phase, step=s.step, max_steps=self.spec.algorithm.max_steps, reward=s.reward,
             last_checkpoint=s.last_checkpoint, last_checkpoint_step=s.last_checkpoint_step,
             policy_version=s.policy_version, message=s.message,
-            server_versions=dict(getattr(self.rollout, "server_versions", dict)()),
+            server_versions=self.rollout.server_versions() if self.rollout is not None else {},
         )  # fmt: skip
 
     # --- the run -------------------------------------------------------------------------
@@ -246,17 +246,17 @@ class Learner:
             ports.ROLLOUT_STARTUP_SECONDS if starting else self.spec.rollout.request_timeout_seconds
         )
         waited_s, delay_s = 0.0, 0.5
-        state = getattr(self.rollout, "fleet_state", None)
+        fleet = self.rollout if self.rank == 0 else None  # rank 0 alone talks to the servers
         any_rank = self.ranks.any
         while True:
             if any_rank(self.state.stop_requested):  # suspended: the servers stop too
                 raise _Stopping
             added = await self._discovered()
-            ready, stale = (await state()) if self.rank == 0 and state is not None else (1, 0)
+            ready, stale = (await fleet.fleet_state()) if fleet is not None else (1, 0)
             if not starting and any_rank(added or stale > 0):
                 await self.sync(self.state.policy_version)
-                if self.rank == 0 and state is not None:
-                    ready, stale = await state()
+                if fleet is not None:
+                    ready, stale = await fleet.fleet_state()
             short = ready + stale == 0 if starting else ready == 0
             if not any_rank(short):
                 return
@@ -273,9 +273,8 @@ class Learner:
     async def _discovered(self) -> bool:
         """Rank 0 re-resolves the fleet; True on every rank when servers were added."""
         added = False
-        discover = getattr(self.rollout, "discover", None)
-        if self.rank == 0 and discover is not None:
-            added = bool(await discover())
+        if self.rank == 0 and self.rollout is not None:
+            added = bool(await self.rollout.discover())
         return self.ranks.any(added)
 
     async def sync(self, version: int) -> float:

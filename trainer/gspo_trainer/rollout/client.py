@@ -194,6 +194,10 @@ class RolloutClient:
         except (aiohttp.ClientError, TimeoutError, ValueError):
             server.alive = False
 
+    async def discover(self) -> list[str]:
+        """A fixed list of URLs: nothing to re-resolve (DiscoveringClient resolves DNS names)."""
+        return []
+
     def server_versions(self) -> dict[str, int | None]:
         """The policy version each server held when last heard from (None: not synced)."""
         return {url: s.policy_version for url, s in list(self.servers.items())}

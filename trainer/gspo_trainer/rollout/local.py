@@ -49,6 +49,16 @@ class LocalRollout:
         self.policy_version = version
         return LocalSyncReport(version, total)
 
+    async def fleet_state(self) -> tuple[int, int]:
+        """One in-process policy: it always serves whatever it last received."""
+        return 1, 0
+
+    def server_versions(self) -> dict[str, int | None]:
+        return {}  # no servers to report
+
+    async def discover(self) -> list[str]:
+        return []
+
     async def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
     ) -> RolloutBatch:

@@ -31,11 +31,24 @@ log = logging.getLogger("gspo.learner")
 
 
 class RolloutSource(Protocol):
-    """What the learner needs from rollouts: `RolloutClient` in production."""
+    """What the learner needs from rollouts: the fleet of servers (`DiscoveringClient` over
+    `RolloutClient` in production; `LocalRollout`, one in-process policy, in tests)."""
 
     async def generate(self, prompts: Any, params: SamplingParams) -> RolloutBatch: ...
 
     async def sync_weights(self, named_tensors: Any, version: int) -> Any: ...
+
+    async def fleet_state(self) -> tuple[int, int]:
+        """(servers that can serve the current version, live servers that need a sync)."""
+        ...
+
+    def server_versions(self) -> dict[str, int | None]:
+        """The policy version each server last reported, by URL (None: not synced yet)."""
+        ...
+
+    async def discover(self) -> list[str]:
+        """Re-resolve the fleet's address; the URLs of servers that appeared."""
+        ...
 
 
 @dataclass(frozen=True)
