@@ -230,34 +230,53 @@ async def test_job_traffic_flows_and_other_pods_are_kept_out(node: Any) -> None:
         await asyncio.sleep(0.1)
 
 
-async def test_a_policy_pass_while_a_pod_sandbox_is_torn_down_skips_it(node: Any) -> None:
-    """A pod's netns is deleted while a policy pass loads rules into it: the pass skips the
-    pod (its sandbox is going) instead of failing the node with `nft -f`'s "setting the network
-    namespace failed". The pass is run inside the teardown, after the namespace went."""
+async def test_a_policy_pass_in_flight_while_a_pod_sandbox_is_torn_down_skips_it(
+    node: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A policy pass is loading a pod's rules (`nft -f` in its netns) when the pod ends and
+    its netns is deleted: the pass skips the pod (its sandbox is going) instead of failing the
+    node with "setting the network namespace failed". The pass's load is held until the
+    namespace is gone, and the teardown until the load has failed."""
+    import kubelet as kubelet_module
+
     api, kubelet = node
     await api.create(policy_of({"podSelector": {"matchLabels": {"app": "web"}}}))
     pod = listener("web", NS, {"app": "web"}, [])
-    pod["spec"]["containers"][0]["command"] = ["python", "-c", "import time; time.sleep(1)"]
-    passes: list[str] = []
-    remove = kubelet.network.remove
+    pod["spec"]["containers"][0]["command"] = ["python", "-c", "import time; time.sleep(2)"]
+    armed, removed, loaded = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    real_apply, real_remove = kubelet_module.apply_ruleset, kubelet.network.remove
 
-    async def remove_then_sync(ep: Any) -> None:
-        await remove(ep)  # the namespace is gone now
-        for rt in kubelet._pods.values():
-            rt.ruleset = None  # its rules "changed": the pass must load them again
-        await kubelet._sync_policies()
-        passes.append(ep.netns)
+    async def held_apply(netns: str, script: str) -> None:
+        if not armed.is_set():
+            return await real_apply(netns, script)
+        await removed.wait()
+        try:
+            await real_apply(netns, script)  # fails: the namespace is gone
+        finally:
+            loaded.set()
 
-    kubelet.network.remove = remove_then_sync  # type: ignore[method-assign]
+    async def remove_then_wait(ep: Any) -> None:
+        await real_remove(ep)
+        removed.set()
+        if armed.is_set():
+            await loaded.wait()
+
+    monkeypatch.setattr(kubelet_module, "apply_ruleset", held_apply)
+    kubelet.network.remove = remove_then_wait  # type: ignore[method-assign]
     await api.create(pod)
     deadline = time.monotonic() + 60
-    while not passes:
-        assert time.monotonic() < deadline, "the pod's sandbox was never torn down"
-        await asyncio.sleep(0.1)
-    phase = (api.get("Pod", NS, "web").get("status") or {}).get("phase")
-    deadline = time.monotonic() + 10
+    while not any(rt.ruleset and not rt.done for rt in kubelet._pods.values()):
+        assert time.monotonic() < deadline, "the pod's rules were never loaded"
+        await asyncio.sleep(0.05)
+    for rt in kubelet._pods.values():
+        rt.ruleset = None  # its rules "changed": the next pass loads them again
+    armed.set()
+    in_flight = asyncio.create_task(kubelet._sync_policies())
+    await asyncio.wait_for(in_flight, 60)  # raised RuntimeError("nft -f in ...") before
+    assert loaded.is_set()
+    phase = None
     while phase != "Succeeded":
-        assert time.monotonic() < deadline, f"the pod ended {phase}, not Succeeded"
+        assert time.monotonic() < deadline + 30, f"the pod ended {phase}, not Succeeded"
         await asyncio.sleep(0.1)
         phase = (api.get("Pod", NS, "web").get("status") or {}).get("phase")
 

@@ -78,6 +78,9 @@ def test_the_server_takes_every_flag_the_command_line_gives() -> None:
     cpu = dataclasses.replace(opts, chunked_prefill=False)
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(serve_argv(cpu)[3:])
     assert args.enable_chunked_prefill is False
+    unset = dataclasses.replace(cpu, engine_args={"enable_chunked_prefill": None})
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(serve_argv(unset)[3:])
+    assert args.enable_chunked_prefill is False  # null leaves vLLM's default: on
     chosen = dataclasses.replace(cpu, engine_args={"enable_chunked_prefill": True})
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(serve_argv(chosen)[3:])
     assert args.enable_chunked_prefill is True

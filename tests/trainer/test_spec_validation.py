@@ -240,13 +240,27 @@ def test_engine_args_vllm_takes_pass() -> None:
     assert spec.rollout.engine_args["kv_cache_dtype"] == "fp8"
 
 
-def test_chunked_prefill_on_cpu_rollout_servers_is_refused_and_on_gpus_taken() -> None:
-    """vLLM's CPU build dies on a seeded prompt split over two steps, which chunked prefill
-    does (serve_command.py turns it off there): asking for it on CPU servers is refused."""
-    on = {"enable_chunked_prefill": True}
-    got = problems(minimal(rollout={"gpusPerReplica": 0, "engineArgs": on}))
-    assert "CPU build" in got["spec.rollout.engineArgs.enable_chunked_prefill"]
-    assert "remove it" in got["spec.rollout.engineArgs.enable_chunked_prefill"]
-    assert parse_spec(minimal(rollout={"engineArgs": on})).rollout.engine_args == on  # GPUs
-    off = {"enable_chunked_prefill": False}
-    parse_spec(minimal(rollout={"gpusPerReplica": 0, "tensorParallelSize": 1, "engineArgs": off}))
+def test_what_splits_a_prompt_on_cpu_rollout_servers_is_refused_and_on_gpus_taken() -> None:
+    """vLLM's CPU build dies on a seeded prompt split over two steps, so gspo turns chunked
+    prefill off there (serve_command.py): asking for it, a long-prefill threshold (which
+    splits prompts anyway) or a step budget below maxModelLen (a server without chunked
+    prefill refuses to start) is refused on CPU servers."""
+    cpu = {"gpusPerReplica": 0, "tensorParallelSize": 1}
+    splitting = {
+        "enable_chunked_prefill": True,
+        "long_prefill_token_threshold": 64,
+        "max_num_batched_tokens": 1024,
+    }
+    model = {"name": "Qwen/Qwen3-30B-A3B-Base", "maxModelLen": 16384}
+    got = problems(minimal(model=model, rollout={**cpu, "engineArgs": splitting}))
+    at = "spec.rollout.engineArgs."
+    assert "CPU build" in got[at + "enable_chunked_prefill"]
+    assert "remove it" in got[at + "enable_chunked_prefill"]
+    assert "remove it" in got[at + "long_prefill_token_threshold"]
+    assert "1024 is below model.maxModelLen (16384)" in got[at + "max_num_batched_tokens"]
+    assert len(got) == 3
+    on_gpus = parse_spec(minimal(model=model, rollout={"engineArgs": splitting}))
+    assert on_gpus.rollout.engine_args == splitting
+    fine = {"enable_chunked_prefill": False, "long_prefill_token_threshold": 0}
+    fine["max_num_batched_tokens"] = 16384
+    parse_spec(minimal(model=model, rollout={**cpu, "engineArgs": fine}))

@@ -353,13 +353,11 @@ def follow_learner(
                     flush=True,
                 )
         if servers and len(gone) == len(servers):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(learner.popen.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                learner.popen.wait(timeout=stop_timeout_s)
+            learner.stop(timeout_s=stop_timeout_s)  # SIGTERM; SIGKILL past the timeout
             return (
-                "every rollout server exited, so the learner stopped after a final checkpoint; "
-                "fix what their logs name above, then run the same command again to resume"
+                "every rollout server exited, so the learner was stopped (a final checkpoint "
+                "first); fix what their logs name above, then run the same command again to "
+                "resume"
             )
         time.sleep(period_s)
     return None
@@ -782,12 +780,14 @@ def run(
         view.poll()
         view.close()
         code = int(learner.popen.returncode)
-        if ended is not None:
+        if ended is not None and code != 0:  # not a learner that finished as it was stopped
             print(f"gspo train: {ended}", file=sys.stderr)
-            code = 1
+        stopped = ended is not None and code == ports.LEARNER_STOPPED_EXIT_CODE
+        if stopped:
+            code = 1  # the run did not finish: no server was left
         elif interrupted and code == ports.LEARNER_STOPPED_EXIT_CODE:
             code = 0  # Ctrl-C: the learner stopped as asked, after a final checkpoint
-        if code != 0 and not interrupted and ended is None:
+        if code != 0 and not interrupted and not stopped:
             print(
                 f"The learner failed (exit {code}); last lines of its log:\n{learner.tail()}",
                 file=sys.stderr,

@@ -358,14 +358,44 @@ def check_spec(spec: GSPOJobSpec, *, prefix: str = "spec") -> list[Problem]:
         )
     for key, message in engine_arg_problems(rollout.engine_args):
         bad(f"rollout.engineArgs.{key}", message)
-    if rollout.gpus_per_replica == 0 and rollout.engine_args.get("enable_chunked_prefill") is True:
-        bad(
-            "rollout.engineArgs.enable_chunked_prefill",
-            "vLLM's CPU build cannot split a seeded prompt over two engine steps (its engine "
-            "dies on the first batch larger than one step): remove it (gspo turns it off on "
-            "CPU) or give the rollout servers GPUs",
-        )
+    if rollout.gpus_per_replica == 0:
+        for path, message in _cpu_engine_problems(rollout.engine_args, spec.model.max_model_len):
+            bad(path, message)
     return out
+
+
+def _cpu_engine_problems(engine_args: dict[str, Any], max_model_len: int) -> list[tuple[str, str]]:
+    """vLLM's CPU build cannot split a seeded prompt over two engine steps (its generator
+    cannot rewind: the engine dies), so gspo turns chunked prefill off there
+    (serve_command.py): what would split a prompt anyway, or stop a server that cannot
+    chunk from starting, is refused."""
+    why = "vLLM's CPU build cannot split a seeded prompt over two engine steps"
+    out: list[tuple[str, str]] = []
+    if engine_args.get("enable_chunked_prefill") is True:
+        fix = "remove it (gspo turns it off on CPU) or give the rollout servers GPUs"
+        out.append(("enable_chunked_prefill", f"{why} (its engine dies on it): {fix}"))
+    threshold = _int_or_none(engine_args.get("long_prefill_token_threshold"))
+    if threshold is not None and threshold > 0:
+        out.append(("long_prefill_token_threshold", f"{why}, which it makes it do: remove it"))
+    budget = _int_or_none(engine_args.get("max_num_batched_tokens"))
+    if budget is not None and budget < max_model_len:
+        message = (
+            f"{budget} is below model.maxModelLen ({max_model_len}): without chunked prefill "
+            "(off on CPU rollout servers) vLLM needs a whole prompt in one step; raise it or "
+            "remove it"
+        )
+        out.append(("max_num_batched_tokens", message))
+    return [(f"rollout.engineArgs.{key}", message) for key, message in out]
+
+
+def _int_or_none(value: Any) -> int | None:
+    """An engine argument's whole number (engine_args.py has refused other values)."""
+    if isinstance(value, bool) or value is None:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
 
 
 GPU_RESOURCE = "nvidia.com/gpu"

@@ -195,7 +195,7 @@ class RolloutClient:
             server.alive = False
 
     async def discover(self) -> list[str]:
-        """A fixed list of URLs: nothing to re-resolve (DiscoveringClient resolves DNS names)."""
+        """A fixed list of URLs: nothing to re-resolve (FleetDiscovery resolves DNS names)."""
         return []
 
     def server_versions(self) -> dict[str, int | None]:

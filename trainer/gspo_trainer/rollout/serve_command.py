@@ -65,7 +65,7 @@ def serve_argv(opts: ServeOptions, python: str = sys.executable) -> list[str]:
         argv += ["--max-model-len", str(opts.max_model_len)]
     if opts.enforce_eager:
         argv.append("--enforce-eager")
-    if not opts.chunked_prefill and "enable_chunked_prefill" not in opts.engine_args:
+    if not opts.chunked_prefill and opts.engine_args.get("enable_chunked_prefill") is None:
         # The CPU build's model runner (vllm/v1/worker/gpu_model_runner.py, 0.32) rewinds a
         # seeded request's generator after a step that computed only part of its prompt, with
         # `Generator.set_offset`, which a CPU generator refuses ("CPU Generator does not use

@@ -31,7 +31,7 @@ log = logging.getLogger("gspo.learner")
 
 
 class RolloutSource(Protocol):
-    """What the learner needs from rollouts: the fleet of servers (`DiscoveringClient` over
+    """What the learner needs from rollouts: the fleet of servers (`FleetDiscovery` over
     `RolloutClient` in production; `LocalRollout`, one in-process policy, in tests)."""
 
     async def generate(self, prompts: Any, params: SamplingParams) -> RolloutBatch: ...
