@@ -71,6 +71,39 @@ PROGRESS_CONDITIONS = ("WeightsSynced",)  # their message names the policy versi
 OWN_WRITE_WAIT_S = 5.0  # how long to wait for the watch to show our own status write
 
 
+# The checked spec of one job uid, generation, allow-overcommit annotation and queue label.
+CheckVersion = tuple[str, int, bool, str | None]
+# The rendered children of one job uid, generation and spec in effect (its hash).
+RenderVersion = tuple[str, int, str]
+
+
+@dataclass
+class JobMemory:
+    """What reconcile remembers of one job between passes. Everything else it reads afresh
+    from the watches' indexes; `Context.forget` drops the record whole when the job goes."""
+
+    phase: Phase | None = None  # as last written (metrics, the progress-write budget)
+    # The spec in effect, with the uid of the job it is for (a job re-created with the same
+    # name is another job).
+    accepted: tuple[str, GSPOJobSpec] | None = None
+    last_write: float | None = None  # monotonic
+    # The job's resourceVersion before this operator's last status write, and until when to
+    # wait for the watch to show a newer one (kopf's consistency timeout: 5 s).
+    own_write: tuple[str, float] | None = None
+    # The unwatched children (Secrets, PodMonitors) as read for a job uid, and when.
+    unwatched: tuple[str, float, dict[ChildKey, ChildView]] | None = None
+    failures: int = 0  # API errors in a row
+    not_before: float | None = None  # monotonic: backing off until then
+    # The checked spec and the rendered children, per job uid and generation (and spec in
+    # effect): a pod's event re-validates and re-renders nothing.
+    check: tuple[CheckVersion, tuple[GSPOJobSpec | None, list[Problem]]] | None = None
+    render: tuple[RenderVersion, list[Obj]] | None = None
+    # What this operator just created or repaired, until its watch shows it (controller-
+    # runtime's "expectations"): a reconcile in between neither creates it twice nor repairs
+    # it again.
+    expected: dict[ChildKey, tuple[ChildView, float, bool]] = field(default_factory=dict)
+
+
 @dataclass
 class Context:
     """What every reconcile shares: the API adapter, the watches' indexes, per-job memory."""
@@ -86,28 +119,8 @@ class Context:
     indices: Mapping[str, Any] = field(default_factory=dict)  # kopf's, by index name
     watch_jobsets: bool = True  # False: the JobSet API was not served at start-up; GET it
     http: aiohttp.ClientSession | None = None
-    phases: dict[Key, Phase] = field(default_factory=dict)
-    # The spec in effect, with the uid of the job it is for (a job re-created with the same
-    # name is another job).
-    accepted: dict[Key, tuple[str, GSPOJobSpec]] = field(default_factory=dict)
-    last_write: dict[Key, float] = field(default_factory=dict)  # monotonic
-    # The job's resourceVersion before this operator's last status write, and until when to
-    # wait for the watch to show a newer one (kopf's consistency timeout: 5 s).
-    own_write: dict[Key, tuple[str, float]] = field(default_factory=dict)
-    checked: dict[Key, tuple[str, float, dict[ChildKey, ChildView]]] = field(default_factory=dict)
-    failures: dict[Key, int] = field(default_factory=dict)  # API errors in a row
-    # The checked spec and the rendered children, per job uid and generation (and spec in
-    # effect): a pod's event re-validates and re-renders nothing.
-    checks: dict[
-        Key, tuple[tuple[str, int, bool, str | None], tuple[GSPOJobSpec | None, list[Problem]]]
-    ] = field(default_factory=dict)
-    renders: dict[Key, tuple[tuple[str, int, str], list[Obj]]] = field(default_factory=dict)
-    not_before: dict[Key, float] = field(default_factory=dict)  # monotonic: backing off
+    jobs: dict[Key, JobMemory] = field(default_factory=dict)  # what each pass leaves the next
     deleted: set[str] = field(default_factory=set)  # uids of jobs this operator deleted (TTL)
-    # What this operator just created or repaired, until its watch shows it (controller-
-    # runtime's "expectations"): a reconcile in between neither creates it twice nor repairs
-    # it again.
-    expected: dict[Key, dict[ChildKey, tuple[ChildView, float, bool]]] = field(default_factory=dict)
     noted: set[str] = field(default_factory=set)  # cluster-wide notes already logged
     # Monotonic time until which Kueue's Workload API counts as not served (asked again then).
     workloads_unserved_until: float = 0.0
@@ -131,17 +144,17 @@ class Context:
         except KeyError:
             return []
 
+    def job(self, key: Key) -> JobMemory:
+        """The job's record, made on first use."""
+        return self.jobs.setdefault(key, JobMemory())
+
+    def phases(self) -> list[Phase]:
+        return [m.phase for m in self.jobs.values() if m.phase is not None]
+
     def forget(self, key: Key) -> None:
-        for memory in (self.phases, self.accepted, self.last_write, self.own_write):
-            memory.pop(key, None)
-        self.checked.pop(key, None)
-        self.failures.pop(key, None)
-        self.not_before.pop(key, None)
-        self.expected.pop(key, None)
-        self.checks.pop(key, None)
-        self.renders.pop(key, None)
+        self.jobs.pop(key, None)
         self.metrics.forget_job(*key)
-        self.metrics.count_phases(list(self.phases.values()))
+        self.metrics.count_phases(self.phases())
 
 
 def _now() -> datetime:
@@ -161,18 +174,18 @@ async def reconcile(ctx: Context, key: Key) -> float | None:
     meta = body["metadata"]
     if meta.get("deletionTimestamp") or meta.get("uid") in ctx.deleted:
         return None  # the garbage collector takes the children
-    wait = ctx.not_before.pop(key, 0.0) - time.monotonic()
-    if wait > 0:
-        ctx.not_before[key] = time.monotonic() + wait
+    memory = ctx.job(key)
+    if memory.not_before is not None and (wait := memory.not_before - time.monotonic()) > 0:
         return wait  # backing off after an API error: events do not hurry it
-    stale = ctx.own_write.get(key)
+    memory.not_before = None
+    stale = memory.own_write
     if (
         stale is not None
         and stale[0] == meta.get("resourceVersion")
         and time.monotonic() < stale[1]
     ):
         return 0.1  # the watch still shows the job as it was before our own status write
-    ctx.own_write.pop(key, None)
+    memory.own_write = None
     with ctx.metrics.reconcile():
         try:
             delay = await _reconcile(ctx, key, body)
@@ -180,16 +193,17 @@ async def reconcile(ctx: Context, key: Key) -> float | None:
             delay = _back_off(ctx, key, exc.retry_after_s)
             log.warning("Reconcile of %s/%s failed (retry in %.1f s): %s", *key, delay, exc)
             return delay
-    if key not in ctx.not_before:
-        ctx.failures.pop(key, None)  # a reconcile went through: the next error starts afresh
+    if memory.not_before is None:
+        memory.failures = 0  # a reconcile went through: the next error starts afresh
     return delay
 
 
 def _back_off(ctx: Context, key: Key, retry_after_s: float | None = None) -> float:
     """Seconds until the next try after another failure in a row; events do not hurry it."""
-    failures = ctx.failures[key] = ctx.failures.get(key, 0) + 1
-    delay = api_errors.backoff_s(failures, retry_after_s=retry_after_s)
-    ctx.not_before[key] = time.monotonic() + delay
+    memory = ctx.job(key)
+    memory.failures += 1
+    delay = api_errors.backoff_s(memory.failures, retry_after_s=retry_after_s)
+    memory.not_before = time.monotonic() + delay
     return delay
 
 
@@ -205,7 +219,7 @@ async def _reconcile(ctx: Context, key: Key, body: Obj) -> float | None:
             await _write(ctx, key, body, original, current, [event], force=True)
         return None
     uid = body["metadata"].get("uid", "")
-    kept = ctx.accepted.get(key)
+    kept = ctx.job(key).accepted
     accepted = (kept[1] if kept and kept[0] == uid else None) or _spec_in_config_map(ctx, key, uid)
     accepted = accepted or spec
     if accepted is None:
@@ -226,7 +240,7 @@ async def _reconcile(ctx: Context, key: Key, body: Obj) -> float | None:
             events.append(event)
         elif not refused and _true(current, "InvalidSpec"):
             current = status.accepted_change(current, now)
-    ctx.accepted[key] = (uid, spec)
+    ctx.job(key).accepted = (uid, spec)
 
     # Children: create what is missing, repair what was changed by hand, refuse strangers.
     terminal = current.get("phase") in status.TERMINAL
@@ -340,7 +354,7 @@ async def _ensure_children(
         # Read the unwatched children again at the next try, not after resync_s: what
         # refused this one (an earlier job's Secret the garbage collector is deleting) can
         # be gone by then, and no watch event says so.
-        ctx.checked.pop(key, None)
+        ctx.job(key).unwatched = None
     return out
 
 
@@ -353,9 +367,10 @@ def _checked(ctx: Context, key: Key, body: Obj) -> tuple[GSPOJobSpec | None, lis
     labels = meta.get("labels")
     queue = labels.get(names.QUEUE_LABEL) if isinstance(labels, Mapping) else None
     version = (meta.get("uid", ""), int(meta.get("generation") or 0), allowed, queue)
-    cached = ctx.checks.get(key)
+    job = ctx.job(key)
+    cached = job.check
     if cached is None or cached[0] != version:
-        cached = ctx.checks[key] = (version, check_job(body, ctx.policy))
+        cached = job.check = (version, check_job(body, ctx.policy))
         spec = cached[1][0]
         if spec is not None:
             memory = check_memory(spec, allow_overcommit=allowed)
@@ -372,10 +387,11 @@ def _rendered(ctx: Context, key: Key, body: Obj, spec: GSPOJobSpec) -> list[Obj]
     created, so one rendering serves until the spec in effect changes)."""
     meta = body["metadata"]
     version = (meta.get("uid", ""), int(meta.get("generation") or 0), render.spec_hash(spec))
-    cached = ctx.renders.get(key)
+    memory = ctx.job(key)
+    cached = memory.render
     if cached is None or cached[0] != version:
         token = secrets.token_urlsafe(32)
-        cached = ctx.renders[key] = (
+        cached = memory.render = (
             version,
             render.render_job(body, spec, token=token, policy=ctx.policy),
         )
@@ -438,7 +454,7 @@ def _children_seen(ctx: Context, key: Key, uid: str | None) -> dict[ChildKey, Ch
         for view in ctx.indexed(index, key):
             view = view[0] if isinstance(view, tuple) else view
             out[(view.kind, view.name)] = view
-    expected = ctx.expected.get(key, {})
+    expected = ctx.job(key).expected
     now = time.monotonic()
     for child, (view, until, created) in list(expected.items()):
         seen = out.get(child)
@@ -462,7 +478,7 @@ def _expect(ctx: Context, key: Key, obj: Obj, *, created: bool) -> None:
         return
     view = ChildView.from_object(obj)
     until = time.monotonic() + 30.0
-    ctx.expected.setdefault(key, {})[(view.kind, view.name)] = (view, until, created)
+    ctx.job(key).expected[(view.kind, view.name)] = (view, until, created)
 
 
 async def _unwatched_children(
@@ -471,7 +487,7 @@ async def _unwatched_children(
     """Secrets and PodMonitors, read by name after start-up and every resync_s, per job uid:
     what an earlier job of this name saw or created (and the garbage collector has deleted
     since, with no watch event) is never this job's."""
-    seen = ctx.checked.get(key)
+    seen = ctx.job(key).unwatched
     if seen is not None and seen[0] == uid and time.monotonic() - seen[1] < ctx.resync_s:
         return seen[2]
     wanted = [o for o in desired if o["kind"] in UNWATCHED_KINDS]
@@ -490,7 +506,7 @@ async def _unwatched_children(
     views = await asyncio.gather(*(get(o) for o in wanted))
     found = {(v.kind, v.name): v for v in views if v is not None}
     # What is created now is there at the next look: count it as seen until the next resync.
-    ctx.checked[key] = (uid, time.monotonic(), _assume_created(found, wanted))
+    ctx.job(key).unwatched = (uid, time.monotonic(), _assume_created(found, wanted))
     return found
 
 
@@ -657,7 +673,8 @@ async def _write(
         log.info("%s/%s %s: %s", *key, event.reason, event.message)
     if new == original:
         return
-    last = ctx.last_write.get(key)
+    memory = ctx.job(key)
+    last = memory.last_write
     if (
         not force
         and _shape(new) == _shape(original)
@@ -668,10 +685,10 @@ async def _write(
     done = await ctx.kube.patch(
         JOB_API, "GSPOJob", key[0], key[1], {"status": _diff(original, new)}, subresource="status"
     )
-    ctx.last_write[key] = time.monotonic()
+    memory.last_write = time.monotonic()
     before = body["metadata"].get("resourceVersion")
     if before and done.get("metadata", {}).get("resourceVersion") != before:
-        ctx.own_write[key] = (before, time.monotonic() + OWN_WRITE_WAIT_S)
+        memory.own_write = (before, time.monotonic() + OWN_WRITE_WAIT_S)
 
 
 def progress_write_interval_s(ctx: Context) -> float:
@@ -679,7 +696,7 @@ def progress_write_interval_s(ctx: Context) -> float:
     job that is not finished, never more often than progress_write_s."""
     if ctx.progress_writes_per_minute <= 0:
         return ctx.progress_write_s
-    active = sum(phase not in status.TERMINAL for phase in ctx.phases.values())
+    active = sum(phase not in status.TERMINAL for phase in ctx.phases())
     return max(ctx.progress_write_s, 60.0 * active / ctx.progress_writes_per_minute)
 
 
@@ -734,10 +751,10 @@ def _next_look(
 
 def _record(ctx: Context, key: Key, previous: Obj, new: Obj, spec: GSPOJobSpec) -> None:
     phase = status.phase_of(new)
-    ctx.phases[key] = phase
+    ctx.job(key).phase = phase
     ready = int(str(new.get("rolloutReady") or "0/0").split("/")[0])
     ctx.metrics.set_job(*key, phase, ready, spec.rollout.replicas, int(new.get("step") or 0))
-    ctx.metrics.count_phases(list(ctx.phases.values()))
+    ctx.metrics.count_phases(ctx.phases())
     gained = int(new.get("restarts") or 0) - int(previous.get("restarts") or 0)
     if gained > 0:
         ctx.metrics.learner_restarts.labels(*key).inc(gained)

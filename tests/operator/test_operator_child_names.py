@@ -5,8 +5,6 @@ The operator creates that Service itself and refuses a name another object holds
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from operator_harness import NS, eventually, tiny_job
 
 from gspo_operator import names, reconcile, render
@@ -143,7 +141,7 @@ async def test_what_an_earlier_job_of_the_name_saw_by_name_is_not_the_new_jobs()
         async def get(self, api_version: str, kind: str, namespace: str, name: str):
             return stored.get(name)
 
-    ctx = SimpleNamespace(checked={}, resync_s=600.0, kube=Kube())
+    ctx = reconcile.Context(kube=Kube(), resync_s=600.0)
     assert await reconcile._unwatched_children(ctx, (NS, "exp"), "uid-old", [secret]) == {}
     # The earlier job created it (counted as there); deleted with its job since.
     seen = await reconcile._unwatched_children(ctx, (NS, "exp"), "uid-old", [secret])
