@@ -178,7 +178,7 @@ def _name_rules() -> list[Rule]:
 
 # --- what may change while the job exists (status.MUTABLE_FIELDS) -------------------------
 
-# The operator's _rejected_at_creation (reconcile.py): a job refused before any child existed may
+# The operator's rejected_at_creation (status.py): a job refused before any child existed may
 # still be fixed by editing it (the operator then starts it), so no field is frozen yet.
 REJECTED_AT_CREATION = (
     "has(oldSelf.status) && has(oldSelf.status.phase) && oldSelf.status.phase == 'Failed' && "

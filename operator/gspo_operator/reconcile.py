@@ -21,7 +21,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -61,10 +61,6 @@ DEFAULT_RESYNC_S = 600.0
 OPTIONAL_KINDS = ("PodMonitor",)
 # Children no watch covers; checked by name at start-up and every resync.
 UNWATCHED_KINDS = ("Secret", "PodMonitor")
-JOBSET_MISSING = (
-    "the cluster serves no jobset.x-k8s.io/v1alpha2 JobSet API, which runs this job's pods; "
-    "install JobSet v0.10 or later (see the chart's README) and the job starts by itself"
-)
 # Status fields that only report training progress: written at most every progress_write_s.
 PROGRESS_FIELDS = ("step", "reward", "policyVersion", "serverVersions", "lastCheckpoint")
 PROGRESS_CONDITIONS = ("WeightsSynced",)  # their message names the policy version
@@ -208,87 +204,63 @@ def _back_off(ctx: Context, key: Key, retry_after_s: float | None = None) -> flo
 
 
 async def _reconcile(ctx: Context, key: Key, body: Obj) -> float | None:
-    now = _now()
-    original: Obj = copy.deepcopy(body.get("status") or {})
-    current = copy.deepcopy(original)
+    """Observe → compute → act → write: every phase and condition comes from the one pure
+    `status.compute`; this function only decides what to look at and what to do."""
+    previous: Obj = copy.deepcopy(body.get("status") or {})
+    obs = await _observe(ctx, key, body, previous)
+    if obs is None:
+        return None  # an invalid edit of a job whose accepted spec is not known (yet)
+    out = status.compute(obs)
+    if out.halt is None:
+        denied = await _act(ctx, key, body["metadata"]["uid"], out, obs.observed)
+        if denied is not None:  # e.g. no RBAC to patch the Workload: the status says so
+            out = status.compute(replace(obs, act_refusal=denied))
+    await _write(ctx, key, body, previous, out.status, out.events, force=out.halt is not None)
+    if out.halt == "invalid":
+        return None  # until the job is edited
+    if out.halt == "blocked":
+        return _back_off(ctx, key)
+    assert obs.spec is not None and obs.observed is not None  # compute halts without them
+    _record(ctx, key, previous, out, obs.spec)
+    return _next_look(ctx, key, obs.spec, out.status, obs.observed, obs.now)
+
+
+async def _observe(ctx: Context, key: Key, body: Obj, previous: Obj) -> status.Observation | None:
+    """What compute reads, in the order the job needs it: the spec (checked), the spec in
+    effect, the children (created, repaired, refused), then the JobSet, pods and progress.
+    Stops early where compute would: a spec refused at creation, a refused child."""
+    meta = body["metadata"]
     spec, problems = _checked(ctx, key, body)
-    was_created = _has(original, "Created")
-    if spec is None and (not was_created or _rejected_at_creation(original)):
-        current, event = status.invalid_spec(current, now, problems)
-        if current != original:
-            await _write(ctx, key, body, original, current, [event], force=True)
-        return None
-    uid = body["metadata"].get("uid", "")
+    obs = status.Observation(
+        previous, _now(), problems=tuple(problems), generation=meta.get("generation")
+    )
+    if spec is None and status.refused_before_creation(previous):
+        return obs
+    uid = meta.get("uid", "")
     kept = ctx.job(key).accepted
     accepted = (kept[1] if kept and kept[0] == uid else None) or _spec_in_config_map(ctx, key, uid)
     accepted = accepted or spec
     if accepted is None:
         return None
-    events: list[status.Event] = []
-    if spec is None:  # a running job edited into an invalid spec: keep the accepted one
-        if not _true(current, "InvalidSpec"):
-            current, event = status.invalid_change(current, now, problems)
-            events.append(event)
-        spec = accepted
-    else:
-        if _rejected_at_creation(current):  # fixed after an InvalidSpec failure: start now
-            current = status.accepted_change({"conditions": current.get("conditions")}, now)
-            current["conditions"] = [c for c in current["conditions"] if c["type"] == "InvalidSpec"]
-        spec, refused = _effective(accepted, spec)
-        if refused and not _true(current, "InvalidSpec"):
-            current, event = status.refused_change(current, now, refused)
-            events.append(event)
-        elif not refused and _true(current, "InvalidSpec"):
-            current = status.accepted_change(current, now)
+    # An invalid edit keeps the accepted spec; a valid one takes what may change in flight.
+    spec, refused = (accepted, []) if spec is None else _effective(accepted, spec)
     ctx.job(key).accepted = (uid, spec)
-
-    # Children: create what is missing, repair what was changed by hand, refuse strangers.
-    terminal = current.get("phase") in status.TERMINAL
+    obs = replace(obs, spec=spec, refused_fields=tuple(refused))
+    terminal = status.finished(previous, valid=not problems)
     children = await _ensure_children(ctx, key, body, spec, terminal)
-    if children.made:
-        events.append(status.Event("Normal", "Created", f"Created {len(children.made)} objects"))
-    settled = not (children.refusal or children.jobset_unserved or terminal)
-    if settled and not _true(current, "Created"):
-        current = status.created(current, now, children.desired)
+    obs = replace(obs, children=children)
     if children.refusal is not None:
-        verdict, reason, message = children.refusal
-        current, event = status.api_refused(current, now, verdict, reason, message)
-        if not _true(original, "Blocked") or original.get("phase") != current.get("phase"):
-            events.append(event)
-        await _write(ctx, key, body, original, current, events, force=True)
-        return None if verdict == "invalid" else _back_off(ctx, key)
-    current = status.unblocked(current, now)
-
-    observed = await _observe(ctx, key, spec, current)
-    outcome = status.compute(spec, observed, current, now, body["metadata"].get("generation"))
-    if children.jobset_unserved:
-        outcome.status = status.jobset_missing(outcome.status, now, JOBSET_MISSING)
-    denied = await _act(ctx, key, body["metadata"]["uid"], outcome, observed)
-    if denied is not None:  # e.g. no RBAC to patch the Workload: the status says so
-        current, event = status.api_refused(outcome.status, now, "blocked", *denied)
-        if not _true(original, "Blocked") or original.get("phase") != current.get("phase"):
-            events.append(event)
-        await _write(ctx, key, body, original, current, events + outcome.events, force=True)
-        return _back_off(ctx, key)
-    await _write(ctx, key, body, original, outcome.status, events + outcome.events)
-    _record(ctx, key, original, outcome.status, spec)
-    return _next_look(ctx, key, spec, outcome.status, observed, now)
+        return obs
+    return replace(obs, observed=await _observe_jobset(ctx, key, spec, previous))
 
 
 # --- children -------------------------------------------------------------------------------
 
 
-@dataclass
-class Children:
-    desired: int = 0
-    made: list[str] = field(default_factory=list)
-    jobset_unserved: bool = False
-    refusal: tuple[str, str, str] | None = None  # (verdict, reason, message)
-
-
 async def _ensure_children(
     ctx: Context, key: Key, body: Obj, spec: GSPOJobSpec, terminal: bool
-) -> Children:
+) -> status.ChildrenSeen:
+    """Create what is missing, repair what was changed by hand, refuse strangers."""
     desired = _rendered(ctx, key, body, spec)
     if terminal:  # a finished job's pods stay stopped
         desired = [o for o in desired if o["kind"] != "JobSet"]
@@ -296,8 +268,9 @@ async def _ensure_children(
     uid = body["metadata"]["uid"]
     observed.update(await _unwatched_children(ctx, key, uid, desired))
     plan = plan_children(desired, observed, uid)
-    out = Children(desired=len(desired))
-    refusals: list[tuple[str, str, str]] = []
+    made: list[str] = []
+    unserved: list[str] = []  # kinds the cluster does not serve
+    refusals: list[status.Refusal] = []
 
     async def create(obj: Obj) -> None:
         what = f"{obj['kind']} {obj['metadata']['name']}"
@@ -305,18 +278,19 @@ async def _ensure_children(
             existing = await ctx.kube.create_or_get(obj)
         except ApiError as exc:
             if exc.status == 404 and obj["kind"] in (*OPTIONAL_KINDS, "JobSet"):
-                _unserved(ctx, body, obj["kind"], what, out)
+                _unserved(ctx, body, obj["kind"], what)
+                unserved.append(obj["kind"])
                 return
             refusals.append(_refusal(what, "create", exc))
             return
         if existing is None:
             _expect(ctx, key, obj, created=True)
-            out.made.append(what)
+            made.append(what)
             log.info("Created %s in %s", what, key[0])
             return
         view = ChildView.from_object(existing)
         if view.controller_uid != uid:
-            refusals.append(("blocked", "Conflict", _foreign(what, view, key[1])))
+            refusals.append(status.Refusal("blocked", "Conflict", _foreign(what, view, key[1])))
         else:
             await repair(obj, view)
 
@@ -346,16 +320,22 @@ async def _ensure_children(
     )
     for what in plan.foreign:
         kind, name = what.split(" ", 1)
-        refusals.append(("blocked", "Conflict", _foreign(what, observed[(kind, name)], key[1])))
+        message = _foreign(what, observed[(kind, name)], key[1])
+        refusals.append(status.Refusal("blocked", "Conflict", message))
     if not refusals:
         await asyncio.gather(*(create(o) for o in plan.create if o["kind"] == "JobSet"))
-    if refusals:
-        out.refusal = sorted(refusals, key=lambda r: r[0] != "invalid")[0]
+    refusal = min(refusals, key=lambda r: r.verdict != "invalid", default=None)
+    if refusal is not None:
         # Read the unwatched children again at the next try, not after resync_s: what
         # refused this one (an earlier job's Secret the garbage collector is deleting) can
         # be gone by then, and no watch event says so.
         ctx.job(key).unwatched = None
-    return out
+    return status.ChildrenSeen(
+        desired=len(desired),
+        made=len(made),
+        jobset_unserved="JobSet" in unserved,
+        refusal=refusal,
+    )
 
 
 def _checked(ctx: Context, key: Key, body: Obj) -> tuple[GSPOJobSpec | None, list[Any]]:
@@ -374,11 +354,10 @@ def _checked(ctx: Context, key: Key, body: Obj) -> tuple[GSPOJobSpec | None, lis
         spec = cached[1][0]
         if spec is not None:
             memory = check_memory(spec, allow_overcommit=allowed)
-            event = (
-                ("Warning", "MemoryOvercommit") if memory.plan else ("Normal", "MemoryPlanSkipped")
-            )
+            kind: status.EventType = "Warning" if memory.plan else "Normal"
+            reason = "MemoryOvercommit" if memory.plan else "MemoryPlanSkipped"
             for warning in memory.warnings:
-                ctx.post(body, status.Event(*event, warning))
+                ctx.post(body, status.Event(kind, reason, warning))
     return cached[1]
 
 
@@ -398,12 +377,14 @@ def _rendered(ctx: Context, key: Key, body: Obj, spec: GSPOJobSpec) -> list[Obj]
     return list(cached[1])  # read-only: nothing downstream edits them
 
 
-def _refusal(what: str, verb: str, exc: ApiError) -> tuple[str, str, str]:
+def _refusal(what: str, verb: str, exc: ApiError) -> status.Refusal:
     verdict = api_errors.classify(exc.status)
     if verdict == "transient":
         raise exc  # throttled or unavailable: back off, change nothing
     reason = {403: "Forbidden", 404: "NotFound", 409: "Conflict"}.get(exc.status, "Invalid")
-    return verdict, reason, f"the API server refused to {verb} {what}: {exc.message}"
+    return status.Refusal(
+        verdict, reason, f"the API server refused to {verb} {what}: {exc.message}"
+    )
 
 
 def _foreign(what: str, view: ChildView, job: str) -> str:
@@ -432,10 +413,9 @@ def _foreign(what: str, view: ChildView, job: str) -> str:
     )
 
 
-def _unserved(ctx: Context, body: Obj, kind: str, what: str, out: Children) -> None:
+def _unserved(ctx: Context, body: Obj, kind: str, what: str) -> None:
     if kind == "JobSet":
-        out.jobset_unserved = True
-        ctx.note_once(JOBSET_MISSING)
+        ctx.note_once(status.JOBSET_MISSING)
         return
     ctx.note_once(f"{kind} not served: the jobs run without it")
     message = (
@@ -522,8 +502,8 @@ def _assume_created(
 # --- observe, act, write --------------------------------------------------------------------
 
 
-async def _observe(
-    ctx: Context, key: Key, spec: GSPOJobSpec, current: Obj | None = None
+async def _observe_jobset(
+    ctx: Context, key: Key, spec: GSPOJobSpec, previous: Obj
 ) -> status.Observed:
     """The JobSet and pods from the indexes; rank 0's progress while it runs; a queued
     JobSet's Workload while Kueue may hold it (a running job's once, to see it admitted)."""
@@ -540,7 +520,7 @@ async def _observe(
     if js is not None and spec.run_policy.scheduling.queue:
         admitted = any(
             (c.get("type"), c.get("status"), c.get("reason")) == ("Queued", "False", "Admitted")
-            for c in (current or {}).get("conditions") or []
+            for c in previous.get("conditions") or []
         )
         if js.suspended or spec.run_policy.suspend or not admitted:
             queued = await _observe_workload(ctx, ns, js.uid)
@@ -621,10 +601,10 @@ async def _observe_claim(ctx: Context, ns: str, name: str) -> status.ClaimView |
 
 
 async def _act(
-    ctx: Context, key: Key, uid: str, out: status.Outcome, observed: status.Observed
-) -> tuple[str, str] | None:
-    """Suspend, resume and delete what `out` asks for; every call tolerates a repeat. The
-    (reason, message) of a refusal an admin must clear (RBAC, a webhook), for the status."""
+    ctx: Context, key: Key, uid: str, out: status.Outcome, observed: status.Observed | None
+) -> status.Refusal | None:
+    """Suspend, resume and delete what `out` asks for; every call tolerates a repeat. A
+    refusal an admin must clear (RBAC, a webhook), for the status."""
     ns, name = key
     jobset = names.jobset(name)
     doing = ""
@@ -635,8 +615,9 @@ async def _act(
             patch = {"spec": {"suspend": out.suspend_jobset}}
             await ctx.kube.patch(render.JOBSET_API, "JobSet", ns, jobset, patch)
             log.info("%sd JobSet %s in %s", verb.capitalize(), jobset, ns)
-        if out.activate_workload is not None and observed.workload is not None:
-            workload = observed.workload.name
+        wl = observed.workload if observed is not None else None
+        if out.activate_workload is not None and wl is not None:
+            workload = wl.name
             verb = "activate" if out.activate_workload else "deactivate"
             doing = f"{verb} Kueue's Workload {workload} (patch its spec.active)"
             patch = {"spec": {"active": out.activate_workload}}
@@ -653,7 +634,9 @@ async def _act(
         if not doing or exc.status in (404, 409) or api_errors.classify(exc.status) == "transient":
             raise  # gone since it was read, throttled, unavailable: back off, look again
         reason = "Forbidden" if exc.status == 403 else "Invalid"
-        return reason, f"the API server refused to {doing}: {exc.message}"
+        return status.Refusal(
+            "blocked", reason, f"the API server refused to {doing}: {exc.message}"
+        )
     return None
 
 
@@ -749,8 +732,8 @@ def _next_look(
     return min(waits)
 
 
-def _record(ctx: Context, key: Key, previous: Obj, new: Obj, spec: GSPOJobSpec) -> None:
-    phase = status.phase_of(new)
+def _record(ctx: Context, key: Key, previous: Obj, out: status.Outcome, spec: GSPOJobSpec) -> None:
+    new, phase = out.status, out.phase
     ctx.job(key).phase = phase
     ready = int(str(new.get("rolloutReady") or "0/0").split("/")[0])
     ctx.metrics.set_job(*key, phase, ready, spec.rollout.replicas, int(new.get("step") or 0))
@@ -794,24 +777,6 @@ def _effective(accepted: GSPOJobSpec, new: GSPOJobSpec) -> tuple[GSPOJobSpec, li
         return parse_spec(merged), refused
     except SpecError:
         return accepted, refused
-
-
-def _rejected_at_creation(st: Mapping[str, Any]) -> bool:
-    """Failed for an invalid spec before any child existed."""
-    return st.get("phase") == "Failed" and any(
-        c["type"] == "InvalidSpec" and c.get("reason") == "InvalidSpec" and c["status"] == "True"
-        for c in st.get("conditions") or []
-    )
-
-
-def _has(st: Mapping[str, Any], type_: str) -> bool:
-    return any(c.get("type") == type_ for c in st.get("conditions") or [])
-
-
-def _true(st: Mapping[str, Any], type_: str) -> bool:
-    return any(
-        c.get("type") == type_ and c.get("status") == "True" for c in st.get("conditions") or []
-    )
 
 
 def _diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> Obj:

@@ -1,9 +1,11 @@
-"""Observed JobSet, pods and learner progress -> the GSPOJob's status and what to do. Pure.
+"""An Observation of one job -> the GSPOJob's status and what to do. Pure.
 
 JobSet carries the failure policy (restarts, what fails the job) and the Job controller the
-pods; `compute` reads what they report, adds the operator's own rules (suspend, deadline,
-TTL) and returns the new status, the Events to post and the actions to take (see
-docs/operator.md), so every transition is tested as a table without an API server or a clock.
+pods; `compute` reads what they report, with the spec's problems and what creating the
+children met, adds the operator's own rules (suspend, deadline, TTL) and returns the new
+status, the Events to post and the actions to take (see docs/operator.md). Every phase and
+condition the operator writes is set here, through the `Phase` and `ConditionType` literals,
+so every transition is tested as a table without an API server or a clock.
 """
 
 from __future__ import annotations
@@ -12,15 +14,35 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, get_args
+from typing import Any, Literal, get_args
 
 from gspo_operator import names
 from gspo_trainer.config import GSPOJobSpec, Phase
 from gspo_trainer.progress import LearnerProgress
 from gspo_trainer.validation import Problem
 
-TERMINAL = ("Succeeded", "Failed")
+TERMINAL: tuple[Phase, ...] = ("Succeeded", "Failed")
 _PHASES: dict[str, Phase] = {phase: phase for phase in get_args(Phase)}
+# Every condition type the operator writes (kubectl wait --for=condition=<type>).
+ConditionType = Literal[
+    "Created",
+    "InvalidSpec",
+    "Blocked",
+    "Queued",
+    "Suspended",
+    "Running",
+    "Restarting",
+    "LearnerReady",
+    "RolloutReady",
+    "WeightsSynced",
+    "CodeSandboxed",
+    "Succeeded",
+    "Failed",
+]
+EventType = Literal["Normal", "Warning"]
+# What a refused request leaves: "invalid" fails the job (the object itself is wrong),
+# "blocked" waits for an admin (RBAC, quota, a kind not installed, a name taken).
+Verdict = Literal["invalid", "blocked"]
 
 
 def phase_of(st: Mapping[str, Any]) -> Phase:
@@ -28,6 +50,11 @@ def phase_of(st: Mapping[str, Any]) -> Phase:
     operator's first write."""
     return _PHASES.get(st.get("phase") or "Pending", "Pending")
 
+
+JOBSET_MISSING = (
+    "the cluster serves no jobset.x-k8s.io/v1alpha2 JobSet API, which runs this job's pods; "
+    "install JobSet v0.10 or later (see the chart's README) and the job starts by itself"
+)
 
 # Fields that change in flight; any other spec change is refused while the job exists. The
 # JobSet's own spec is immutable but for suspend, so these are the operator's to apply.
@@ -263,9 +290,47 @@ class Observed:
 
 @dataclass(frozen=True)
 class Event:
-    type: str  # Normal | Warning
+    type: EventType
     reason: str
     message: str
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A request the API server refused, in its words: (verdict, reason, message)."""
+
+    verdict: Verdict
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class ChildrenSeen:
+    """What ensuring the job's children found: how many it wants, what it just created, and
+    what stops them (a kind the cluster does not serve, a refused request)."""
+
+    desired: int = 0
+    made: int = 0
+    jobset_unserved: bool = False
+    refusal: Refusal | None = None
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Everything `compute` reads: the status as the job shows it, the spec and its
+    problems, and what this reconcile saw of the children. A part left None was not looked
+    at in this pass (e.g. nothing is observed while a child is refused), and the rules that
+    read it are skipped."""
+
+    previous: Mapping[str, Any]
+    now: datetime
+    spec: GSPOJobSpec | None = None  # the spec in effect; None: refused before any was
+    problems: tuple[Problem, ...] = ()  # why the job's current spec is invalid
+    refused_fields: tuple[str, ...] = ()  # changed, but not changeable in flight
+    generation: int | None = None
+    children: ChildrenSeen | None = None
+    observed: Observed | None = None
+    act_refusal: Refusal | None = None  # an action of the last compute the server refused
 
 
 @dataclass
@@ -276,6 +341,13 @@ class Outcome:
     activate_workload: bool | None = None  # set the Workload's spec.active to this (Kueue)
     delete_jobset: bool = False  # stop every pod now (deadline exceeded)
     delete_job: bool = False  # ttlSecondsAfterFinished has passed
+    # Set when the job cannot go on: write the status now and stop ("invalid": until the
+    # job is edited; "blocked": back off and try again).
+    halt: Verdict | None = None
+
+    @property
+    def phase(self) -> Phase:
+        return phase_of(self.status)
 
 
 def _code_sandbox(st: _Status, spec: GSPOJobSpec) -> None:
@@ -296,81 +368,265 @@ def _code_sandbox(st: _Status, spec: GSPOJobSpec) -> None:
         st.condition("CodeSandboxed", True, "Namespaces", message)
 
 
-def compute(
+# --- the rules, in the order compute runs them -----------------------------------------------
+
+
+def compute(obs: Observation) -> Outcome:
+    """The job's next status, the Events to post and the actions to take: every phase and
+    condition the operator writes comes from here. The rules run in order, each on the status
+    the one before left; a rule that settles the job (a spec refused at creation, a refused
+    request) ends the pass."""
+    st = _Status(dict(obs.previous), obs.now)
+    if obs.spec is None:
+        return _spec_refused(obs, st)
+    _spec_in_effect(obs, st)
+    children = obs.children
+    if children is not None:
+        _children_created(children, st)
+        if children.refusal is not None:
+            return _request_refused(obs, st, children.refusal)
+        _unblocked(st)
+    if obs.observed is None:
+        return Outcome(st.done(), st.events)
+    out = _lifecycle(obs.spec, obs.observed, st.done(), obs.now, obs.generation)
+    out.events[:0] = st.events
+    if children is not None and children.jobset_unserved:
+        _jobset_unserved(out, obs.now)
+    if obs.act_refusal is not None:
+        refused = _request_refused(obs, _Status(out.status, obs.now), obs.act_refusal)
+        refused.events = st.events + refused.events + out.events[len(st.events) :]
+        return refused
+    return out
+
+
+def _spec_refused(obs: Observation, st: _Status) -> Outcome:
+    """1. No spec was ever accepted: Failed with InvalidSpec naming every bad field, and no
+    child is created. Said once: an unchanged status posts no Event again."""
+    message = "; ".join(str(p) for p in obs.problems)
+    st.phase("Failed", "Warning", "InvalidSpec", message, event=False)
+    st.condition("InvalidSpec", True, "InvalidSpec", message)
+    st.condition("Failed", True, "InvalidSpec", message)
+    changed = st.data != dict(obs.previous)
+    events = [Event("Warning", "InvalidSpec", message)] if changed else []
+    return Outcome(st.done(), events, halt="invalid")
+
+
+def _spec_in_effect(obs: Observation, st: _Status) -> None:
+    """2. InvalidSpec of an accepted job. An invalid edit, or one that changes what cannot
+    change in flight, keeps the accepted spec and says so once; a spec fixed after the job
+    failed for it at creation starts the job afresh; a reverted edit clears InvalidSpec."""
+    if obs.problems:
+        if not st.condition_of("InvalidSpec"):
+            why = "; ".join(str(p) for p in obs.problems) + "; the job keeps its previous spec"
+            st.condition("InvalidSpec", True, "InvalidSpec", why)
+            st.events.append(Event("Warning", "InvalidSpec", why))
+        return
+    if rejected_at_creation(st.data):
+        kept = [c for c in st.data["conditions"] if c["type"] == "InvalidSpec"]
+        st.data = {"conditions": kept, "restarts": 0}
+        st.condition("InvalidSpec", False, "SpecAccepted", "the current spec is in effect")
+    if obs.refused_fields and not st.condition_of("InvalidSpec"):
+        allowed = ", ".join(f"spec.{f}" for f in MUTABLE_FIELDS)
+        why = (
+            f"cannot change {', '.join(f'spec.{f}' for f in obs.refused_fields)} of a running "
+            f"job; the job keeps its previous spec. Only {allowed} change in flight; "
+            "revert the edit, or delete and re-create the job"
+        )
+        st.condition("InvalidSpec", True, "SpecChangeRefused", why)
+        st.events.append(Event("Warning", "SpecChangeRefused", why))
+    elif not obs.refused_fields and st.condition_of("InvalidSpec"):
+        st.condition("InvalidSpec", False, "SpecAccepted", "the current spec is in effect")
+
+
+def _children_created(children: ChildrenSeen, st: _Status) -> None:
+    """3. Created, once every child exists and the job goes on (not while a child is refused
+    or the JobSet API is missing, nor for a finished job); the start time counts from it."""
+    if children.made:
+        st.events.append(Event("Normal", "Created", f"Created {children.made} objects"))
+    refused = children.refusal is not None or children.jobset_unserved
+    if refused or st.get("phase") in TERMINAL or st.condition_of("Created"):
+        return
+    st.condition("Created", True, "ChildrenCreated", f"{children.desired} child objects exist")
+    if not st.get("phase"):
+        st.phase("Pending", "Normal", "Pending", "children created", event=False)
+    st.set(startTime=st.get("startTime") or st.now)
+
+
+def _request_refused(obs: Observation, st: _Status, refusal: Refusal) -> Outcome:
+    """4 (a child) and 8 (an action). The API server refused a request: Blocked while an
+    admin can clear it (RBAC, quota, a kind not installed, a name taken), Failed when the
+    object itself is invalid. The Event is posted when the job becomes so, not every pass."""
+    reason, message = refusal.reason, refusal.message
+    if refusal.verdict == "invalid":
+        _finish(st, "Failed", reason, message, event=False)
+    else:
+        st.phase("Blocked", "Warning", reason, message, event=False)
+        st.condition("Blocked", True, reason, message)
+        st.condition("Running", False, reason, message)
+    prev = obs.previous
+    if not _true(prev, "Blocked") or prev.get("phase") != st.get("phase"):
+        st.events.append(Event("Warning", reason, message))
+    return Outcome(st.done(), st.events, halt=refusal.verdict)
+
+
+def _unblocked(st: _Status) -> None:
+    """5. Every child was accepted again: the Blocked condition clears."""
+    if st.condition_of("Blocked"):
+        st.condition("Blocked", False, "Cleared", "the API server accepted every child")
+        if st.get("phase") == "Blocked":
+            st.data["phase"] = "Pending"
+
+
+def _jobset_unserved(out: Outcome, now: datetime) -> None:
+    """7. Pending, with the fix named, while the cluster serves no JobSet API."""
+    st = _Status(out.status, now)
+    st.phase("Pending", "Warning", "JobSetMissing", JOBSET_MISSING, event=False)
+    st.condition("Created", False, "JobSetMissing", JOBSET_MISSING)
+    st.condition("Running", False, "JobSetMissing", JOBSET_MISSING)
+    out.status = st.done()
+
+
+def refused_before_creation(previous: Mapping[str, Any]) -> bool:
+    """Whether an invalid spec stops the job before anything is made: no child was ever
+    created, or the job already failed for its spec at creation."""
+    return not _has(previous, "Created") or rejected_at_creation(previous)
+
+
+def finished(previous: Mapping[str, Any], valid: bool) -> bool:
+    """Whether the job stays finished this pass (its pods stay stopped): Succeeded or Failed,
+    but for a job refused at creation whose spec is valid now (it starts afresh)."""
+    if valid and rejected_at_creation(previous):
+        return False
+    return previous.get("phase") in TERMINAL
+
+
+def rejected_at_creation(st: Mapping[str, Any]) -> bool:
+    """Failed for an invalid spec before any child existed."""
+    return st.get("phase") == "Failed" and any(
+        c["type"] == "InvalidSpec" and c.get("reason") == "InvalidSpec" and c["status"] == "True"
+        for c in st.get("conditions") or []
+    )
+
+
+def _has(st: Mapping[str, Any], type_: ConditionType) -> bool:
+    return any(c.get("type") == type_ for c in st.get("conditions") or [])
+
+
+def _true(st: Mapping[str, Any], type_: ConditionType) -> bool:
+    return any(
+        c.get("type") == type_ and c.get("status") == "True" for c in st.get("conditions") or []
+    )
+
+
+def _lifecycle(
     spec: GSPOJobSpec,
     observed: Observed,
-    previous: Mapping[str, Any] | None,
+    previous: Mapping[str, Any],
     now: datetime,
-    generation: int | None = None,
+    generation: int | None,
 ) -> Outcome:
-    """The next status of a valid job and the actions that lead there."""
-    prev = dict(previous or {})
+    """6. The job's life as JobSet, Kueue and the pods report it, and the operator's own
+    rules over it (suspend, deadline, disruptions, TTL), in this order."""
+    prev = dict(previous)
     st = _Status(prev, now)
-    st.set(observedGeneration=generation)
-    policy, js = spec.run_policy, observed.jobset
-    _record_progress(st, observed.progress)
-    desired = spec.rollout.replicas
-    ready_servers = observed.rollout_ready()
-    st.set(rolloutReady=f"{ready_servers}/{desired}")
-    _code_sandbox(st, spec)
-
-    phase = prev.get("phase")
-    if phase in TERMINAL:
-        out = Outcome(st.done())
-        done = prev.get("completionTime")
-        ttl = policy.ttl_seconds_after_finished
-        if ttl is not None and done and now >= _parse(done) + timedelta(seconds=ttl):
-            out.delete_job = True
-        return out
+    _report(st, spec, observed, generation)
+    if prev.get("phase") in TERMINAL:
+        return _finished(st, spec, prev, now)
+    js = observed.jobset
     if js is None:
         st.phase("Pending", "Normal", "Pending", "creating the JobSet")
         st.condition("Running", False, "JobSetMissing", "the job's JobSet does not exist yet")
         return Outcome(st.done(), st.events)
+    held, resume = _held(st, spec, js, observed)
+    if held is not None:
+        return held
+    ended = (
+        _deadline(st, spec, now)
+        or _jobset_ended(st, spec, observed, js)
+        or _disruption_limit(st, spec.run_policy.max_disruption_restarts, js)
+    )
+    if ended is not None:
+        return ended
+    _restarts(st, spec, observed, js.restarts, prev)
+    learners = observed.learners(js.restarts)
+    _readiness(st, spec, observed, learners)
+    _learner_phase(st, spec, observed, learners, js.restarts)
+    return Outcome(st.done(), st.events, suspend_jobset=resume)
 
-    resume = None
+
+def _report(st: _Status, spec: GSPOJobSpec, observed: Observed, generation: int | None) -> None:
+    """6a. What every pass reports: the generation, progress, ready servers, code sandbox."""
+    st.set(observedGeneration=generation)
+    _record_progress(st, observed.progress)
+    st.set(rolloutReady=f"{observed.rollout_ready()}/{spec.rollout.replicas}")
+    _code_sandbox(st, spec)
+
+
+def _finished(st: _Status, spec: GSPOJobSpec, prev: Mapping[str, Any], now: datetime) -> Outcome:
+    """6b. A finished job stays so; ttlSecondsAfterFinished after it ended, it is deleted."""
+    out = Outcome(st.done())
+    done = prev.get("completionTime")
+    ttl = spec.run_policy.ttl_seconds_after_finished
+    if ttl is not None and done and now >= _parse(done) + timedelta(seconds=ttl):
+        out.delete_job = True
+    return out
+
+
+def _held(
+    st: _Status, spec: GSPOJobSpec, js: JobSetView, observed: Observed
+) -> tuple[Outcome | None, bool | None]:
+    """6c. Queued in Kueue or suspended: an Outcome while held. Else None, and the JobSet's
+    suspend to set (False to resume it) or None."""
+    policy = spec.run_policy
     if policy.scheduling.queue and observed.kueue:
-        queued = _queued(st, spec, js, observed)
-        if queued is not None:
-            return queued
-    elif policy.suspend:
+        return _queued(st, spec, js, observed), None
+    if policy.suspend:
         _suspended(st, "runPolicy.suspend is true")
-        return Outcome(st.done(), st.events, suspend_jobset=True if not js.suspended else None)
-    else:
-        resume = False if js.suspended else None
-        # By the condition, not the JobSet: the watch may show the JobSet's suspend only after
-        # the resume, and the phase has moved on by then.
-        if st.condition_of("Suspended"):
-            st.condition("Suspended", False, "Resumed", "resuming from the latest checkpoint")
-            st.set(startTime=st.now)  # the deadline counts running time since the resume
+        suspend = True if not js.suspended else None
+        return Outcome(st.done(), st.events, suspend_jobset=suspend), None
+    # By the condition, not the JobSet: the watch may show the JobSet's suspend only after
+    # the resume, and the phase has moved on by then.
+    if st.condition_of("Suspended"):
+        st.condition("Suspended", False, "Resumed", "resuming from the latest checkpoint")
+        st.set(startTime=st.now)  # the deadline counts running time since the resume
+    return None, False if js.suspended else None
 
+
+def _deadline(st: _Status, spec: GSPOJobSpec, now: datetime) -> Outcome | None:
+    """6d. activeDeadlineSeconds of running time passed: Failed, and every pod stopped."""
     start = _parse(st.get("startTime") or st.now)
     st.set(startTime=st.get("startTime") or st.now)
-    deadline = policy.active_deadline_seconds
-    if deadline is not None and now >= start + timedelta(seconds=deadline):
-        out = _finish(
-            st,
-            "Failed",
-            "DeadlineExceeded",
-            f"ran longer than runPolicy.activeDeadlineSeconds={deadline}",
-        )
-        out.delete_jobset = True
-        return out
+    deadline = spec.run_policy.active_deadline_seconds
+    if deadline is None or now < start + timedelta(seconds=deadline):
+        return None
+    why = f"ran longer than runPolicy.activeDeadlineSeconds={deadline}"
+    out = _finish(st, "Failed", "DeadlineExceeded", why)
+    out.delete_jobset = True
+    return out
+
+
+def _jobset_ended(
+    st: _Status, spec: GSPOJobSpec, observed: Observed, js: JobSetView
+) -> Outcome | None:
+    """6e. JobSet failed (with the pods' own words) or completed."""
     if (failed := js.true("Failed")) is not None:
         reason, message = _failure(spec, observed, js, *failed)
         return _finish(st, "Failed", reason, message)
-    if js.true("Completed") is not None:
-        # The learner Job completes only once the learner exited 0 at maxSteps (a stopped one
-        # is deleted, not completed); its /progress is gone by now, so the last read may lag.
-        st.set(step=spec.algorithm.max_steps)
-        message = f"every learner pod exited 0 at step {st.get('step')}"
-        return _finish(st, "Succeeded", "Completed", message)
+    if js.true("Completed") is None:
+        return None
+    # The learner Job completes only once the learner exited 0 at maxSteps (a stopped one
+    # is deleted, not completed); its /progress is gone by now, so the last read may lag.
+    st.set(step=spec.algorithm.max_steps)
+    message = f"every learner pod exited 0 at step {st.get('step')}"
+    return _finish(st, "Succeeded", "Completed", message)
 
-    if (limited := _disruption_limit(st, policy.max_disruption_restarts, js)) is not None:
-        return limited
-    restarts = js.restarts
+
+def _restarts(
+    st: _Status, spec: GSPOJobSpec, observed: Observed, restarts: int, prev: Mapping[str, Any]
+) -> None:
+    """6g. A JobSet restart is reported once, with the failed pods' words (kept: JobSet
+    deletes the failed group's pods once it restarts, often before the operator sees it)."""
     if seen := _why_failed(observed, restarts):
-        # Kept: JobSet deletes the failed group's pods once it restarts, often before the
-        # operator sees the restart, and the restart's report would lose their words.
         st.set(learnerFailure={"restartAttempt": restarts, "message": seen})
     if restarts > int(prev.get("restarts") or 0):
         why = (
@@ -380,22 +636,25 @@ def compute(
         )
         message = (
             f"{why}; JobSet restarted the job's pods from the latest checkpoint "
-            f"(restart {restarts}, runPolicy.backoffLimit={policy.backoff_limit})"
+            f"(restart {restarts}, runPolicy.backoffLimit={spec.run_policy.backoff_limit})"
         )
         st.events.append(Event("Warning", "LearnerRestart", message))
         st.condition("Restarting", True, "LearnerPodFailed", message)
     st.set(restarts=restarts)
 
-    replicas = spec.learner.replicas
-    current = observed.learners(restarts)
-    ready = sum(p.ready and p.phase == "Running" for p in current)
-    running = len(current) == replicas and all(p.phase == "Running" for p in current)
+
+def _readiness(st: _Status, spec: GSPOJobSpec, observed: Observed, learners: list[PodView]) -> None:
+    """6h. LearnerReady, RolloutReady (with the API server's refusal of a server's pod) and
+    WeightsSynced (the policy version the servers hold)."""
+    replicas, desired = spec.learner.replicas, spec.rollout.replicas
+    ready = sum(p.ready and p.phase == "Running" for p in learners)
     st.condition(
         "LearnerReady",
         ready == replicas,
         "PodsReady" if ready == replicas else "PodsNotReady",
         f"{ready}/{replicas} learner pods ready",
     )
+    ready_servers = observed.rollout_ready()
     rollout_ok = desired > 0 and ready_servers >= desired
     if not rollout_ok and observed.rollout_failed_create:
         # A server's pod the API server refuses: the learner would wait on it forever.
@@ -424,34 +683,47 @@ def compute(
         if version
         else "no weights synced to the rollout servers yet",
     )
-    if running:
+
+
+def _learner_phase(
+    st: _Status, spec: GSPOJobSpec, observed: Observed, learners: list[PodView], restarts: int
+) -> None:
+    """6i. The phase and Running from the learner group: Running once every pod runs;
+    Restarting after a restart until then; else Pending with why the pods do not run (the
+    API server refuses them, the claim does not bind, a pod's own reason)."""
+    replicas = spec.learner.replicas
+    if len(learners) == replicas and all(p.phase == "Running" for p in learners):
         st.phase("Running", "Normal", "Running", f"{replicas} learner pods running")
         st.condition("Running", True, "LearnerRunning", f"{replicas} learner pods running")
         if st.condition_of("Restarting"):
             st.condition("Restarting", False, "Recovered", f"learner group {restarts} running")
-    elif st.condition_of("Restarting"):
+        return
+    if st.condition_of("Restarting"):
         message = f"waiting for the learner group (restart {restarts}) to run again"
         st.phase("Restarting", "Warning", "Restarting", message, event=False)
         st.condition("Running", False, "Restarting", message)
-    elif observed.failed_create and len(current) < replicas:
+        return
+    claim = observed.claim
+    kind: EventType = "Warning"
+    if observed.failed_create and len(learners) < replicas:
         # The pods do not exist: the API server refuses them, and the Job controller says why.
-        message = f"{len(current)}/{replicas} learner pods created; {observed.failed_create}"
-        st.phase("Pending", "Warning", "FailedCreate", message)
-        st.condition("Running", False, "FailedCreate", message)
-    elif (claim := observed.claim) is not None and claim.phase != "Bound" and claim.warning:
+        reason = "FailedCreate"
+        message = f"{len(learners)}/{replicas} learner pods created; {observed.failed_create}"
+    elif claim is not None and claim.phase != "Bound" and claim.warning:
         # The pods cannot start before their claim binds; the provisioner says why it does not.
+        reason = "ClaimPending"
         message = f"checkpoint claim {claim.name} is {claim.phase}: {claim.warning}"
-        st.phase("Pending", "Warning", "ClaimPending", message)
-        st.condition("Running", False, "ClaimPending", message)
     else:
-        waiting = next((p for p in current if p.phase == "Pending" and p.message), None)
+        waiting = next((p for p in learners if p.phase == "Pending" and p.message), None)
         why = f"; {waiting.name}: {waiting.message}" if waiting else ""
-        message = (
-            f"{sum(p.phase == 'Running' for p in current)}/{replicas} learner pods running{why}"
+        running = sum(p.phase == "Running" for p in learners)
+        kind, reason, message = (
+            "Normal",
+            "Pending",
+            f"{running}/{replicas} learner pods running{why}",
         )
-        st.phase("Pending", "Normal", "Pending", message)
-        st.condition("Running", False, "PodsPending", message)
-    return Outcome(st.done(), st.events, suspend_jobset=resume)
+    st.phase("Pending", kind, reason, message)
+    st.condition("Running", False, "PodsPending" if reason == "Pending" else reason, message)
 
 
 def _suspended(st: _Status, why: str) -> None:
@@ -594,94 +866,6 @@ def _why_failed(observed: Observed, attempt: int) -> str:
     )
 
 
-def created(previous: Mapping[str, Any] | None, now: datetime, count: int) -> dict[str, Any]:
-    """Status right after the children were created (the create/resume handler)."""
-    st = _Status(dict(previous or {}), now)
-    st.condition("Created", True, "ChildrenCreated", f"{count} child objects exist")
-    if not st.get("phase"):
-        st.phase("Pending", "Normal", "Pending", "children created")
-    st.set(startTime=st.get("startTime") or st.now)
-    return st.done()
-
-
-def jobset_missing(previous: Mapping[str, Any], now: datetime, message: str) -> dict[str, Any]:
-    """Pending, with the fix named, while the cluster serves no JobSet API."""
-    st = _Status(dict(previous), now)
-    st.phase("Pending", "Warning", "JobSetMissing", message, event=False)
-    st.condition("Created", False, "JobSetMissing", message)
-    st.condition("Running", False, "JobSetMissing", message)
-    return st.done()
-
-
-def invalid_spec(
-    previous: Mapping[str, Any] | None, now: datetime, problems: Iterable[Problem]
-) -> tuple[dict[str, Any], Event]:
-    """Failed with an InvalidSpec condition naming every bad field; no child is created."""
-    message = "; ".join(str(p) for p in problems)
-    st = _Status(dict(previous or {}), now)
-    st.phase("Failed", "Warning", "InvalidSpec", message, event=False)
-    st.condition("InvalidSpec", True, "InvalidSpec", message)
-    st.condition("Failed", True, "InvalidSpec", message)
-    return st.done(), Event("Warning", "InvalidSpec", message)
-
-
-def refused_change(
-    previous: Mapping[str, Any] | None, now: datetime, fields: list[str]
-) -> tuple[dict[str, Any], Event]:
-    """A spec change that cannot apply in flight: say so, keep running the accepted spec."""
-    allowed = ", ".join(f"spec.{f}" for f in MUTABLE_FIELDS)
-    message = (
-        f"cannot change {', '.join(f'spec.{f}' for f in fields)} of a running job; "
-        f"the job keeps its previous spec. Only {allowed} change in flight; "
-        "revert the edit, or delete and re-create the job"
-    )
-    st = _Status(dict(previous or {}), now)
-    st.condition("InvalidSpec", True, "SpecChangeRefused", message)
-    return st.done(), Event("Warning", "SpecChangeRefused", message)
-
-
-def accepted_change(previous: Mapping[str, Any] | None, now: datetime) -> dict[str, Any]:
-    st = _Status(dict(previous or {}), now)
-    if st.condition_of("InvalidSpec"):
-        st.condition("InvalidSpec", False, "SpecAccepted", "the current spec is in effect")
-    return st.done()
-
-
-def invalid_change(
-    previous: Mapping[str, Any] | None, now: datetime, problems: Iterable[Problem]
-) -> tuple[dict[str, Any], Event]:
-    """A running job edited into an invalid spec: say why, keep running the accepted one."""
-    message = "; ".join(str(p) for p in problems) + "; the job keeps its previous spec"
-    st = _Status(dict(previous or {}), now)
-    st.condition("InvalidSpec", True, "InvalidSpec", message)
-    return st.done(), Event("Warning", "InvalidSpec", message)
-
-
-def api_refused(
-    previous: Mapping[str, Any] | None, now: datetime, verdict: str, reason: str, message: str
-) -> tuple[dict[str, Any], Event]:
-    """The API server refused a child: Blocked while an admin can clear it (RBAC, quota, a
-    kind not installed, a name taken), Failed when the object itself is invalid."""
-    st = _Status(dict(previous or {}), now)
-    if verdict == "invalid":
-        out = _finish(st, "Failed", reason, message)
-        return out.status, Event("Warning", reason, message)
-    st.phase("Blocked", "Warning", reason, message, event=False)
-    st.condition("Blocked", True, reason, message)
-    st.condition("Running", False, reason, message)
-    return st.done(), Event("Warning", reason, message)
-
-
-def unblocked(previous: Mapping[str, Any] | None, now: datetime) -> dict[str, Any]:
-    """Every child was accepted again: the Blocked condition clears."""
-    st = _Status(dict(previous or {}), now)
-    if st.condition_of("Blocked"):
-        st.condition("Blocked", False, "Cleared", "the API server accepted every child")
-        if st.get("phase") == "Blocked":
-            st.data["phase"] = "Pending"
-    return st.done()
-
-
 def refused_fields(accepted: GSPOJobSpec, new: GSPOJobSpec) -> list[str]:
     """Dotted camelCase paths that differ between the two specs and cannot change in flight."""
     before, after = _flatten(accepted.to_manifest_dict()), _flatten(new.to_manifest_dict())
@@ -701,8 +885,14 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: node}
 
 
-def _finish(st: _Status, phase: str, reason: str, message: str) -> Outcome:
-    st.phase(phase, "Normal" if phase == "Succeeded" else "Warning", reason, message)
+def _finish(
+    st: _Status,
+    phase: Literal["Succeeded", "Failed"],
+    reason: str,
+    message: str,
+    event: bool = True,
+) -> Outcome:
+    st.phase(phase, "Normal" if phase == "Succeeded" else "Warning", reason, message, event)
     st.condition(phase, True, reason, message)
     st.condition("Running", False, reason, message)
     st.set(completionTime=st.now)
@@ -748,15 +938,17 @@ class _Status:
             if value is not None:
                 self.data[key] = value
 
-    def condition_of(self, type_: str) -> bool:
+    def condition_of(self, type_: ConditionType) -> bool:
         return any(c["type"] == type_ and c["status"] == "True" for c in self.data["conditions"])
 
-    def phase(self, phase: str, kind: str, reason: str, message: str, event: bool = True) -> None:
+    def phase(
+        self, phase: Phase, kind: EventType, reason: str, message: str, event: bool = True
+    ) -> None:
         if self.data.get("phase") != phase and event:
             self.events.append(Event(kind, reason, message))
         self.data["phase"] = phase
 
-    def condition(self, type_: str, status: bool, reason: str, message: str) -> None:
+    def condition(self, type_: ConditionType, status: bool, reason: str, message: str) -> None:
         value = "True" if status else "False"
         conditions = self.data["conditions"]
         for cond in conditions:

@@ -405,7 +405,7 @@ def test_the_mutable_fields_change_in_flight(field: str) -> None:
 def test_a_job_refused_at_creation_may_still_be_fixed() -> None:
     """The operator starts a job it refused once its manifest is fixed (reconcile.py): until a
     child exists nothing is frozen, so the rules let such an edit through."""
-    from gspo_operator.reconcile import _rejected_at_creation
+    from gspo_operator.status import rejected_at_creation
 
     refused = {
         "phase": "Failed",
@@ -423,7 +423,7 @@ def test_a_job_refused_at_creation_may_still_be_fixed() -> None:
     new = copy.deepcopy(old)
     new["spec"]["algorithm"]["learningRate"] = 0.5
     for status, editable in ((refused, True), (running, False), (changed_later, False)):
-        assert _rejected_at_creation(status) == editable
+        assert rejected_at_creation(status) == editable
         stored = {**old, "status": status}
         frozen = [f for f in cel({**new, "status": status}, stored) if "cannot change" in f.message]
         assert (not frozen) == editable, status

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import copy
 
-from test_operator_status import NOW, RAW, cond, observed, pods, servers
+from test_operator_status import NOW, RAW, cond, observed, pods, servers, step
 
-from gspo_operator.status import compute
 from gspo_trainer.validation import parse_spec
 
 
@@ -15,7 +14,7 @@ def status_with(reward: dict) -> dict:
     raw = copy.deepcopy(RAW)
     raw["reward"] = reward
     obs = observed(pods("Running"), servers(raw["rollout"]["replicas"]))
-    return compute(parse_spec(raw), obs, None, NOW, generation=1).status
+    return step(parse_spec(raw), obs, None, NOW).status
 
 
 def test_isolation_none_is_a_warning_condition_and_namespaces_a_true_one() -> None:

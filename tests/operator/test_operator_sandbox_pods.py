@@ -243,9 +243,9 @@ def test_only_the_jobs_learner_reaches_the_sandbox_and_the_sandbox_reaches_nothi
 
 
 def test_a_sandbox_job_out_of_retries_fails_the_job_as_sandbox_failed() -> None:
-    from test_operator_status import NOW, RAW, cond, js, observed, pods, servers
+    from test_operator_status import NOW, RAW, cond, js, observed, pods, servers, step
 
-    from gspo_operator.status import PodView, compute
+    from gspo_operator.status import PodView
     from gspo_trainer.validation import parse_spec
 
     sandbox = {"mode": "service", "runtimeClassName": "gvisor"}
@@ -269,7 +269,7 @@ def test_a_sandbox_job_out_of_retries_fails_the_job_as_sandbox_failed() -> None:
     )
     failed = js(Failed=("FailJobSetFailurePolicyAction", message))
     obs = observed(pods("Running"), servers(1), [old_rollout, failed_pod], jobset=failed)
-    out = compute(parse_spec(raw), obs, {"phase": "Running"}, NOW, generation=1)
+    out = step(parse_spec(raw), obs, {"phase": "Running"}, NOW)
     assert out.status["phase"] == "Failed"
     assert cond(out.status, "Failed")["reason"] == "SandboxFailed"
     sandboxed = cond(out.status, "CodeSandboxed")
@@ -301,9 +301,9 @@ def test_a_sandbox_pod_refused_its_isolation_fails_the_job_at_once_with_its_word
     """`gspo sandbox-server` exits 2 when its node refuses the isolation: the sandbox Job's
     podFailurePolicy fails it at once (every pod would refuse), not after 20 replacements,
     and the pod's termination message reaches the job's Failed condition."""
-    from test_operator_status import NOW, RAW, cond, js, observed, pods, servers
+    from test_operator_status import NOW, RAW, cond, js, observed, pods, servers, step
 
-    from gspo_operator.status import PodView, compute
+    from gspo_operator.status import PodView
     from gspo_trainer.validation import parse_spec
 
     objs = rendered(code_job())
@@ -328,7 +328,7 @@ def test_a_sandbox_pod_refused_its_isolation_fails_the_job_at_once_with_its_word
     message = f"applying FailJobSet failure policy action (first failed job: {NAME}-sandbox-0)"
     failed = js(Failed=("FailJobSetFailurePolicyAction", message))
     obs = observed(pods("Running"), servers(1), [refused], jobset=failed)
-    out = compute(parse_spec(raw), obs, {"phase": "Running"}, NOW, generation=1)
+    out = step(parse_spec(raw), obs, {"phase": "Running"}, NOW)
     failed_cond = cond(out.status, "Failed")
     assert failed_cond["reason"] == "SandboxRefused"
     assert why in failed_cond["message"] and "not retried" in failed_cond["message"]

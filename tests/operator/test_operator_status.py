@@ -11,7 +11,15 @@ import pytest
 import yaml
 
 from gspo_operator import status
-from gspo_operator.status import JobSetView, Observed, PodView, WorkloadView, compute
+from gspo_operator.status import (
+    ChildrenSeen,
+    JobSetView,
+    Observation,
+    Observed,
+    PodView,
+    WorkloadView,
+    compute,
+)
 from gspo_trainer.progress import LearnerProgress
 from gspo_trainer.validation import parse_spec
 
@@ -69,7 +77,7 @@ def cond(st: dict, type_: str) -> dict:
 
 
 def step(s, obs, prev, now=NOW):
-    return compute(s, obs, prev, now, generation=1)
+    return compute(Observation(prev or {}, now, spec=s, generation=1, observed=obs))
 
 
 def test_pending_until_every_learner_pod_runs_with_the_reason_shown() -> None:
@@ -317,14 +325,19 @@ def test_spec_changes_in_flight(change: dict, refused: list[str]) -> None:
 def test_invalid_and_refused_statuses_name_the_field() -> None:
     from gspo_trainer.validation import Problem
 
-    st, event = status.invalid_spec(None, NOW, [Problem("spec.algorithm.groupSize", "too small")])
+    problems = (Problem("spec.algorithm.groupSize", "too small"),)
+    out = compute(Observation({}, NOW, problems=problems))
+    st, (event,) = out.status, out.events
     assert st["phase"] == "Failed"
     assert cond(st, "InvalidSpec")["message"] == "spec.algorithm.groupSize: too small"
     assert event.type == "Warning"
-    st, event = status.refused_change({"phase": "Running"}, NOW, ["learner.replicas"])
+    refused = ("learner.replicas",)
+    out = compute(Observation({"phase": "Running"}, NOW, spec=spec(), refused_fields=refused))
+    st, (event,) = out.status, out.events
     assert st["phase"] == "Running"
     assert "spec.learner.replicas" in cond(st, "InvalidSpec")["message"]
-    assert cond(status.accepted_change(st, NOW), "InvalidSpec")["status"] == "False"
+    accepted = compute(Observation(st, NOW, spec=spec())).status
+    assert cond(accepted, "InvalidSpec")["status"] == "False"
 
 
 def queued(jobset: JobSetView, workload: WorkloadView | None, *pod_lists: list[PodView]):
@@ -441,7 +454,7 @@ def test_suspending_a_queued_job_deactivates_its_workload_and_leaves_the_jobset_
 def test_time_in_kueues_queue_does_not_count_against_the_deadline() -> None:
     """activeDeadlineSeconds counts running time, as a Job's does: from admission."""
     timed = spec(activeDeadlineSeconds=3600)
-    created = status.created(None, NOW, 8)
+    created = compute(Observation({}, NOW, spec=timed, children=ChildrenSeen(desired=8))).status
     waiting = workload(QuotaReserved=(False, "Pending", "insufficient unused quota"))
     held = step(timed, queued(js(suspended=True), waiting), created, NOW + timedelta(hours=2))
     assert "startTime" not in held.status
