@@ -15,13 +15,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from checkout import REPO, checkout_env, run_gspo
+from checkout import REPO, checkout_env
 
 from gspo_trainer.plot import read_history
 
 pytestmark = pytest.mark.e2e
 VOLATILE_SUFFIX = "_seconds"
 VOLATILE = {"seconds", "time", "tokens_per_second"}
+STEPS = 6  # a curve: six steps of rewards, losses and clip fractions to compare
 
 
 def curve(out: Path) -> list[dict[str, float]]:
@@ -31,16 +32,33 @@ def curve(out: Path) -> list[dict[str, float]]:
     ]
 
 
-def test_same_seed_same_curve_through_the_real_server(tmp_path: Path) -> None:
-    runs = {}
-    for name, seed in (("a", 3), ("b", 3), ("c", 4)):
-        out = tmp_path / name
+def test_same_seed_same_curve_through_the_real_server(
+    default_output_run: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path
+) -> None:
+    """Run "a" is the default-output run below (seed 3, its own copy of the checkout): one
+    start of the servers and learner fewer. "b" (seed 3) and "c" (seed 4) run side by side,
+    so "b" also meets other timings than "a" and must still draw the same."""
+    tree, done = default_output_run
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = {"a": curve(tree / "gspo-run")}
+    procs = {}
+    for name, seed in (("b", 3), ("c", 4)):
         # fmt: skip: each flag beside its value, as on a command line (ruff splits the pairs).
-        done = run_gspo("train", "--output-dir", str(out), "--max-steps", "6", "--seed",
-                        str(seed), "--no-progress", timeout_s=420)  # fmt: skip
-        assert done.returncode == 0, done.stderr[-3000:]
-        runs[name] = curve(out)
-    assert len(runs["a"]) == 6
+        procs[name] = subprocess.Popen([sys.executable, "-m", "gspo_operator.cli", "train",
+                                        "--output-dir", str(tmp_path / name), "--max-steps",
+                                        str(STEPS), "--seed", str(seed), "--no-progress"],
+                                       env=checkout_env(), cwd=REPO, text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        for name, proc in procs.items():
+            _, stderr = proc.communicate(timeout=420)
+            assert proc.returncode == 0, stderr[-3000:]
+            runs[name] = curve(tmp_path / name)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    assert len(runs["a"]) == STEPS
     assert runs["a"] == runs["b"]
     assert runs["a"] != runs["c"]
 
@@ -61,21 +79,29 @@ def copy_checkout(dest: Path) -> Path:
     return dest
 
 
-def test_train_with_the_default_output_then_lint_passes(tmp_path: Path) -> None:
-    tree = copy_checkout(tmp_path / "checkout")
+@pytest.fixture(scope="module")
+def default_output_run(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """`gspo train` with its default output directory (gspo-run/) in a copy of the checkout,
+    seed 3: the lint test reads its tree, the same-seed test its curve."""
+    tree = copy_checkout(tmp_path_factory.mktemp("checkout"))
+    env = checkout_env()
+    env["PYTHONPATH"] = f"{tree / 'operator'}:{tree / 'trainer'}"
+    # fmt: skip: each flag beside its value, as on a command line (ruff splits the pairs).
+    done = subprocess.run([sys.executable, "-m", "gspo_operator.cli", "train", "--max-steps",
+                           str(STEPS), "--seed", "3", "--no-progress"], cwd=tree, env=env,
+                          capture_output=True, text=True, timeout=420)  # fmt: skip
+    return tree, done
+
+
+def test_train_with_the_default_output_then_lint_passes(
+    default_output_run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    tree, done = default_output_run
     # gspo-run/ is ignored by git: what `gspo train` writes never shows up to be committed.
     ignored = subprocess.run(["git", "check-ignore", "-q", "gspo-run/x.py"], cwd=REPO)
     assert ignored.returncode == 0
-    env = checkout_env()
-    env["PYTHONPATH"] = f"{tree / 'operator'}:{tree / 'trainer'}"
-    done = subprocess.run(
-        [sys.executable, "-m", "gspo_operator.cli", "train", "--max-steps", "2", "--no-progress"],
-        cwd=tree,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=420,
-    )
     assert done.returncode == 0, done.stderr[-3000:]
     out = tree / "gspo-run"
     assert (out / "checkpoints" / "history.jsonl").exists()
