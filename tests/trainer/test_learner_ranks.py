@@ -34,15 +34,23 @@ def run_ranks(n: int, out: Path, cache: Path, stage: int = 1, micro_tokens: int 
     return torch.load(out, weights_only=False)
 
 
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One rank's run (ZeRO-1, whole mini-batches), the reference every split below must
+    match: run once for the module, the tests only read it."""
+    tmp = tmp_path_factory.mktemp("one-rank")
+    return run_ranks(1, tmp / "one.pt", tmp / "models")
+
+
 @pytest.mark.parametrize(
     ("stage", "micro_tokens"),
     [(1, 16384), (3, 8)],  # ZeRO-3 really partitions over 2 ranks; 8 tokens: one row a pass
     ids=["zero1", "zero3-micro"],
 )
 def test_two_ranks_split_every_mini_batch_and_match_one_rank(
-    tmp_path: Path, stage: int, micro_tokens: int
+    one_rank: dict, tmp_path: Path, stage: int, micro_tokens: int
 ) -> None:
-    one = run_ranks(1, tmp_path / "one.pt", tmp_path / "models")
+    one = one_rank
     two = run_ranks(2, tmp_path / "two.pt", tmp_path / "models", stage, micro_tokens)
     # Same rollouts (seeded), same rewards: each rank took half of every mini-batch.
     for a, b in zip(one["history"], two["history"], strict=True):
