@@ -79,6 +79,9 @@ lint: venv
 	$(BIN)/mypy
 
 test: lint tools
+	# Byte-code written once, even where PYTHONDONTWRITEBYTECODE is set: the suite starts
+	# hundreds of processes (pods, servers, learners) that would each compile the packages.
+	$(BIN)/python -m compileall -q operator trainer > /dev/null
 	$(BIN)/python -m pytest
 
 fast: venv tools
