@@ -19,7 +19,13 @@ from gspo_trainer.rewards import (
     sequence_reward,
     tokenizer_answer_ids,
 )
-from gspo_trainer.tasks import SORT_MAX_DIGITS, SORT_MIN_DIGITS
+from gspo_trainer.tasks import (
+    SORT3_MAX_DIGITS,
+    SORT3_MIN_DIGITS,
+    SORT3_SYMBOLS,
+    SORT_MAX_DIGITS,
+    SORT_MIN_DIGITS,
+)
 from gspo_trainer.validation import SpecError, parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -173,7 +179,7 @@ def test_an_unknown_built_in_task_names_the_field(field: str) -> None:
     found = problems(sort_spec(**{f"data.{field}": "builtin:reverse"}))
     assert found == {
         f"spec.data.{field}": "'builtin:reverse' is not a built-in task; use one of "
-        "builtin:addition, builtin:sort"
+        "builtin:addition, builtin:sort, builtin:sort3"
     }
 
 
@@ -232,3 +238,37 @@ def test_a_learner_step_on_the_sort_task_credits_each_token(
     assert learner.eval_examples and {e.prompt for e in learner.eval_examples} == held_out
     evaluation = asyncio.run(learner.collector.evaluate(1, learner.eval_examples[:4]))
     assert 0.0 <= evaluation["eval_accuracy"] <= 1.0
+
+
+SORT3 = DataConfig(source="builtin:sort3")
+
+
+def test_sort3_problems_are_runs_of_three_symbols_held_out_and_long_enough() -> None:
+    train, held_out = load_examples(SORT3), load_eval_examples(SORT3)
+    assert held_out is not None and len(held_out) == 100 and len(train) == 10_000
+    lengths = [len(e.answer) for e in train]
+    assert set(lengths) == set(range(SORT3_MIN_DIGITS, SORT3_MAX_DIGITS + 1))
+    assert sum(n + 1 for n in lengths) / len(lengths) >= 8  # the answer, then EOS
+    for e in [*train[:200], *held_out]:
+        symbols = e.prompt.removesuffix("=")
+        assert e.prompt.endswith("=") and set(symbols) <= set(SORT3_SYMBOLS)
+        assert e.answer == "".join(sorted(symbols))
+    assert len({e.prompt for e in train}) == len(train)
+    assert not {e.prompt for e in train} & {e.prompt for e in held_out}
+    assert train == load_examples(SORT3) and held_out == load_eval_examples(SORT3)
+    # its own problems, not builtin:sort's drawn again
+    assert not {e.prompt for e in held_out} & {e.prompt for e in load_eval_examples(SORT) or []}
+
+
+def test_the_sort3_example_holds_the_task_and_its_limits_name_the_field() -> None:
+    spec = yaml.safe_load((REPO / "examples/sort3.yaml").read_text())["spec"]
+    parsed = parse_spec(spec)
+    assert (parsed.data.source, parsed.reward.kind) == ("builtin:sort3", "positional")
+    assert parsed.algorithm.max_response_tokens == SORT3_MAX_DIGITS + 1  # no room to run on
+    spec["algorithm"]["maxResponseTokens"] = SORT3_MAX_DIGITS
+    found = problems(spec)
+    assert list(found) == ["spec.algorithm.maxResponseTokens"]
+    assert (
+        "builtin:sort3's longest answer and its EOS (11 tokens)"
+        in found["spec.algorithm.maxResponseTokens"]
+    )
