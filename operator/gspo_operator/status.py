@@ -457,16 +457,31 @@ def _request_refused(obs: Observation, st: _Status, refusal: Refusal) -> Outcome
     admin can clear it (RBAC, quota, a kind not installed, a name taken), Failed when the
     object itself is invalid. The Event is posted when the job becomes so, not every pass."""
     reason, message = refusal.reason, refusal.message
+    prev = obs.previous
+    if st.get("phase") in TERMINAL:
+        return _finished_child_refused(prev, st, refusal)
     if refusal.verdict == "invalid":
         _finish(st, "Failed", reason, message, event=False)
     else:
         st.phase("Blocked", "Warning", reason, message, event=False)
         st.condition("Blocked", True, reason, message)
         st.condition("Running", False, reason, message)
-    prev = obs.previous
     if not _true(prev, "Blocked") or prev.get("phase") != st.get("phase"):
         st.events.append(Event("Warning", reason, message))
     return Outcome(st.done(), st.events, halt=refusal.verdict)
+
+
+def _finished_child_refused(prev: Mapping[str, Any], st: _Status, refusal: Refusal) -> Outcome:
+    """4, for a Succeeded or Failed job: it stays so. Its phase, reason and completionTime are
+    what it ended with; only the Blocked condition tells of the refusal. A Blocked phase would
+    not be finished() in the next pass, which would create the JobSet again (its pods rerun),
+    ignore the TTL and, once the refusal cleared, make the job Pending. "blocked" either way:
+    the job is not to be edited, and its children are tried again after a back-off."""
+    reason, message = refusal.reason, refusal.message
+    st.condition("Blocked", True, reason, message)
+    if not _true(prev, "Blocked"):
+        st.events.append(Event("Warning", reason, message))
+    return Outcome(st.done(), st.events, halt="blocked")
 
 
 def _unblocked(st: _Status) -> None:

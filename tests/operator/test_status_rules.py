@@ -30,7 +30,9 @@ from gspo_operator.status import (
     Refusal,
     WorkloadView,
     compute,
+    finished,
     refused_before_creation,
+    rejected_at_creation,
 )
 from gspo_trainer.config import MAX_CONDITIONS, GSPOJobStatus, Phase
 from gspo_trainer.progress import LearnerProgress
@@ -175,6 +177,8 @@ def reconcile_pass(obs: Observation, refuse_act: bool) -> Outcome:
     if obs.problems and refused_before_creation(obs.previous):
         return compute(replace(obs, spec=None, children=None, observed=None))
     assert obs.children is not None
+    if finished(obs.previous, valid=not obs.problems):  # the JobSet is not among the children
+        obs = replace(obs, children=replace(obs.children, jobset_unserved=False))
     if obs.children.refusal is not None:
         obs = replace(obs, observed=None)
     out = compute(obs)
@@ -223,7 +227,12 @@ def test_every_status_a_run_of_passes_produces_is_one_the_crd_accepts(
         if out.halt == "invalid":
             assert out.status["phase"] == "Failed"
         if out.halt == "blocked":
-            assert out.status["phase"] == "Blocked"
+            assert out.status["phase"] in ("Blocked", *TERMINAL)
+            assert cond(out.status, "Blocked")["status"] == "True"
+        if previous.get("phase") in TERMINAL and not rejected_at_creation(previous):
+            # A finished job stays so (unless it was refused at creation and is fixed now).
+            assert out.status["phase"] == previous["phase"]
+            assert out.status.get("completionTime") == previous.get("completionTime")
         previous = out.status
 
 
@@ -275,6 +284,44 @@ def test_a_refused_child_beats_what_the_pods_say() -> None:
     )
     assert cleared.status["phase"] == "Running"
     assert cond(cleared.status, "Blocked")["reason"] == "Cleared"
+
+
+def test_a_child_refused_after_the_job_finished_leaves_it_finished() -> None:
+    """A finished job still checks its ConfigMap, Services and Secret. One refused (a name
+    taken, a 403, a 422) shows in the Blocked condition only: the phase, its reason and the
+    completionTime stay, the finished Event is not posted again, and finished() stays True
+    (so reconcile never creates the JobSet again), through the refusal and after it clears."""
+    spec = SPECS[4]  # ttlSecondsAfterFinished: 30
+    running = compute(
+        Observation({}, NOW, spec=spec, children=ChildrenSeen(9, made=9), observed=RUNNING)
+    ).status
+    ends = {
+        "Succeeded": JobSetView(conditions={"Completed": (True, "AllJobsCompleted", "")}),
+        "Failed": JobSetView(conditions={"Failed": (True, "FailedJobs", FAILED)}),
+    }
+    for phase, jobset in ends.items():
+        ended = compute(
+            Observation(
+                running, NOW, spec=spec, children=ChildrenSeen(9), observed=Observed(jobset)
+            )
+        ).status
+        assert ended["phase"] == phase
+        kept = {k: ended[k] for k in ("phase", "completionTime")}
+        for refusal in REFUSALS:
+            previous, later = ended, NOW
+            for children in (ChildrenSeen(9, refusal=refusal),) * 2 + (ChildrenSeen(9, made=1),):
+                later += timedelta(seconds=10)
+                observed = None if children.refusal else Observed(None)  # the JobSet is gone
+                obs = Observation(previous, later, spec=spec, children=children, observed=observed)
+                out = compute(obs)
+                assert {k: out.status[k] for k in kept} == kept, (phase, refusal, children)
+                assert cond(out.status, phase)["status"] == "True"
+                assert finished(out.status, valid=True)
+                reasons = [e.reason for e in out.events if e.reason != "Created"]
+                assert reasons == ([refusal.reason] if previous is ended else []), reasons
+                previous = out.status
+            assert cond(previous, "Blocked")["reason"] == "Cleared"
+            assert out.delete_job  # the TTL (30 s) passed while the child was refused
 
 
 def test_a_refused_action_and_a_missing_jobset_api_override_the_lifecycle() -> None:
