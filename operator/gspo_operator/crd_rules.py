@@ -179,12 +179,13 @@ def _name_rules() -> list[Rule]:
 # --- what may change while the job exists (status.MUTABLE_FIELDS) -------------------------
 
 # The operator's rejected_at_creation (status.py): a job refused before any child existed may
-# still be fixed by editing it (the operator then starts it), so no field is frozen yet.
+# still be fixed by editing it (the operator then starts it), so no field is frozen yet. No
+# Created condition: a job that failed after an invalid edit had its children created.
 REJECTED_AT_CREATION = (
     "has(oldSelf.status) && has(oldSelf.status.phase) && oldSelf.status.phase == 'Failed' && "
     "has(oldSelf.status.conditions) && oldSelf.status.conditions.exists(c, "
     "c.type == 'InvalidSpec' && has(c.reason) && c.reason == 'InvalidSpec' && "
-    "c.status == 'True')"
+    "c.status == 'True') && !oldSelf.status.conditions.exists(c, c.type == 'Created')"
 )
 
 

@@ -516,10 +516,18 @@ def finished(previous: Mapping[str, Any], valid: bool) -> bool:
 
 
 def rejected_at_creation(st: Mapping[str, Any]) -> bool:
-    """Failed for an invalid spec before any child existed."""
-    return st.get("phase") == "Failed" and any(
-        c["type"] == "InvalidSpec" and c.get("reason") == "InvalidSpec" and c["status"] == "True"
-        for c in st.get("conditions") or []
+    """Failed for an invalid spec before any child existed. The Created condition tells it from
+    a job that failed after an invalid edit (InvalidSpec, reason InvalidSpec too): that one's
+    children were created, and its failure, status and frozen fields stay."""
+    return (
+        st.get("phase") == "Failed"
+        and not _has(st, "Created")
+        and any(
+            c["type"] == "InvalidSpec"
+            and c.get("reason") == "InvalidSpec"
+            and c["status"] == "True"
+            for c in st.get("conditions") or []
+        )
     )
 
 

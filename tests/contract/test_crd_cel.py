@@ -419,10 +419,26 @@ def test_a_job_refused_at_creation_may_still_be_fixed() -> None:
         "phase": "Running",
         "conditions": [{"type": "InvalidSpec", "status": "True", "reason": "SpecChangeRefused"}],
     }
+    # An invalid edit (InvalidSpec, reason InvalidSpec) of a job whose children exist, which
+    # then failed: its fields stay frozen.
+    failed_after_an_invalid_edit = {
+        "phase": "Failed",
+        "conditions": [
+            {"type": "Created", "status": "True", "reason": "ChildrenCreated"},
+            *refused["conditions"][:1],
+            {"type": "Failed", "status": "True", "reason": "FailedJobs", "message": "..."},
+        ],
+    }
     old = copy.deepcopy(EXAMPLE)
     new = copy.deepcopy(old)
     new["spec"]["algorithm"]["learningRate"] = 0.5
-    for status, editable in ((refused, True), (running, False), (changed_later, False)):
+    cases = (
+        (refused, True),
+        (running, False),
+        (changed_later, False),
+        (failed_after_an_invalid_edit, False),
+    )
+    for status, editable in cases:
         assert rejected_at_creation(status) == editable
         stored = {**old, "status": status}
         frozen = [f for f in cel({**new, "status": status}, stored) if "cannot change" in f.message]

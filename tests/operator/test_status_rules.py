@@ -357,6 +357,29 @@ def test_an_invalid_edit_of_a_running_job_keeps_it_running_and_says_so_once() ->
     assert cond(fixed.status, "InvalidSpec")["reason"] == "SpecAccepted"
 
 
+def test_a_job_that_failed_after_an_invalid_edit_keeps_its_failure() -> None:
+    """An invalid edit's InvalidSpec has the reason a refusal at creation has; Created tells
+    them apart. The job's own failure stays while the spec is invalid and after it is fixed:
+    no InvalidSpec Event again, no status wiped, no fresh start."""
+    obs = Observation(
+        running_status(), NOW, spec=UNQUEUED, problems=PROBLEMS, children=ChildrenSeen(9),
+        observed=RUNNING,
+    )  # fmt: skip
+    edited = compute(obs).status
+    ended = Observed(JobSetView(conditions={"Failed": (True, "FailedJobs", FAILED)}))
+    failed = compute(replace(obs, previous=edited, observed=ended)).status
+    assert failed["phase"] == "Failed" and not rejected_at_creation(failed)
+    assert not refused_before_creation(failed)
+    for problems in (PROBLEMS, ()):
+        later = replace(obs, previous=failed, problems=problems, observed=Observed(None))
+        out = reconcile_pass(later, refuse_act=False)
+        assert finished(failed, valid=not problems)
+        assert out.status["phase"] == "Failed" and out.halt is None
+        assert cond(out.status, "Failed") == cond(failed, "Failed")
+        assert out.status["completionTime"] == failed["completionTime"]
+        assert "InvalidSpec" not in [e.reason for e in out.events]
+
+
 def test_a_spec_fixed_after_it_was_refused_at_creation_starts_the_job_afresh() -> None:
     refused = compute(Observation({}, NOW, problems=PROBLEMS)).status
     later = NOW + timedelta(minutes=5)
