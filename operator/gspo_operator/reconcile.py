@@ -211,7 +211,7 @@ async def _reconcile(ctx: Context, key: Key, body: Obj) -> float | None:
     if obs is None:
         return None  # an invalid edit of a job whose accepted spec is not known (yet)
     out = status.compute(obs)
-    if out.halt is None:
+    if out.halt is None or out.delete_job:  # a finished job's TTL passes even while blocked
         denied = await _act(ctx, key, body["metadata"]["uid"], out, obs.observed)
         if denied is not None:  # e.g. no RBAC to patch the Workload: the status says so
             out = status.compute(replace(obs, act_refusal=denied))

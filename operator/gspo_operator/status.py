@@ -458,8 +458,8 @@ def _request_refused(obs: Observation, st: _Status, refusal: Refusal) -> Outcome
     object itself is invalid. The Event is posted when the job becomes so, not every pass."""
     reason, message = refusal.reason, refusal.message
     prev = obs.previous
-    if st.get("phase") in TERMINAL:
-        return _finished_child_refused(prev, st, refusal)
+    if st.get("phase") in TERMINAL and obs.spec is not None:
+        return _finished_child_refused(obs.spec, prev, st, refusal, obs.now)
     if refusal.verdict == "invalid":
         _finish(st, "Failed", reason, message, event=False)
     else:
@@ -471,17 +471,21 @@ def _request_refused(obs: Observation, st: _Status, refusal: Refusal) -> Outcome
     return Outcome(st.done(), st.events, halt=refusal.verdict)
 
 
-def _finished_child_refused(prev: Mapping[str, Any], st: _Status, refusal: Refusal) -> Outcome:
+def _finished_child_refused(
+    spec: GSPOJobSpec, prev: Mapping[str, Any], st: _Status, refusal: Refusal, now: datetime
+) -> Outcome:
     """4, for a Succeeded or Failed job: it stays so. Its phase, reason and completionTime are
     what it ended with; only the Blocked condition tells of the refusal. A Blocked phase would
     not be finished() in the next pass, which would create the JobSet again (its pods rerun),
     ignore the TTL and, once the refusal cleared, make the job Pending. "blocked" either way:
-    the job is not to be edited, and its children are tried again after a back-off."""
+    the job is not to be edited, and its children are tried again after a back-off; the
+    TTL still deletes it."""
     reason, message = refusal.reason, refusal.message
     st.condition("Blocked", True, reason, message)
     if not _true(prev, "Blocked"):
         st.events.append(Event("Warning", reason, message))
-    return Outcome(st.done(), st.events, halt="blocked")
+    expired = _ttl_passed(spec, prev, now)
+    return Outcome(st.done(), st.events, delete_job=expired, halt="blocked")
 
 
 def _unblocked(st: _Status) -> None:
@@ -587,12 +591,16 @@ def _report(st: _Status, spec: GSPOJobSpec, observed: Observed, generation: int 
 
 def _finished(st: _Status, spec: GSPOJobSpec, prev: Mapping[str, Any], now: datetime) -> Outcome:
     """6b. A finished job stays so; ttlSecondsAfterFinished after it ended, it is deleted."""
-    out = Outcome(st.done())
+    return Outcome(st.done(), delete_job=_ttl_passed(spec, prev, now))
+
+
+def _ttl_passed(spec: GSPOJobSpec, prev: Mapping[str, Any], now: datetime) -> bool:
+    """ttlSecondsAfterFinished has passed since the job finished (its completionTime)."""
     done = prev.get("completionTime")
     ttl = spec.run_policy.ttl_seconds_after_finished
-    if ttl is not None and done and now >= _parse(done) + timedelta(seconds=ttl):
-        out.delete_job = True
-    return out
+    if ttl is None or not done:
+        return False
+    return now >= _parse(done) + timedelta(seconds=ttl)
 
 
 def _held(

@@ -289,8 +289,9 @@ def test_a_refused_child_beats_what_the_pods_say() -> None:
 def test_a_child_refused_after_the_job_finished_leaves_it_finished() -> None:
     """A finished job still checks its ConfigMap, Services and Secret. One refused (a name
     taken, a 403, a 422) shows in the Blocked condition only: the phase, its reason and the
-    completionTime stay, the finished Event is not posted again, and finished() stays True
-    (so reconcile never creates the JobSet again), through the refusal and after it clears."""
+    completionTime stay, the finished Event is not posted again, finished() stays True (so
+    reconcile never creates the JobSet again) and the TTL still deletes the job, through the
+    refusal and after it clears."""
     spec = SPECS[4]  # ttlSecondsAfterFinished: 30
     running = compute(
         Observation({}, NOW, spec=spec, children=ChildrenSeen(9, made=9), observed=RUNNING)
@@ -310,18 +311,18 @@ def test_a_child_refused_after_the_job_finished_leaves_it_finished() -> None:
         for refusal in REFUSALS:
             previous, later = ended, NOW
             for children in (ChildrenSeen(9, refusal=refusal),) * 2 + (ChildrenSeen(9, made=1),):
-                later += timedelta(seconds=10)
+                later += timedelta(seconds=20)
                 observed = None if children.refusal else Observed(None)  # the JobSet is gone
                 obs = Observation(previous, later, spec=spec, children=children, observed=observed)
                 out = compute(obs)
                 assert {k: out.status[k] for k in kept} == kept, (phase, refusal, children)
                 assert cond(out.status, phase)["status"] == "True"
                 assert finished(out.status, valid=True)
+                assert out.delete_job == (later >= NOW + timedelta(seconds=30))  # the TTL
                 reasons = [e.reason for e in out.events if e.reason != "Created"]
                 assert reasons == ([refusal.reason] if previous is ended else []), reasons
                 previous = out.status
             assert cond(previous, "Blocked")["reason"] == "Cleared"
-            assert out.delete_job  # the TTL (30 s) passed while the child was refused
 
 
 def test_a_refused_action_and_a_missing_jobset_api_override_the_lifecycle() -> None:
