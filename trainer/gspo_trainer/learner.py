@@ -106,14 +106,22 @@ class Learner:
         if spec.algorithm.kl_coef > 0:
             reference, self.reference_engine = eng.build_reference(spec, path, self.engine.device)
         moe = moe_shape(model.config) if spec.model.moe is not None else None
-        self.policy = Policy(self.engine, moe, reference, spec.learner.pack_sequences,
-                             spec.model.attn_implementation, replay)  # fmt: skip
+        self.policy = Policy(
+            self.engine,
+            moe,
+            reference,
+            spec.learner.pack_sequences,
+            spec.model.attn_implementation,
+            replay,
+        )
         grpo = spec.algorithm.loss_level == "grpo" and replay is None
         if moe is not None and grpo and self.rank == 0:
-            log.warning("algorithm.lossLevel grpo on a mixture-of-experts model: token ratios "
-                        "swing when one update changes a token's experts, and the GSPO paper "
-                        "trains GRPO on MoE models only with Routing Replay "
-                        "(algorithm.routingReplay); gspo (or gspo-token) needs none")  # fmt: skip
+            log.warning(
+                "algorithm.lossLevel grpo on a mixture-of-experts model: token ratios "
+                "swing when one update changes a token's experts, and the GSPO paper "
+                "trains GRPO on MoE models only with Routing Replay "
+                "(algorithm.routingReplay); gspo (or gspo-token) needs none"
+            )
         scorer = build_scorer(
             spec.reward,
             on_failure=lambda r: self.metrics.reward_failures.labels(r).inc(),
@@ -122,18 +130,37 @@ class Learner:
             tokenizer=self.tokenizer,
         )
         refused = self.metrics.prompts_dropped.labels("train").inc
-        self.collector = Collector(spec.algorithm, spec.metrics, rollout, self.tokenizer,  # type: ignore[arg-type]
-                                   scorer, on_refused=refused,
-                                   max_failed_steps=spec.reward.max_failed_steps)  # fmt: skip
+        self.collector = Collector(
+            spec.algorithm,
+            spec.metrics,
+            rollout,  # type: ignore[arg-type]  # None only on ranks that never collect
+            self.tokenizer,
+            scorer,
+            on_refused=refused,
+            max_failed_steps=spec.reward.max_failed_steps,
+        )
         self.run_ahead = RunAhead(self.collector)
-        self.weights = WeightSync(self.engine, rollout, self.collector.fleet_lock,  # type: ignore[arg-type]
-                                  self.ranks, self.metrics, self.state)  # fmt: skip
+        self.weights = WeightSync(
+            self.engine,
+            rollout,  # type: ignore[arg-type]  # None only on ranks that never sync
+            self.collector.fleet_lock,
+            self.ranks,
+            self.metrics,
+            self.state,
+        )
         self.checkpointer = Checkpointer(
-            Path(checkpoint_dir) if checkpoint_dir else None, spec.checkpoint.keep, self.engine,
-            self.tokenizer, self.ranks, self.metrics, self.state, self.trainer_state,
-        )  # fmt: skip
-        self.report = StepReport(self.metrics, self.state, self.trackers,
-                                 Path(history_path) if history_path else None)  # fmt: skip
+            Path(checkpoint_dir) if checkpoint_dir else None,
+            spec.checkpoint.keep,
+            self.engine,
+            self.tokenizer,
+            self.ranks,
+            self.metrics,
+            self.state,
+            self.trainer_state,
+        )
+        self.report = StepReport(
+            self.metrics, self.state, self.trackers, Path(history_path) if history_path else None
+        )
         self._load_data()
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
@@ -142,8 +169,9 @@ class Learner:
 
     def _load_data(self) -> None:
         spec, limit = self.spec, self.spec.data.max_prompt_tokens
-        examples, dropped = fit_prompts(load_examples(spec.data, self.tokenizer),
-                                        self.tokenizer, limit)  # fmt: skip
+        examples, dropped = fit_prompts(
+            load_examples(spec.data, self.tokenizer), self.tokenizer, limit
+        )
         self.metrics.prompts_dropped.labels("train").inc(dropped)
         self.stream = PromptStream(examples, spec.data.shuffle_seed)
         self._restart_draws()
@@ -152,14 +180,18 @@ class Learner:
             self.eval_examples = load_eval_examples(spec.data, self.tokenizer)
             if self.eval_examples is not None:
                 self.eval_examples, dropped = fit_prompts(
-                    self.eval_examples, self.tokenizer, limit,
+                    self.eval_examples,
+                    self.tokenizer,
+                    limit,
                     "data.evalSource" if spec.data.eval_source else "data.source",
-                )  # fmt: skip
+                )
                 self.metrics.prompts_dropped.labels("eval").inc(dropped)
             if self.eval_examples is None and self.rank == 0:
-                log.warning("algorithm.evalEverySteps is set but data.evalSource is not: a "
-                            "data set of your own is evaluated only on a held-out set, so "
-                            "this run is not evaluated")  # fmt: skip
+                log.warning(
+                    "algorithm.evalEverySteps is set but data.evalSource is not: a "
+                    "data set of your own is evaluated only on a held-out set, so "
+                    "this run is not evaluated"
+                )
 
     @property
     def rollout(self) -> RolloutSource | None:
@@ -175,11 +207,16 @@ class Learner:
     def progress(self) -> LearnerProgress:
         s = self.state
         return LearnerProgress(
-            phase=s.phase, step=s.step, max_steps=self.spec.algorithm.max_steps, reward=s.reward,
-            last_checkpoint=s.last_checkpoint, last_checkpoint_step=s.last_checkpoint_step,
-            policy_version=s.policy_version, message=s.message,
+            phase=s.phase,
+            step=s.step,
+            max_steps=self.spec.algorithm.max_steps,
+            reward=s.reward,
+            last_checkpoint=s.last_checkpoint,
+            last_checkpoint_step=s.last_checkpoint_step,
+            policy_version=s.policy_version,
+            message=s.message,
             server_versions=self.rollout.server_versions() if self.rollout is not None else {},
-        )  # fmt: skip
+        )
 
     # --- the run -------------------------------------------------------------------------
 
@@ -234,8 +271,12 @@ class Learner:
         """What a checkpoint keeps beside the engine: the data position is the one after the
         last trained step's draw (prompts drawn ahead for run-ahead collection are drawn
         again on resume)."""
-        return {"step": self.state.step, "data": self.positions[self.state.step],
-                "rng": ckpt.rng_state(), "policy_version": self.state.policy_version}  # fmt: skip
+        return {
+            "step": self.state.step,
+            "data": self.positions[self.state.step],
+            "rng": ckpt.rng_state(),
+            "policy_version": self.state.policy_version,
+        }
 
     async def _await_fleet(self, *, starting: bool = False) -> None:
         """Every rank: wait until a rollout server can serve. Starting, that is any server that
@@ -297,9 +338,15 @@ class Learner:
         # --- collect (rank 0, or taken from the run-ahead); every rank gets it ----------
         rollouts = await self._rollouts(step)
         self._start_run_ahead(step)
-        packed = pack(rollouts.prompts, rollouts.responses, rollouts.engine_logps,
-                      rollouts.rewards, alg.group_size, self.pad_id,
-                      rollouts.token_rewards)  # fmt: skip
+        packed = pack(
+            rollouts.prompts,
+            rollouts.responses,
+            rollouts.engine_logps,
+            rollouts.rewards,
+            alg.group_size,
+            self.pad_id,
+            rollouts.token_rewards,
+        )
         packed = packed.to(self.policy.device)  # the engine's (cuda:local_rank on GPUs)
         advantages, adv_stats = self._advantages(packed)
         # --- plan, πold, updates, routing drift: off the event loop when it overlaps -----
@@ -311,8 +358,11 @@ class Learner:
         evaluating = self.eval_due(step)
         if step % self.spec.weight_sync.every_steps == 0 or evaluating:
             sent = await self.sync(step)
-        seconds = {**rollouts.seconds, **learned.seconds,
-                   "weight_sync": time.perf_counter() - t_sync}  # fmt: skip
+        seconds = {
+            **rollouts.seconds,
+            **learned.seconds,
+            "weight_sync": time.perf_counter() - t_sync,
+        }
         evaluation = {}
         if evaluating and self.rank == 0 and self.eval_examples is not None:
             evaluation = await self.collector.evaluate(step, self.eval_examples)
@@ -328,8 +378,14 @@ class Learner:
             k: v for k, v in self.positions.items() if k >= step
         }
         if self.rank == 0:
-            self.report.record(step, stats, seconds, float(packed.lengths.sum()),
-                               self._expert_load(learned.old), learned.update.drift)  # fmt: skip
+            self.report.record(
+                step,
+                stats,
+                seconds,
+                float(packed.lengths.sum()),
+                self._expert_load(learned.old),
+                learned.update.drift,
+            )
         return stats
 
     def _advantages(self, packed: Packed) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -345,22 +401,33 @@ class Learner:
         if alg.loss_level == "gspo-token":
             return token_group_advantages(packed.token_rewards, packed.mask, alg.group_size)
         if self.rank == 0 and not self.warned_token_rewards:
-            log.warning("The reward scores each response token, but algorithm.lossLevel %s "
-                        "takes one advantage per response: each response's reward is the mean "
-                        "of its token scores; set spec.algorithm.lossLevel to gspo-token to "
-                        "train on them token by token", alg.loss_level)  # fmt: skip
+            log.warning(
+                "The reward scores each response token, but algorithm.lossLevel %s "
+                "takes one advantage per response: each response's reward is the mean "
+                "of its token scores; set spec.algorithm.lossLevel to gspo-token to "
+                "train on them token by token",
+                alg.loss_level,
+            )
             self.warned_token_rewards = True
         return group_advantages(packed.rewards, alg.group_size)
 
-    def _stats(self, step: int, rollouts: Rollouts, packed: Packed, advantages: torch.Tensor,
-               adv_stats: dict[str, torch.Tensor], learned: Learned,
-               seconds: dict[str, float]) -> dict[str, Any]:  # fmt: skip
+    def _stats(
+        self,
+        step: int,
+        rollouts: Rollouts,
+        packed: Packed,
+        advantages: torch.Tensor,
+        adv_stats: dict[str, torch.Tensor],
+        learned: Learned,
+        seconds: dict[str, float],
+    ) -> dict[str, Any]:
         """The step's numbers, one name each (metrics.STEP_GAUGES)."""
         from gspo_trainer.advantages import response_advantages
 
         alg = self.spec.algorithm
-        stats: dict[str, Any] = learner_stats(learned.update, learned.old, alg.mini_batches,
-                                              self.ranks)  # fmt: skip
+        stats: dict[str, Any] = learner_stats(
+            learned.update, learned.old, alg.mini_batches, self.ranks
+        )
         stats.update(
             reward_mean=float(adv_stats["reward_mean"]),
             reward_std=float(adv_stats["reward_std"]),
@@ -373,8 +440,13 @@ class Learner:
         stats.update(rollouts.reward_components)
         if rollouts.texts is not None:  # samples.py; trackers read stats["samples"]
             per_response = response_advantages(advantages, packed.mask).tolist()
-            stats["samples"] = pick_samples(*rollouts.texts, packed.rewards.tolist(),
-                per_response, alg.group_size, self.spec.metrics.samples_per_log)  # fmt: skip
+            stats["samples"] = pick_samples(
+                *rollouts.texts,
+                packed.rewards.tolist(),
+                per_response,
+                alg.group_size,
+                self.spec.metrics.samples_per_log,
+            )
         return stats
 
     async def _rollouts(self, step: int) -> Rollouts:
@@ -429,14 +501,28 @@ class Learner:
         log-probs and routing drift: every rank, its rows."""
         alg, moe = self.spec.algorithm, self.spec.model.moe
         t0 = time.perf_counter()
-        plan = plan_step(packed, alg.mini_batches, self.spec.learner.micro_batch_tokens,
-                         self.ranks, pack=self.policy.packs())  # fmt: skip
+        plan = plan_step(
+            packed,
+            alg.mini_batches,
+            self.spec.learner.micro_batch_tokens,
+            self.ranks,
+            pack=self.policy.packs(),
+        )
         old = old_policy(self.policy, packed, plan, alg, diagnose=diagnose)
         t1 = time.perf_counter()
         behaviour = alg.max_staleness > 0 or self.spec.weight_sync.every_steps > 1
         aux_coef = moe.router_aux_loss_coef if moe else 0.0
-        stats = update(self.policy, packed, plan, old, advantages, alg, aux_coef=aux_coef,
-                       behaviour=behaviour, diagnose=diagnose)  # fmt: skip
+        stats = update(
+            self.policy,
+            packed,
+            plan,
+            old,
+            advantages,
+            alg,
+            aux_coef=aux_coef,
+            behaviour=behaviour,
+            diagnose=diagnose,
+        )
         return Learned(old, stats, {"logprob": t1 - t0, "update": time.perf_counter() - t1})
 
     def _expert_load(self, old: OldPolicy) -> dict[int, list[float]] | None:

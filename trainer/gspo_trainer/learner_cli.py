@@ -285,9 +285,14 @@ async def run(args: argparse.Namespace, spec: GSPOJobSpec) -> int:
     from gspo_trainer.code.runner import SandboxUnavailable
 
     try:
-        learner = Learner(spec, rollout, checkpoint_dir=ckpt_dir, metrics=metrics,
-                          history_path=history if rank == 0 else None,
-                          tracker_dir=args.tracker_dir)  # fmt: skip
+        learner = Learner(
+            spec,
+            rollout,
+            checkpoint_dir=ckpt_dir,
+            metrics=metrics,
+            history_path=history if rank == 0 else None,
+            tracker_dir=args.tracker_dir,
+        )
     except SandboxUnavailable as exc:  # the cluster's state, not the spec's: exit 1, retried
         log.error("The learner stopped: %s", exc)  # the pod's termination message
         if rollout is not None:

@@ -139,8 +139,9 @@ def gspo_token_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high
 
 
 @register_policy_loss("token")
-def grpo_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high: float,
-              token_weights=None):  # fmt: skip
+def grpo_loss(
+    logp, old_logp, advantages, mask, clip_low: float, clip_high: float, token_weights=None
+):
     """GRPO, the paper's Eq. (2) baseline: a clipped ratio per token, w_i,t = pi / pi_old.
 
     loss_i = mean over tokens t of -min(w_i,t A_i, clip(w_i,t, 1 - eps_low, 1 + eps_high) A_i),
@@ -193,8 +194,19 @@ def importance_weights(
     return weights.detach(), stats
 
 
-def _check(logp, old_logp, advantages, mask, level, clip_low, clip_high, ref_logprobs, kl_coef,
-           behaviour_logprobs=None, is_cap=None):  # fmt: skip
+def _check(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    level,
+    clip_low,
+    clip_high,
+    ref_logprobs,
+    kl_coef,
+    behaviour_logprobs=None,
+    is_cap=None,
+):
     if level not in POLICY_LOSSES:
         raise ValueError(
             f"unknown loss level {level!r}; valid levels: {sorted(POLICY_LOSSES)} "
@@ -202,8 +214,12 @@ def _check(logp, old_logp, advantages, mask, level, clip_low, clip_high, ref_log
         )
     if logp.dim() != 2:
         raise ValueError(f"logprobs must be (B, T); got shape {tuple(logp.shape)}")
-    shaped = (("old_logprobs", old_logp), ("mask", mask), ("ref_logprobs", ref_logprobs),
-              ("behaviour_logprobs", behaviour_logprobs))  # fmt: skip
+    shaped = (
+        ("old_logprobs", old_logp),
+        ("mask", mask),
+        ("ref_logprobs", ref_logprobs),
+        ("behaviour_logprobs", behaviour_logprobs),
+    )
     for name, t in shaped:
         if t is not None and t.shape != logp.shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(logp.shape)}")
@@ -260,16 +276,28 @@ def policy_loss(
     """
     import torch
 
-    _check(logprobs, old_logprobs, advantages, mask, level, clip_low, clip_high, ref_logprobs,
-           kl_coef, behaviour_logprobs, is_cap)  # fmt: skip
+    _check(
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        level,
+        clip_low,
+        clip_high,
+        ref_logprobs,
+        kl_coef,
+        behaviour_logprobs,
+        is_cap,
+    )
     mask = mask.bool()
     old = old_logprobs.detach()
     weights = None
     if behaviour_logprobs is not None:
         behaviour = behaviour_logprobs.detach()
         token_level = level == "token"
-        weights, is_stats = importance_weights(old, behaviour, mask, token_level=token_level,
-                                               cap=is_cap)  # fmt: skip
+        weights, is_stats = importance_weights(
+            old, behaviour, mask, token_level=token_level, cap=is_cap
+        )
     extra = {"token_weights": weights} if level == "token" and weights is not None else {}
     per_response, stats = POLICY_LOSSES[level](
         logprobs, old, advantages.detach(), mask, float(clip_low), float(clip_high), **extra

@@ -75,8 +75,9 @@ def token_rewards(scores: Sequence[Score], lengths: Sequence[int]) -> list[list[
     when every score is one number (the batch has no per-token reward)."""
     if not any(isinstance(s, tuple) for s in scores):
         return None
-    return [list(s) if isinstance(s, tuple) else [s] * n
-            for s, n in zip(scores, lengths, strict=True)]  # fmt: skip
+    return [
+        list(s) if isinstance(s, tuple) else [s] * n for s, n in zip(scores, lengths, strict=True)
+    ]
 
 
 def as_score(value: Any, tokens: int | None, name: str) -> Score:
@@ -144,8 +145,9 @@ def arithmetic_reward(prompt: str, completion: str, answer: str) -> float:
 AnswerIds = Callable[[str], Sequence[int]]  # an answer's token ids, then EOS's
 
 
-def positional_reward(item: Scored, per_token: bool = False,
-                      answer_ids: AnswerIds | None = None) -> Score:  # fmt: skip
+def positional_reward(
+    item: Scored, per_token: bool = False, answer_ids: AnswerIds | None = None
+) -> Score:
     """Partial credit: the share of positions where the response matches the reference.
 
     With `answer_ids` and the response's token ids, a position is a token: the answer's
@@ -215,8 +217,9 @@ def math_reward(prompt: str, completion: str, answer: str) -> float:
         return 0.0
 
     # Signal-based timeouts only work in the main thread; the scorer bounds the call instead.
-    gold = parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$",
-                 parsing_timeout=None)  # fmt: skip
+    gold = parse(
+        answer if "$" in answer or "\\boxed" in answer else f"${answer}$", parsing_timeout=None
+    )
     pred = parse(final, parsing_timeout=None)
     return 1.0 if gold and pred and verify(gold, pred, timeout_seconds=None) else 0.0
 
@@ -381,9 +384,13 @@ class RewardScorer:
         """`scores`, after one warning for the batch's failures, if any."""
         if self.last.failed_total:
             reasons = ", ".join(f"{n} {r}" for r, n in self.last.failed.items() if n)
-            log.warning("Reward: %d of %d calls failed (%s) and scored 0; first: %s",
-                        self.last.failed_total, self.last.calls, reasons,
-                        self.last.first)  # fmt: skip
+            log.warning(
+                "Reward: %d of %d calls failed (%s) and scored 0; first: %s",
+                self.last.failed_total,
+                self.last.calls,
+                reasons,
+                self.last.first,
+            )
         return scores
 
     def _score_batch(self, items: Sequence[Scored]) -> list[Score]:
@@ -467,8 +474,9 @@ class RewardScorer:
         elif isinstance(outcome, BaseException):
             self._fail("error", f"reward call for item {i} raised {outcome!r}")
         elif _bad(outcome):
-            self._fail("error", f"reward call for item {i} returned {outcome}, not a finite "
-                       "float32")  # fmt: skip
+            self._fail(
+                "error", f"reward call for item {i} returned {outcome}, not a finite float32"
+            )
         else:
             scores[i] = outcome
 
@@ -481,8 +489,7 @@ class RewardScorer:
             if self.takes_item:
                 value = self.fn(item)
             elif self.token_ids:
-                value = self.fn(item.prompt, item.completion, item.answer,
-                                token_ids=item.token_ids)  # fmt: skip
+                value = self.fn(item.prompt, item.completion, item.answer, token_ids=item.token_ids)
             else:
                 value = self.fn(item.prompt, item.completion, item.answer)
             return as_score(value, item.tokens, self.name)
@@ -539,11 +546,16 @@ def build_scorer(
             token_ids=takes_token_ids(fn),
             name=cfg.function or str(cfg.kind),
         )
-    return WeightedScorer([
-        Component(f.name, f.weight,
-                  _component_scorer(f, cfg, on_failure, max_response_tokens, per_token, ids))
-        for f in cfg.functions
-    ])  # fmt: skip
+    return WeightedScorer(
+        [
+            Component(
+                f.name,
+                f.weight,
+                _component_scorer(f, cfg, on_failure, max_response_tokens, per_token, ids),
+            )
+            for f in cfg.functions
+        ]
+    )
 
 
 def _positional_scorer(
@@ -558,8 +570,15 @@ def _positional_scorer(
     probe run's policy stopped ending its answers and ran every one to the cap, where a
     rising run of digits still earned a third of the credit."""
     fn = partial(positional_reward, per_token=per_token, answer_ids=answer_ids)
-    return RewardScorer(fn, timeout_s=timeout_s, require_finished=True, inline=True,
-                        takes_item=True, on_failure=on_failure, name=name)  # fmt: skip
+    return RewardScorer(
+        fn,
+        timeout_s=timeout_s,
+        require_finished=True,
+        inline=True,
+        takes_item=True,
+        on_failure=on_failure,
+        name=name,
+    )
 
 
 def _code_scorer(cfg: RewardConfig, on_failure: Callable[[str], None] | None) -> Any:
@@ -569,22 +588,29 @@ def _code_scorer(cfg: RewardConfig, on_failure: Callable[[str], None] | None) ->
     return build_code_scorer(cfg.code, cfg.sandbox, on_failure)
 
 
-def _component_scorer(f: RewardFunctionConfig, cfg: RewardConfig,
-                      on_failure: Callable[[str], None] | None,
-                      max_response_tokens: int | None, per_token: bool,
-                      answer_ids: AnswerIds | None) -> Any:  # fmt: skip
+def _component_scorer(
+    f: RewardFunctionConfig,
+    cfg: RewardConfig,
+    on_failure: Callable[[str], None] | None,
+    max_response_tokens: int | None,
+    per_token: bool,
+    answer_ids: AnswerIds | None,
+) -> Any:
     if f.kind == "code":
         return _code_scorer(cfg, on_failure)
     if f.kind == "positional":
         return _positional_scorer(per_token, answer_ids, cfg.timeout_seconds, on_failure, f.name)
     kw: dict[str, Any] = dict(timeout_s=cfg.timeout_seconds, on_failure=on_failure)
     if f.kind == "format":
-        return RewardScorer(lambda item: format_reward(item, f.pattern), inline=True,
-                            takes_item=True, **kw)  # fmt: skip
+        return RewardScorer(
+            lambda item: format_reward(item, f.pattern), inline=True, takes_item=True, **kw
+        )
     if f.kind == "length":
         if max_response_tokens is None:
-            raise ConfigError(f"reward.functions {f.name!r}: kind length needs the maximum "
-                             "response length (algorithm.maxResponseTokens)")  # fmt: skip
+            raise ConfigError(
+                f"reward.functions {f.name!r}: kind length needs the maximum "
+                "response length (algorithm.maxResponseTokens)"
+            )
         target = f.target_tokens or 0
 
         def length(item: Scored) -> float:
@@ -597,9 +623,14 @@ def _component_scorer(f: RewardFunctionConfig, cfg: RewardConfig,
     if f.kind == "python" and f.convention != "gspo":
         return convention_scorer(reward_function(one), f.convention, **kw)
     fn = reward_function(one)
-    return RewardScorer(fn, require_finished=f.kind in FINISHED_ONLY,
-                        inline=f.kind == "arithmetic", token_ids=takes_token_ids(fn),
-                        name=f.name, **kw)  # fmt: skip
+    return RewardScorer(
+        fn,
+        require_finished=f.kind in FINISHED_ONLY,
+        inline=f.kind == "arithmetic",
+        token_ids=takes_token_ids(fn),
+        name=f.name,
+        **kw,
+    )
 
 
 def convention_scorer(fn: Callable[..., Any], convention: str, **kw: Any) -> RewardScorer:
@@ -642,8 +673,11 @@ class WeightedScorer:
             means[REWARD_COMPONENT_PREFIX + c.name] = sum(flat) / max(1, len(flat))
         for i, total in enumerate(totals):  # in range alone, weighted sums can still overflow
             if _bad(total):
-                log.warning("Reward of item %d: the weighted sum %s is not a finite float32; "
-                            "scored 0", i, total)  # fmt: skip
+                log.warning(
+                    "Reward of item %d: the weighted sum %s is not a finite float32; scored 0",
+                    i,
+                    total,
+                )
                 totals[i] = 0.0
         return totals, means
 

@@ -81,9 +81,14 @@ def build_tiny_model(name: str, *, seed: int = 0, alphabet: str = ARITHMETIC_ALP
     tokenizer = build_tokenizer(alphabet)
     tiny = TINY_KINDS[name]
     config = tiny_config(
-        tiny.kind, len(tokenizer), pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
-        hidden=tiny.hidden, layers=tiny.layers, experts=tiny.experts,
-    )  # fmt: skip
+        tiny.kind,
+        len(tokenizer),
+        pad_id=tokenizer.pad_token_id,
+        eos_id=tokenizer.eos_token_id,
+        hidden=tiny.hidden,
+        layers=tiny.layers,
+        experts=tiny.experts,
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model, tokenizer

@@ -578,8 +578,11 @@ def _reward_problems(spec: GSPOJobSpec) -> list[tuple[str, str]]:
         if f.kind != "python" and f.convention != "gspo":
             message = f"is only read when kind is python; remove it (kind is {f.kind})"
             out.append((f"{at}.convention", message))
-        for field, kind in (("function", "python"), ("pattern", "format"),
-                            ("targetTokens", "length")):  # fmt: skip
+        for field, kind in (
+            ("function", "python"),
+            ("pattern", "format"),
+            ("targetTokens", "length"),
+        ):
             if f.kind != kind and getattr(f, to_snake(field)) is not None:
                 message = f"is only read when kind is {kind}; remove it (kind is {f.kind})"
                 out.append((f"{at}.{field}", message))

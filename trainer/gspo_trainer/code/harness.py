@@ -346,9 +346,12 @@ def run_tests(program, test_path, entry_point, done_path) -> None:
     try:
         pid = os.fork()
     except OSError as exc:
-        print(f"assert-style tests run the program in a process of its own: {exc} (the "
-              "harness, it and the sandbox's init are 3 processes: reward.sandbox.processes "
-              "must allow them)", file=sys.stderr)  # fmt: skip
+        print(
+            f"assert-style tests run the program in a process of its own: {exc} (the "
+            "harness, it and the sandbox's init are 3 processes: reward.sandbox.processes "
+            "must allow them)",
+            file=sys.stderr,
+        )
         sys.exit(1)
     if pid == 0:
         for fd in (test_fd, done_fd, requests_w, replies_r):

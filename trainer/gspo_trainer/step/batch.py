@@ -35,30 +35,49 @@ class Packed:
             return self
         ids = self.ids.to(device)
         tokens = None if self.token_rewards is None else self.token_rewards.to(device)
-        return Packed(ids, self.attn.to(device), ids[:, 1:], self.mask.to(device),
-                      self.engine_logp.to(device), self.rewards.to(device),
-                      self.lengths.to(device), self.seq_lengths, tokens)  # fmt: skip
+        return Packed(
+            ids,
+            self.attn.to(device),
+            ids[:, 1:],
+            self.mask.to(device),
+            self.engine_logp.to(device),
+            self.rewards.to(device),
+            self.lengths.to(device),
+            self.seq_lengths,
+            tokens,
+        )
 
     def width(self, rows: slice) -> int:
         """The longest sequence among `rows` (prompt + response), the length they run at."""
         return max(self.seq_lengths[rows])
 
 
-def pack(prompts: list[list[int]], responses: list[list[int]], engine_logps: list[list[float]],
-         rewards: list[float], group_size: int, pad_id: int,
-         token_rewards: list[list[float]] | None = None) -> Packed:  # fmt: skip
+def pack(
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    engine_logps: list[list[float]],
+    rewards: list[float],
+    group_size: int,
+    pad_id: int,
+    token_rewards: list[list[float]] | None = None,
+) -> Packed:
     """The responses (each after its group's prompt) as padded rows; each response's
     per-token values (engine log-probs, token rewards) laid at the positions that predict its
     tokens, where `mask` is True."""
     import torch
 
     if token_rewards is not None:
-        bad = [i for i, (t, r) in enumerate(zip(token_rewards, responses, strict=True))
-               if len(t) != len(r)]  # fmt: skip
+        bad = [
+            i
+            for i, (t, r) in enumerate(zip(token_rewards, responses, strict=True))
+            if len(t) != len(r)
+        ]
         if bad:
             i = bad[0]
-            raise ValueError(f"response {i} has {len(responses[i])} tokens but "
-                             f"{len(token_rewards[i])} token rewards")  # fmt: skip
+            raise ValueError(
+                f"response {i} has {len(responses[i])} tokens but "
+                f"{len(token_rewards[i])} token rewards"
+            )
 
     rows = [prompts[i // group_size] + r for i, r in enumerate(responses)]
     L = max(len(r) for r in rows)
@@ -77,9 +96,17 @@ def pack(prompts: list[list[int]], responses: list[list[int]], engine_logps: lis
         if tok_rewards is not None and token_rewards is not None:
             tok_rewards[i, p - 1 : p - 1 + n] = torch.tensor(token_rewards[i], dtype=torch.float32)
     lengths = torch.tensor([len(r) for r in responses], dtype=torch.float32)
-    return Packed(ids, attn, ids[:, 1:], mask, engine_logp,
-                  torch.tensor(rewards, dtype=torch.float32), lengths,
-                  tuple(len(r) for r in rows), tok_rewards)  # fmt: skip
+    return Packed(
+        ids,
+        attn,
+        ids[:, 1:],
+        mask,
+        engine_logp,
+        torch.tensor(rewards, dtype=torch.float32),
+        lengths,
+        tuple(len(r) for r in rows),
+        tok_rewards,
+    )
 
 
 def micro_slices(rows: slice, count: int) -> list[slice]:

@@ -71,10 +71,16 @@ class Rollouts:
 
 
 class Collector:
-    def __init__(self, alg: AlgorithmConfig, metrics: MetricsConfig, rollout: RolloutSource,
-                 tokenizer: Any, scorer: RewardScorer | WeightedScorer,
-                 on_refused: Callable[[], None] = lambda: None,
-                 max_failed_steps: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        alg: AlgorithmConfig,
+        metrics: MetricsConfig,
+        rollout: RolloutSource,
+        tokenizer: Any,
+        scorer: RewardScorer | WeightedScorer,
+        on_refused: Callable[[], None] = lambda: None,
+        max_failed_steps: int = 0,
+    ) -> None:
         self.alg, self.metrics = alg, metrics
         self.max_failed_steps = max_failed_steps  # reward.maxFailedSteps (0: never stop)
         self.failed_steps = 0  # steps in a row whose every reward call failed
@@ -89,10 +95,14 @@ class Collector:
         would draw every prompt's samples from one random stream)."""
         alg = self.alg
         return SamplingParams(
-            n=alg.group_size, max_tokens=alg.max_response_tokens, temperature=alg.temperature,
-            top_p=alg.top_p, top_k=-1, seed=step_seed(alg.seed, step),
+            n=alg.group_size,
+            max_tokens=alg.max_response_tokens,
+            temperature=alg.temperature,
+            top_p=alg.top_p,
+            top_k=-1,
+            seed=step_seed(alg.seed, step),
             stop_token_ids=(self.tokenizer.eos_token_id,),
-        )  # fmt: skip
+        )
 
     def prompt_ids(self, examples: list[Any]) -> list[list[int]]:
         """The prompts' token ids as the rollout servers get them (no special tokens added;
@@ -141,10 +151,15 @@ class Collector:
             except RequestRefused as exc:
                 at = exc.prompt_index
                 if at is None or not 0 <= at < len(prompts) or len(prompts) == 1:
-                    raise RuntimeError(f"step {step}: the rollout servers refused the "
-                                       f"request: {exc}") from exc  # fmt: skip
-                log.error("Step %d: dropped prompt %r, which the rollout servers refuse: %s",
-                          step, examples[at].prompt, exc)  # fmt: skip
+                    raise RuntimeError(
+                        f"step {step}: the rollout servers refused the request: {exc}"
+                    ) from exc
+                log.error(
+                    "Step %d: dropped prompt %r, which the rollout servers refuse: %s",
+                    step,
+                    examples[at].prompt,
+                    exc,
+                )
                 self.on_refused()
                 del examples[at], prompts[at]
             except RolloutError as exc:
@@ -157,16 +172,18 @@ class Collector:
         failed = self.reward_failures(step)
         due = samples_due(step, self.metrics.samples_every_steps)
         return Rollouts(
-            step=step, prompts=prompts,
+            step=step,
+            prompts=prompts,
             responses=[c.token_ids for c in completions],
             engine_logps=[c.logprobs for c in completions],
-            rewards=[sequence_reward(s) for s in scores], reward_components=components,
+            rewards=[sequence_reward(s) for s in scores],
+            reward_components=components,
             texts=([s.prompt for s in scored], [s.completion for s in scored]) if due else None,
             policy_version=min(c.policy_version for c in completions),
             seconds={"rollout": t1 - t0, "reward": time.perf_counter() - t1},
             reward_failure_fraction=failed,
             token_rewards=token_rewards(scores, [len(c.token_ids) for c in completions]),
-        )  # fmt: skip
+        )
 
     def reward_failures(self, step: int) -> float:
         """The share of the step's reward calls that failed; RewardFailed once every call
@@ -190,8 +207,12 @@ class Collector:
         its prompt order). {} when no server could serve (logged; training goes on)."""
         alg = self.alg
         prompts = self.prompt_ids(examples)
-        greedy = SamplingParams(n=1, max_tokens=alg.max_response_tokens, temperature=0.0,
-                                stop_token_ids=(self.tokenizer.eos_token_id,))  # fmt: skip
+        greedy = SamplingParams(
+            n=1,
+            max_tokens=alg.max_response_tokens,
+            temperature=0.0,
+            stop_token_ids=(self.tokenizer.eos_token_id,),
+        )
         sampled = replace(self.sampling(step), seed=step_seed(alg.seed, step, "eval"))
         t0 = time.perf_counter()
         try:

@@ -33,8 +33,9 @@ class OldPolicy:
     mismatch: float | None  # mean |learner - engine| per response token; None: not measured
 
 
-def old_policy(policy: Policy, packed: Packed, plan: list[MiniBatch], alg: AlgorithmConfig,
-               *, diagnose: bool) -> OldPolicy:  # fmt: skip
+def old_policy(
+    policy: Policy, packed: Packed, plan: list[MiniBatch], alg: AlgorithmConfig, *, diagnose: bool
+) -> OldPolicy:
     """πold of every mini-batch. With oldLogprobSource engine the policy's forward runs only
     on a diagnostics step (`diagnose`), and then on the first mini-batch alone (the sample the
     mismatch and routing drift are measured on); the reference's runs whenever KL needs it."""
@@ -45,8 +46,9 @@ def old_policy(policy: Policy, packed: Packed, plan: list[MiniBatch], alg: Algor
     mismatch_sum = mismatch_n = None  # on the device, read once at the end
     with torch.no_grad():
         for k, mb in enumerate(plan):
-            old = torch.zeros(mb.rows.stop - mb.rows.start, packed.width(mb.rows) - 1,
-                              device=packed.ids.device)  # fmt: skip
+            old = torch.zeros(
+                mb.rows.stop - mb.rows.start, packed.width(mb.rows) - 1, device=packed.ids.device
+            )
             ref = torch.zeros_like(old) if policy.reference is not None else None
             forward = not engine_source or (diagnose and k == 0)
             chosen = []
@@ -58,8 +60,15 @@ def old_policy(policy: Policy, packed: Packed, plan: list[MiniBatch], alg: Algor
                 if forward:
                     # router logits only where the experts are read: the first mini-batch
                     fwd = policy.forward(packed, sub, router=k == 0, routing="record")
-                    logp = score_with_head(policy.module, _logp, fwd.hidden, targets, mask,
-                                           alg.temperature, policy.chunk_tokens)  # fmt: skip
+                    logp = score_with_head(
+                        policy.module,
+                        _logp,
+                        fwd.hidden,
+                        targets,
+                        mask,
+                        alg.temperature,
+                        policy.chunk_tokens,
+                    )
                     gap = torch.where(mask, (logp - engine_logp).abs(), 0).sum()
                     mismatch_sum = gap if mismatch_sum is None else mismatch_sum + gap
                     mismatch_n = mask.sum() if mismatch_n is None else mismatch_n + mask.sum()
@@ -70,9 +79,15 @@ def old_policy(policy: Policy, packed: Packed, plan: list[MiniBatch], alg: Algor
                 if ref is not None:
                     h_ref = policy.forward(packed, sub, router=False, model=policy.reference).hidden
                     # through the reference's own head scorer: under ZeRO-3 it gathers lm_head
-                    ref[here, : L - 1] = score_with_head(policy.reference, _logp, h_ref, targets,
-                                                         mask, alg.temperature,
-                                                         policy.chunk_tokens)  # fmt: skip
+                    ref[here, : L - 1] = score_with_head(
+                        policy.reference,
+                        _logp,
+                        h_ref,
+                        targets,
+                        mask,
+                        alg.temperature,
+                        policy.chunk_tokens,
+                    )
             logps.append(old)
             if ref is not None:
                 refs.append(ref)
@@ -86,5 +101,6 @@ def old_policy(policy: Policy, packed: Packed, plan: list[MiniBatch], alg: Algor
 
 
 def _logp(hidden, weight, targets, mask, temperature, chunk):
-    return token_logprobs_from_hidden(hidden, weight.detach(), targets, chunk,
-                                      temperature=temperature, mask=mask).logp  # fmt: skip
+    return token_logprobs_from_hidden(
+        hidden, weight.detach(), targets, chunk, temperature=temperature, mask=mask
+    ).logp

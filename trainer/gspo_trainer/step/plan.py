@@ -45,8 +45,10 @@ def plan_step(
     n = packed.rewards.shape[0]
     per_update = n // mini_batches
     share = per_update // ranks.world
-    mine = [slice(k * per_update + ranks.rank * share, k * per_update + (ranks.rank + 1) * share)
-            for k in range(mini_batches)]  # fmt: skip
+    mine = [
+        slice(k * per_update + ranks.rank * share, k * per_update + (ranks.rank + 1) * share)
+        for k in range(mini_batches)
+    ]
     if not pack:
         need = max(micro_count(r.stop - r.start, packed.width(r), token_budget) for r in mine)
         need = ranks.max_int(need)

@@ -41,9 +41,15 @@ class Forward:
 # ids: eager, sdpa and flex through masking_utils' packed-sequence mask, flash attention
 # through its varlen kernel (cu_seqlens from the position ids).
 PACKABLE_ATTENTION = frozenset(
-    {"eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3",
-     "flash_attention_4"}
-)  # fmt: skip
+    {
+        "eager",
+        "sdpa",
+        "flex_attention",
+        "flash_attention_2",
+        "flash_attention_3",
+        "flash_attention_4",
+    }
+)
 # Those among them whose cost follows the sequences, not the row: flash attention's varlen
 # kernel, flex attention's block mask (it skips the blocks the mask empties). A micro-batch
 # runs with them as one row of its real tokens. eager and sdpa compute every (query, key)
@@ -164,19 +170,31 @@ class Policy:
             if replay is not None:
                 slots = token_slots(packed.seq_lengths, rows, L).to(packed.ids.device)
                 replay.forward_slots(routing, packed, slots)
-            out = as_forward_of(module, base, input_ids=packed.ids[rows, :L],
-                                attention_mask=packed.attn[rows, :L], **kw)  # fmt: skip
-            return Forward(out.last_hidden_state[:, : L - 1], L,
-                           getattr(out, "router_logits", None), n * L, sum(lengths))  # fmt: skip
+            out = as_forward_of(
+                module,
+                base,
+                input_ids=packed.ids[rows, :L],
+                attention_mask=packed.attn[rows, :L],
+                **kw,
+            )
+            return Forward(
+                out.last_hidden_state[:, : L - 1],
+                L,
+                getattr(out, "router_logits", None),
+                n * L,
+                sum(lengths),
+            )
         one_row = base.config._attn_implementation in ONE_ROW_ATTENTION
-        ids, positions, src, dst = pack_rows(packed.ids[rows, :L], lengths,
-                                             sum(lengths) if one_row else L)  # fmt: skip
+        ids, positions, src, dst = pack_rows(
+            packed.ids[rows, :L], lengths, sum(lengths) if one_row else L
+        )
         if replay is not None:  # each real token's slot, from the padded layout to the packed
             padded = token_slots(packed.seq_lengths, rows, L).to(dst.device)
             slots = padded.new_full((ids.numel(),), sum(packed.seq_lengths))
             replay.forward_slots(routing, packed, slots.index_copy(0, src, padded[dst]))
-        out = as_forward_of(module, base, input_ids=ids, position_ids=positions, use_cache=False,
-                            **kw)  # fmt: skip
+        out = as_forward_of(
+            module, base, input_ids=ids, position_ids=positions, use_cache=False, **kw
+        )
 
         def unpack(x: torch.Tensor) -> torch.Tensor:  # (k*W, D) -> (n*L, D), zeros at padding
             x = x.reshape(-1, x.shape[-1])[src]
@@ -201,8 +219,9 @@ class Policy:
         from gspo_trainer.moe import top_k_experts
 
         assert self.moe is not None
-        return Experts(top_k_experts(fwd.router, self.moe.top_k),
-                       self.token_mask(packed, rows, fwd.L))  # fmt: skip
+        return Experts(
+            top_k_experts(fwd.router, self.moe.top_k), self.token_mask(packed, rows, fwd.L)
+        )
 
 
 @dataclass
@@ -221,8 +240,9 @@ def set_attention(model: Any, impl: str) -> None:
         model.set_attn_implementation(impl)
     except (ImportError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"spec.model.attnImplementation: {impl} cannot run here ({first}); "
-                         "use sdpa") from exc  # fmt: skip
+        raise ValueError(
+            f"spec.model.attnImplementation: {impl} cannot run here ({first}); use sdpa"
+        ) from exc
 
 
 def as_forward_of(top: Any, fn: Any, **kw: Any) -> Any:
@@ -301,5 +321,7 @@ def per_layer(parts: list[Experts]) -> list[torch.Tensor]:
     import torch
 
     at = torch.cat([p.mask for p in parts]).nonzero().squeeze(1)
-    return [torch.cat(layer).index_select(0, at)
-            for layer in zip(*(p.chosen for p in parts), strict=True)]  # fmt: skip
+    return [
+        torch.cat(layer).index_select(0, at)
+        for layer in zip(*(p.chosen for p in parts), strict=True)
+    ]

@@ -20,8 +20,9 @@ from gspo_trainer.step.update import UpdateStats
 log = logging.getLogger("gspo.learner")
 
 
-def learner_stats(update: UpdateStats, old: OldPolicy, mini_batches: int,
-                  ranks: Ranks) -> dict[str, float]:  # fmt: skip
+def learner_stats(
+    update: UpdateStats, old: OldPolicy, mini_batches: int, ranks: Ranks
+) -> dict[str, float]:
     """The loss, clip, entropy, mismatch and drift numbers, over every rank's rows (mismatch
     and drift only when measured: every rank measures on the same steps), and
     padded_token_fraction: the share of the token positions the updates' forwards ran, over
@@ -44,16 +45,23 @@ def learner_stats(update: UpdateStats, old: OldPolicy, mini_batches: int,
 class StepReport:
     """Rank 0 records a finished step: Prometheus, history file, trackers, one log line."""
 
-    def __init__(self, metrics: LearnerMetrics, state: LearnerState, trackers: Any,
-                 history_path: Path | None) -> None:  # fmt: skip
+    def __init__(
+        self, metrics: LearnerMetrics, state: LearnerState, trackers: Any, history_path: Path | None
+    ) -> None:
         self.metrics, self.state, self.trackers = metrics, state, trackers
         self.history_path = history_path
         if history_path is not None:
             history_path.parent.mkdir(parents=True, exist_ok=True)
 
-    def record(self, step: int, stats: dict[str, Any], seconds: dict[str, float], tokens: float,
-               expert_load: dict[int, list[float]] | None,
-               drift: list[float] | None) -> None:  # fmt: skip
+    def record(
+        self,
+        step: int,
+        stats: dict[str, Any],
+        seconds: dict[str, float],
+        tokens: float,
+        expert_load: dict[int, list[float]] | None,
+        drift: list[float] | None,
+    ) -> None:
         """`seconds` by metrics.PHASES name ("step": the whole step, evaluation apart); drift:
         rank 0's per-layer routing drift, when measured."""
         self.metrics.observe_step(step, stats)
@@ -65,8 +73,13 @@ class StepReport:
             self.metrics.observe_expert_load(expert_load)
         if drift is not None:
             self.metrics.observe_routing_drift(drift)
-        record = {"step": step, "seconds": seconds["step"], "time": time.time(), **stats,
-                  **{f"{k}_seconds": v for k, v in seconds.items() if k != "step"}}  # fmt: skip
+        record = {
+            "step": step,
+            "seconds": seconds["step"],
+            "time": time.time(),
+            **stats,
+            **{f"{k}_seconds": v for k, v in seconds.items() if k != "step"},
+        }
         self.state.history.append(record)
         if self.history_path is not None:
             append_record(self.history_path, record)
@@ -74,10 +87,16 @@ class StepReport:
         mismatch, mean_drift = stats.get("logprob_mismatch"), stats.get("routing_drift")
         log.info(
             "step %d reward %.3f clip %.4f |log s| %.2e entropy %.3f len %.1f "
-            "mismatch %s drift %s %.2fs", step, stats["reward_mean"],
-            stats["clip_fraction"], stats["log_ratio_abs"], stats.get("entropy", 0.0),
-            stats["response_length"], f"{mismatch:.2e}" if mismatch is not None else "-",
-            f"{mean_drift:.3f}" if mean_drift is not None else "-", seconds["step"],
-        )  # fmt: skip
+            "mismatch %s drift %s %.2fs",
+            step,
+            stats["reward_mean"],
+            stats["clip_fraction"],
+            stats["log_ratio_abs"],
+            stats.get("entropy", 0.0),
+            stats["response_length"],
+            f"{mismatch:.2e}" if mismatch is not None else "-",
+            f"{mean_drift:.3f}" if mean_drift is not None else "-",
+            seconds["step"],
+        )
         if "samples" in stats:
             log.info("%s", format_samples(step, stats["samples"]))

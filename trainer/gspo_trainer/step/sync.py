@@ -23,8 +23,15 @@ log = logging.getLogger("gspo.learner")
 
 
 class WeightSync:
-    def __init__(self, engine: Any, rollout: RolloutSource, fleet_lock: asyncio.Lock,
-                 ranks: Ranks, metrics: LearnerMetrics, state: LearnerState) -> None:  # fmt: skip
+    def __init__(
+        self,
+        engine: Any,
+        rollout: RolloutSource,
+        fleet_lock: asyncio.Lock,
+        ranks: Ranks,
+        metrics: LearnerMetrics,
+        state: LearnerState,
+    ) -> None:
         self.engine, self.rollout, self.fleet_lock = engine, rollout, fleet_lock
         self.ranks, self.metrics, self.state = ranks, metrics, state
 

@@ -54,9 +54,18 @@ class UpdateStats:
         return out
 
 
-def update(policy: Policy, packed: Packed, plan: list[MiniBatch], old: OldPolicy,
-           advantages: torch.Tensor, alg: AlgorithmConfig, *, aux_coef: float,
-           behaviour: bool, diagnose: bool) -> UpdateStats:  # fmt: skip
+def update(
+    policy: Policy,
+    packed: Packed,
+    plan: list[MiniBatch],
+    old: OldPolicy,
+    advantages: torch.Tensor,
+    alg: AlgorithmConfig,
+    *,
+    aux_coef: float,
+    behaviour: bool,
+    diagnose: bool,
+) -> UpdateStats:
     import torch
 
     from gspo_trainer.moe import router_aux_loss
@@ -64,8 +73,12 @@ def update(policy: Policy, packed: Packed, plan: list[MiniBatch], old: OldPolicy
     out = UpdateStats()
     sums: dict[str, torch.Tensor] = {}  # on the device, read once at the end (`_read`)
     maxima: dict[str, torch.Tensor] = {}
-    kw: dict[str, Any] = dict(level=LEVEL_OF[alg.loss_level], clip_low=alg.clip_low,
-                              clip_high=alg.clip_high, chunk_size=policy.chunk_tokens)  # fmt: skip
+    kw: dict[str, Any] = dict(
+        level=LEVEL_OF[alg.loss_level],
+        clip_low=alg.clip_low,
+        clip_high=alg.clip_high,
+        chunk_size=policy.chunk_tokens,
+    )
     if behaviour:
         kw["is_cap"] = alg.importance_weight_cap
     engine = policy.engine
@@ -82,9 +95,16 @@ def update(policy: Policy, packed: Packed, plan: list[MiniBatch], old: OldPolicy
                 extra["behaviour_logprobs"] = packed.engine_logp[sub, : fwd.L - 1]
             adv = advantages[sub] if advantages.dim() == 1 else advantages[sub, : fwd.L - 1]
             loss, stats, scores = score_with_head(
-                policy.module, _fused, fwd.hidden, targets, mask, old.logp[k][here, : fwd.L - 1],
-                adv, alg.temperature, {**kw, **extra},
-            )  # fmt: skip
+                policy.module,
+                _fused,
+                fwd.hidden,
+                targets,
+                mask,
+                old.logp[k][here, : fwd.L - 1],
+                adv,
+                alg.temperature,
+                {**kw, **extra},
+            )
             if fwd.router is not None and policy.moe and aux_coef > 0:
                 token_mask = policy.token_mask(packed, sub, fwd.L)
                 aux = router_aux_loss(fwd.router, token_mask, *policy.moe)
@@ -107,9 +127,13 @@ def update(policy: Policy, packed: Packed, plan: list[MiniBatch], old: OldPolicy
                 _add(sums, "entropy", share * ent)
         if k == 0 and diagnose and old.experts:
             out.drift = routing_drift_after(policy, packed, mb, old.experts)
-    read = _read({**{("sum", k): v for k, v in sums.items()},
-                  **{("max", k): v for k, v in maxima.items()},
-                  ("grad_norm", ""): engine.get_global_grad_norm()})  # fmt: skip
+    read = _read(
+        {
+            **{("sum", k): v for k, v in sums.items()},
+            **{("max", k): v for k, v in maxima.items()},
+            ("grad_norm", ""): engine.get_global_grad_norm(),
+        }
+    )
     for (kind, key), value in read.items():
         if kind == "grad_norm":
             out.grad_norm = value
@@ -140,8 +164,9 @@ def _read(values: dict[Any, Any]) -> dict[Any, float | None]:
     return out
 
 
-def routing_drift_after(policy: Policy, packed: Packed, mb: MiniBatch,
-                        old_experts: list[torch.Tensor]) -> list[float]:  # fmt: skip
+def routing_drift_after(
+    policy: Policy, packed: Packed, mb: MiniBatch, old_experts: list[torch.Tensor]
+) -> list[float]:
     """Per MoE layer, the share of the mini-batch's activated experts (under πold) that the
     policy no longer activates."""
     import torch
@@ -149,13 +174,16 @@ def routing_drift_after(policy: Policy, packed: Packed, mb: MiniBatch,
     from gspo_trainer.moe import routing_drift
 
     with torch.no_grad():
-        chosen = [policy.experts(packed, sub, policy.forward(packed, sub, router=True))
-                  for sub in mb.micro]  # fmt: skip
+        chosen = [
+            policy.experts(packed, sub, policy.forward(packed, sub, router=True))
+            for sub in mb.micro
+        ]
     return routing_drift(old_experts, per_layer(chosen))
 
 
 def _fused(hidden, weight, targets, mask, old_logp, advantages, temperature, kw):
     from gspo_trainer.fused_loss import policy_loss_from_hidden
 
-    return policy_loss_from_hidden(hidden, weight, targets, mask, old_logp, advantages,
-                                   temperature=temperature, **kw)  # fmt: skip
+    return policy_loss_from_hidden(
+        hidden, weight, targets, mask, old_logp, advantages, temperature=temperature, **kw
+    )
