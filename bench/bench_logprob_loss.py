@@ -95,7 +95,7 @@ def measure_cuda(args: argparse.Namespace, variant: str) -> dict:
 def step(variant: str, inputs, chunk: int) -> None:
     """One forward + loss + backward; gradients land in hidden.grad and weight.grad."""
     from gspo_trainer.logprobs import token_logprobs_from_hidden
-    from gspo_trainer.loss import policy_loss
+    from gspo_trainer.loss import LossOptions, policy_loss
 
     hidden, weight, tokens, mask, old, adv = inputs
     kw = dict(level="sequence", clip_low=3e-4, clip_high=4e-4)
@@ -103,7 +103,15 @@ def step(variant: str, inputs, chunk: int) -> None:
         from gspo_trainer.fused_loss import policy_loss_from_hidden
 
         loss, _, _ = policy_loss_from_hidden(
-            hidden, weight, tokens, mask, old, adv, chunk_size=chunk, with_entropy=False, **kw
+            hidden,
+            weight,
+            tokens,
+            mask,
+            old,
+            adv,
+            LossOptions(level="sequence", clip_low=3e-4, clip_high=4e-4),
+            chunk_size=chunk,
+            with_entropy=False,
         )
         loss.backward()
         return

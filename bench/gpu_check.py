@@ -200,7 +200,7 @@ def fused_loss(sizes: Sizes, _: dict) -> dict:
 
     from gspo_trainer.fused_loss import policy_loss_from_hidden
     from gspo_trainer.logprobs import device_chunk_tokens
-    from gspo_trainer.loss import policy_loss
+    from gspo_trainer.loss import LossOptions, policy_loss
 
     dev = device()
     T, V, H = sizes.loss_tokens, sizes.loss_vocab, sizes.loss_hidden
@@ -217,7 +217,9 @@ def fused_loss(sizes: Sizes, _: dict) -> dict:
 
     def fused() -> tuple[Any, ...]:
         h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-        loss, _, _ = policy_loss_from_hidden(h, w, tokens, mask, old, adv, chunk_size=chunk, **kw)
+        loss, _, _ = policy_loss_from_hidden(
+            h, w, tokens, mask, old, adv, LossOptions(**kw), chunk_size=chunk
+        )
         loss.backward()
         return loss.float(), h.grad.float(), w.grad.float()
 

@@ -7,7 +7,7 @@ import torch
 
 from gspo_trainer.fused_loss import _groups, policy_loss_from_hidden
 from gspo_trainer.logprobs import token_logprobs_from_hidden
-from gspo_trainer.loss import policy_loss
+from gspo_trainer.loss import LossOptions, policy_loss
 
 
 def batch(dtype: torch.dtype, seed: int = 0):
@@ -33,19 +33,30 @@ def batch(dtype: torch.dtype, seed: int = 0):
 @pytest.mark.parametrize("off_policy", [False, True])
 def test_equals_unfused_path(level: str, chunk_size: int, off_policy: bool) -> None:
     hidden, weight, tokens, mask, old, adv, ref = batch(torch.float64)
-    kw = dict(level=level, clip_low=0.2, clip_high=0.27, ref_logprobs=ref, kl_coef=0.1)
+    kw = dict(level=level, clip_low=0.2, clip_high=0.27, kl_coef=0.1)
+    tensors = dict(ref_logprobs=ref)
     if off_policy:  # the decoupled objective: a sampler mu apart from pi_old, weights truncated
         mu = old + 0.4 * torch.randn(
             old.shape, generator=torch.Generator().manual_seed(1), dtype=old.dtype
         )
-        kw.update(behaviour_logprobs=mu, is_cap=1.2)
+        kw.update(is_cap=1.2)
+        tensors.update(behaviour_logprobs=mu)
     scores = token_logprobs_from_hidden(
         hidden, weight, tokens, 4, 0.7, mask=mask, with_entropy=True
     )
-    want, want_stats = policy_loss(scores.logp, old, adv, mask, **kw)
+    want, want_stats = policy_loss(scores.logp, old, adv, mask, **kw, **tensors)
     want_grads = torch.autograd.grad(want, (hidden, weight))
     got, stats, got_scores = policy_loss_from_hidden(
-        hidden, weight, tokens, mask, old, adv, temperature=0.7, chunk_size=chunk_size, **kw
+        hidden,
+        weight,
+        tokens,
+        mask,
+        old,
+        adv,
+        LossOptions(**kw),
+        temperature=0.7,
+        chunk_size=chunk_size,
+        **tensors,
     )
     got_grads = torch.autograd.grad(got, (hidden, weight))
     torch.testing.assert_close(got, want)
@@ -66,7 +77,7 @@ def test_bfloat16_close_to_unfused() -> None:
     logp = token_logprobs_from_hidden(hidden, weight, tokens, 4, mask=mask).logp
     want = torch.autograd.grad(policy_loss(logp, old, adv, mask, **kw)[0], (hidden, weight))
     got_loss, _, _ = policy_loss_from_hidden(
-        hidden, weight, tokens, mask, old, adv, chunk_size=3, **kw
+        hidden, weight, tokens, mask, old, adv, LossOptions(**kw), chunk_size=3
     )
     got = torch.autograd.grad(got_loss, (hidden, weight))
     for a, b in zip(got, want, strict=True):
@@ -77,9 +88,9 @@ def test_bfloat16_close_to_unfused() -> None:
 def test_upstream_gradient_scales_and_one_backward_only() -> None:
     hidden, weight, tokens, mask, old, adv, _ = batch(torch.float64)
     kw = dict(level="sequence", clip_low=0.2, clip_high=0.27)
-    loss, _, _ = policy_loss_from_hidden(hidden, weight, tokens, mask, old, adv, **kw)
+    loss, _, _ = policy_loss_from_hidden(hidden, weight, tokens, mask, old, adv, LossOptions(**kw))
     (g3,) = torch.autograd.grad(3 * loss, weight, retain_graph=True)
-    loss2, _, _ = policy_loss_from_hidden(hidden, weight, tokens, mask, old, adv, **kw)
+    loss2, _, _ = policy_loss_from_hidden(hidden, weight, tokens, mask, old, adv, LossOptions(**kw))
     (g1,) = torch.autograd.grad(loss2, weight)
     torch.testing.assert_close(g3, 3 * g1)
     with pytest.raises(RuntimeError, match="one backward per forward"):
@@ -142,7 +153,7 @@ def test_responses_longer_than_a_chunk_match_the_float32_reference(level: str) -
     want, _ = policy_loss(logp, old, adv, mask, **kw)
     want.backward()
     loss, _, _ = policy_loss_from_hidden(
-        hidden, weight, tokens, mask, old, adv, chunk_size=256, **kw
+        hidden, weight, tokens, mask, old, adv, LossOptions(**kw), chunk_size=256
     )
     loss.backward()
     torch.testing.assert_close(loss.float(), want, rtol=1e-3, atol=1e-4)

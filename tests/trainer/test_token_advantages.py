@@ -16,7 +16,7 @@ import torch
 from gspo_trainer.advantages import group_advantages, token_group_advantages
 from gspo_trainer.fused_loss import policy_loss_from_hidden
 from gspo_trainer.logprobs import token_logprobs_from_hidden
-from gspo_trainer.loss import policy_loss
+from gspo_trainer.loss import LossOptions, policy_loss
 from gspo_trainer.rewards import (
     Component,
     RewardScorer,
@@ -128,7 +128,7 @@ def test_the_fused_loss_takes_per_token_advantages(level: str, chunk_size: int) 
     want, _ = policy_loss(scores.logp, old, adv, mask, **kw)
     want_grads = torch.autograd.grad(want, (hidden, weight))
     got, _, _ = policy_loss_from_hidden(
-        hidden, weight, tokens, mask, old, adv, chunk_size=chunk_size, **kw
+        hidden, weight, tokens, mask, old, adv, LossOptions(**kw), chunk_size=chunk_size
     )
     torch.testing.assert_close(got, want)
     for a, b in zip(torch.autograd.grad(got, (hidden, weight)), want_grads, strict=True):

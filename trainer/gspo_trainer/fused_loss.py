@@ -32,7 +32,7 @@ from gspo_trainer.logprobs import (
     _span,
     _upcast,
 )
-from gspo_trainer.loss import Stats, policy_loss
+from gspo_trainer.loss import LossOptions, Stats
 
 if TYPE_CHECKING:
     import torch
@@ -91,25 +91,22 @@ def policy_loss_from_hidden(
     mask: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
+    options: LossOptions,
     *,
-    level: str,
-    clip_low: float,
-    clip_high: float,
     ref_logprobs: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_TOKENS,
     with_entropy: bool = True,
     behaviour_logprobs: torch.Tensor | None = None,
-    is_cap: float | None = None,
 ) -> tuple[torch.Tensor, Stats, TokenScores]:
-    """`policy_loss` of the tokens' log-probs under softmax(hidden @ W.T / temperature).
+    """`policy_loss` (under `options`) of the tokens' log-probs under
+    softmax(hidden @ W.T / temperature).
 
     hidden (B, T, H) with row [b, t] predicting tokens[b, t]; lm_head_weight (V, H); the rest
-    as in `policy_loss` (behaviour_logprobs and is_cap: its decoupled, off-policy form, each
-    response's weight its own). Returns (loss, stats, detached TokenScores) where the scores
-    (log-probs and, by default, entropy) are what the learner logs. Gradients reach hidden
-    and the weight.
+    as in `policy_loss` (behaviour_logprobs with options.is_cap: its decoupled, off-policy
+    form, each response's weight its own). Returns (loss, stats, detached TokenScores) where
+    the scores (log-probs and, by default, entropy) are what the learner logs. Gradients
+    reach hidden and the weight.
     """
     import torch
 
@@ -129,9 +126,6 @@ def policy_loss_from_hidden(
     dtype = _compute_dtype(lm_head_weight.dtype)
     logp = torch.zeros(B * T, dtype=dtype, device=hidden.device)
     entropy = torch.zeros_like(logp) if with_entropy else None
-    kw: dict[str, Any] = dict(level=level, clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef)
-    if is_cap is not None:
-        kw["is_cap"] = is_cap
 
     def run(h_all: torch.Tensor, weight: torch.Tensor):
         h_flat = h_all.reshape(-1, H)
@@ -160,14 +154,13 @@ def policy_loss_from_hidden(
                 leaf = logp.view(B, T)[a:b].detach().requires_grad_(True)
                 ref = ref_logprobs[a:b] if ref_logprobs is not None else None
                 mu = behaviour_logprobs[a:b] if behaviour_logprobs is not None else None
-                part, _ = policy_loss(
+                part, _ = options.loss(
                     leaf,
                     old_logprobs[a:b],
                     advantages[a:b],
                     mask[a:b],
                     ref_logprobs=ref,
                     behaviour_logprobs=mu,
-                    **kw,
                 )
                 (g_logp,) = torch.autograd.grad(part * ((b - a) / B), leaf)
             g_flat = g_logp.reshape(-1)[g_rows - a * T]  # aligned with g_rows
@@ -190,14 +183,13 @@ def policy_loss_from_hidden(
     zero = _FUSED[0].apply(h_in, lm_head_weight, run)  # 0-dim; carries the gradient
     logp_bt = logp.view(B, T)
     # Value and stats from the finished log-probs (cheap: (B, T) work, no vocabulary).
-    value, stats = policy_loss(
+    value, stats = options.loss(
         logp_bt,
         old_logprobs,
         advantages,
         mask,
         ref_logprobs=ref_logprobs,
         behaviour_logprobs=behaviour_logprobs,
-        **kw,
     )
     scores = TokenScores(logp_bt, entropy.view(B, T) if entropy is not None else None)
     return zero + value.detach(), stats, scores

@@ -31,7 +31,8 @@ behaviour log-probs (or with mu = pi_prox) it is exactly the on-policy loss.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     import torch
@@ -39,9 +40,50 @@ if TYPE_CHECKING:
 Stats = dict[str, "torch.Tensor"]
 LevelLoss = Callable[..., tuple["torch.Tensor", Stats]]
 
+Level = Literal["sequence", "sequence_token", "token"]
 # The spec's `algorithm.lossLevel` names -> the level names of this module.
-LEVEL_OF = {"gspo": "sequence", "gspo-token": "sequence_token", "grpo": "token"}
+LEVEL_OF: dict[str, Level] = {"gspo": "sequence", "gspo-token": "sequence_token", "grpo": "token"}
 POLICY_LOSSES: dict[str, LevelLoss] = {}
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """The objective's settings, one typed value from the spec (the update builds it once a
+    step) through the fused head to `policy_loss`: the level, its clip range, the KL
+    coefficient and, for rollouts an older policy sampled, the importance weight's cap (None:
+    on-policy, no weight). The tensors a mini-batch brings (reference and behaviour
+    log-probs) travel beside it, not in it."""
+
+    level: Level
+    clip_low: float
+    clip_high: float
+    kl_coef: float = 0.0
+    is_cap: float | None = None
+
+    def loss(
+        self,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        *,
+        ref_logprobs: torch.Tensor | None = None,
+        behaviour_logprobs: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, Stats]:
+        """`policy_loss` under these options."""
+        return policy_loss(
+            logprobs,
+            old_logprobs,
+            advantages,
+            mask,
+            level=self.level,
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            ref_logprobs=ref_logprobs,
+            kl_coef=self.kl_coef,
+            behaviour_logprobs=behaviour_logprobs,
+            is_cap=self.is_cap,
+        )
 
 
 def register_policy_loss(level: str) -> Callable[[LevelLoss], LevelLoss]:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from gspo_trainer.config import AlgorithmConfig
 from gspo_trainer.engine import score_with_head
-from gspo_trainer.loss import LEVEL_OF
+from gspo_trainer.loss import LEVEL_OF, LossOptions
 from gspo_trainer.step.batch import Packed
 from gspo_trainer.step.old_policy import OldPolicy
 from gspo_trainer.step.plan import MiniBatch
@@ -73,14 +73,7 @@ def update(
     out = UpdateStats()
     sums: dict[str, torch.Tensor] = {}  # on the device, read once at the end (`_read`)
     maxima: dict[str, torch.Tensor] = {}
-    kw: dict[str, Any] = dict(
-        level=LEVEL_OF[alg.loss_level],
-        clip_low=alg.clip_low,
-        clip_high=alg.clip_high,
-        chunk_size=policy.chunk_tokens,
-    )
-    if behaviour:
-        kw["is_cap"] = alg.importance_weight_cap
+    options = loss_options(alg, behaviour=behaviour)
     engine = policy.engine
     for k, mb in enumerate(plan):
         for j, sub in enumerate(mb.micro):
@@ -88,11 +81,8 @@ def update(
             fwd = policy.forward(packed, sub, router=aux_coef > 0, routing="replay")
             out.positions, out.tokens = out.positions + fwd.positions, out.tokens + fwd.tokens
             mask, targets = fwd.mask(packed, sub), fwd.targets(packed, sub)
-            extra: dict[str, Any] = {}
-            if old.ref is not None:
-                extra = {"ref_logprobs": old.ref[k][here, : fwd.L - 1], "kl_coef": alg.kl_coef}
-            if behaviour:
-                extra["behaviour_logprobs"] = packed.engine_logp[sub, : fwd.L - 1]
+            ref = old.ref[k][here, : fwd.L - 1] if old.ref is not None else None
+            mu = packed.engine_logp[sub, : fwd.L - 1] if behaviour else None
             adv = advantages[sub] if advantages.dim() == 1 else advantages[sub, : fwd.L - 1]
             loss, stats, scores = score_with_head(
                 policy.module,
@@ -102,8 +92,11 @@ def update(
                 mask,
                 old.logp[k][here, : fwd.L - 1],
                 adv,
+                options,
+                ref,
+                mu,
                 alg.temperature,
-                {**kw, **extra},
+                policy.chunk_tokens,
             )
             if fwd.router is not None and policy.moe and aux_coef > 0:
                 token_mask = policy.token_mask(packed, sub, fwd.L)
@@ -146,6 +139,20 @@ def update(
     return out
 
 
+def loss_options(alg: AlgorithmConfig, *, behaviour: bool) -> LossOptions:
+    """The spec's objective as the loss takes it; `behaviour`: rollouts an older policy
+    sampled, whose importance weight the loss caps at algorithm.importanceWeightCap."""
+    if alg.clip_low is None or alg.clip_high is None:  # set by the spec's level defaults
+        raise ValueError("algorithm.clipLow and clipHigh are unset: validate the spec first")
+    return LossOptions(
+        LEVEL_OF[alg.loss_level],
+        alg.clip_low,
+        alg.clip_high,
+        kl_coef=alg.kl_coef,
+        is_cap=alg.importance_weight_cap if behaviour else None,
+    )
+
+
 def _add(sums: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
     sums[key] = value if key not in sums else sums[key] + value
 
@@ -181,9 +188,31 @@ def routing_drift_after(
     return routing_drift(old_experts, per_layer(chosen))
 
 
-def _fused(hidden, weight, targets, mask, old_logp, advantages, temperature, kw):
+def _fused(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    mask: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    options: LossOptions,
+    ref_logprobs: torch.Tensor | None,
+    behaviour_logprobs: torch.Tensor | None,
+    temperature: float,
+    chunk_size: int,
+) -> Any:
     from gspo_trainer.fused_loss import policy_loss_from_hidden
 
     return policy_loss_from_hidden(
-        hidden, weight, targets, mask, old_logp, advantages, temperature=temperature, **kw
+        hidden,
+        weight,
+        targets,
+        mask,
+        old_logp,
+        advantages,
+        options,
+        ref_logprobs=ref_logprobs,
+        behaviour_logprobs=behaviour_logprobs,
+        temperature=temperature,
+        chunk_size=chunk_size,
     )
