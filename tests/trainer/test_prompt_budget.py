@@ -51,7 +51,7 @@ def test_the_learner_trains_only_on_prompts_that_fit(tmp_path: Path) -> None:
     manifest["spec"]["data"].update(source=str(data), maxPromptTokens=8)
     manifest["spec"]["reward"] = {"kind": "math"}
     learner = make_learner(tmp_path / "models", None, manifest)
-    assert sorted(e.prompt for e in learner.stream.examples) == ["1+2=", "2+2="]
+    assert sorted(e.prompt for e in learner.draws.stream.examples) == ["1+2=", "2+2="]
     get = learner.metrics.registry.get_sample_value
     assert get("gspo_prompts_dropped_total", {"set": "train"}) == 1
 
@@ -94,7 +94,7 @@ def test_a_prompt_the_servers_refuse_is_dropped_from_its_step(tmp_path: Path, ca
     import asyncio
 
     learner = make_learner(tmp_path / "models", None, tiny_spec(promptsPerStep=4))
-    examples = learner.stream.next_batch(4)
+    examples = learner.draws.stream.next_batch(4)
     bad = learner.collector.prompt_ids(examples)[2]
     learner.rollout = Refusing(learner.rollout, bad)
     asyncio.run(learner.sync(0))

@@ -26,6 +26,7 @@ from gspo_trainer import device, ports
 from gspo_trainer.checkpointer import Checkpointer
 from gspo_trainer.config import GSPOJobSpec
 from gspo_trainer.data import PromptStream, fit_prompts, load_eval_examples, load_examples
+from gspo_trainer.draws import PromptDraws
 from gspo_trainer.learner_state import LearnerState
 from gspo_trainer.metrics import LearnerMetrics
 from gspo_trainer.progress import LearnerProgress
@@ -173,8 +174,8 @@ class Learner:
             load_examples(spec.data, self.tokenizer), self.tokenizer, limit
         )
         self.metrics.prompts_dropped.labels("train").inc(dropped)
-        self.stream = PromptStream(examples, spec.data.shuffle_seed)
-        self._restart_draws()
+        stream = PromptStream(examples, spec.data.shuffle_seed)
+        self.draws = PromptDraws(stream, spec.algorithm.prompts_per_step, self.state.step)
         self.eval_examples = None
         if spec.algorithm.eval_every_steps > 0:
             self.eval_examples = load_eval_examples(spec.data, self.tokenizer)
@@ -263,8 +264,7 @@ class Learner:
         """Load the newest complete checkpoint, if any; returns the step resumed at."""
         state = self.checkpointer.resume()
         if state is not None:
-            self.stream.load_state_dict(state["data"])
-            self._restart_draws()
+            self.draws.resume(state["data"], self.state.step)
         return self.state.step
 
     def trainer_state(self) -> dict[str, Any]:
@@ -273,7 +273,7 @@ class Learner:
         again on resume)."""
         return {
             "step": self.state.step,
-            "data": self.positions[self.state.step],
+            "data": self.draws.position(self.state.step),
             "rng": ckpt.rng_state(),
             "policy_version": self.state.policy_version,
         }
@@ -374,9 +374,7 @@ class Learner:
             stats["weight_sync_bytes"] = sent
         stats.update(evaluation)  # rank 0 only, like the history and the metrics
         self.state.step, self.state.reward = step, stats["reward_mean"]
-        self.positions: dict[int, dict[str, int]] = {
-            k: v for k, v in self.positions.items() if k >= step
-        }
+        self.draws.trained(step)
         if self.rank == 0:
             self.report.record(
                 step,
@@ -453,40 +451,25 @@ class Learner:
         """Every rank: the step's rollouts, from rank 0 (its run-ahead's, or collected now).
         A server that appeared gets the current weights first; with none left to serve,
         every rank waits for one to return (and syncs it) and rank 0 collects again."""
-        self._draw_until(step)
+        self.draws.until(step)
         while True:
             await self._await_fleet()
             got = None
             if self.rank == 0:
-                got = await self.run_ahead.take(step, self.drawn[step])
+                got = await self.run_ahead.take(step, self.draws.batch(step))
             rollouts = self.ranks.broadcast(got)
             if rollouts is not None:
-                del self.drawn[step]
+                self.draws.collected(step)
                 return rollouts
 
     def _start_run_ahead(self, step: int) -> None:
         """Rank 0 starts collecting the next maxStaleness steps (every rank draws their
         prompts, so the data stream stays the same everywhere)."""
         last = min(step + self.spec.algorithm.max_staleness, self.spec.algorithm.max_steps)
-        self._draw_until(last)
+        self.draws.until(last)
         if self.rank == 0:
             for ahead in range(step + 1, last + 1):
-                self.run_ahead.start(ahead, self.drawn[ahead])
-
-    def _draw_until(self, step: int) -> None:
-        """Draw the prompts of every step up to `step`, in step order, recording the data
-        position after each (what a checkpoint at that step keeps)."""
-        while self.last_drawn < step:
-            self.last_drawn += 1
-            self.drawn[self.last_drawn] = self.stream.next_batch(
-                self.spec.algorithm.prompts_per_step
-            )
-            self.positions[self.last_drawn] = self.stream.state_dict()
-
-    def _restart_draws(self) -> None:
-        self.drawn: dict[int, list[Any]] = {}
-        self.last_drawn = self.state.step
-        self.positions = {self.state.step: self.stream.state_dict()}
+                self.run_ahead.start(ahead, self.draws.batch(ahead))
 
     async def _off_loop(self, work: Callable[[], T]) -> T:
         """`work` in a thread when collection overlaps it (the event loop runs the run-ahead
