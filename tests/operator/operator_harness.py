@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -24,6 +23,7 @@ from jobset_webhook import admit
 from gspo_operator.handlers import Context
 from gspo_operator.kube import Kube
 from gspo_operator.run import serve
+from gspo_trainer.ports import free_port
 from gspo_trainer.progress import LearnerProgress
 
 NS = "default"
@@ -34,12 +34,6 @@ def flagship_priority_class() -> dict:
     beside it: without it the API server refuses every pod of the flagship job."""
     docs = yaml.safe_load_all((REPO / "examples" / "gspojob-prerequisites.yaml").read_text())
     return next(d for d in docs if d and d["kind"] == "PriorityClass")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tiny_job(name: str = "tiny", progress_port: int = 9090, **sections: dict) -> dict:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -21,17 +20,12 @@ import torch.multiprocessing as mp
 
 from gspo_trainer import checkpoint as ckpt
 from gspo_trainer.jobs import tiny_manifest
+from gspo_trainer.ports import free_port
 from gspo_trainer.ranks import Ranks, control_timeout_s, data_timeout_s
 from gspo_trainer.validation import parse_spec
 
 DEFAULT_TIMEOUT_S = 1.0
 RANK0_ALONE_S = 2.5  # longer than the default group's timeout
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank(rank: int, port: int, out: str) -> None:
@@ -63,7 +57,7 @@ def test_a_rank_waits_on_the_control_group_longer_than_the_default_timeout(
 ) -> None:
     out = tmp_path / "out.json"
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, str(out))) for r in (0, 1)]
     for p in procs:
         p.start()

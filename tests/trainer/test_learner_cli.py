@@ -12,6 +12,7 @@ from checkout import REPO
 from gspo_trainer.config import GSPOJobSpec
 from gspo_trainer.jobs import tiny_manifest
 from gspo_trainer.learner_cli import load_spec, main
+from gspo_trainer.ports import free_port
 from gspo_trainer.rollout.client import RolloutClient
 from gspo_trainer.rollout.discovery import FleetDiscovery, resolve_urls
 from gspo_trainer.validation import SpecError
@@ -143,7 +144,7 @@ async def test_the_pod_is_ready_while_the_learner_still_loads(tmp_path: Path, mo
     from gspo_trainer import learner, learner_cli
     from gspo_trainer.progress import LearnerProgress
 
-    port = _free_port()
+    port = free_port()
     seen: dict[str, object] = {}
 
     class Loading:
@@ -178,14 +179,6 @@ async def test_the_pod_is_ready_while_the_learner_still_loads(tmp_path: Path, mo
     args = learner_cli.parse_args([str(x) for kv in flags.items() for x in kv])
     assert await learner_cli.run(args, load_spec(path)) == 0
     assert seen == {"healthz": 200, "phase": "Starting"}
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_a_config_error_found_while_running_exits_2(

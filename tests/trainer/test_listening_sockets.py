@@ -22,6 +22,7 @@ import pytest
 
 from gspo_trainer import ports
 from gspo_trainer.learner_cli import group_command
+from gspo_trainer.ports import free_port
 from gspo_trainer.rollout import client as client_mod
 from gspo_trainer.rollout import weight_sync as ws
 from gspo_trainer.rollout.client import RolloutClient, Server, SyncOptions
@@ -47,12 +48,6 @@ def listening(port: int) -> set[str]:
             if state == LISTEN and int(port_hex, 16) == port:
                 found.add(_address(addr))
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_the_proc_table_reads_what_a_socket_listens_on() -> None:

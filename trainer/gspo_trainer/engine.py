@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from gspo_trainer.config import GSPOJobSpec
+from gspo_trainer.ports import free_port
 
 if TYPE_CHECKING:
     import torch
@@ -54,7 +55,7 @@ def init_distributed(timeout_s: float | None = None) -> None:
     ):
         os.environ.setdefault(key, value)
     if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port())
     timeout: dict[str, Any] = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     backend = "nccl" if has_gpu() else "gloo"
     if os.environ["WORLD_SIZE"] == "1":
@@ -100,14 +101,6 @@ def exit_rank(code: int) -> NoReturn:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(code)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def offloads_optimizer(spec: GSPOJobSpec) -> bool:

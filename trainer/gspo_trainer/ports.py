@@ -3,6 +3,8 @@
 One place, so the operator never guesses what the learner or the rollout server listens on.
 """
 
+import socket
+
 ROLLOUT_HTTP_PORT = 8000  # rollout server: generation, health, control, /metrics
 RENDEZVOUS_PORT = 29500  # torch.distributed rendezvous of the learner group (MASTER_PORT)
 # The learner group's rendezvous backend: torch's static one, store bound (rendezvous.py).
@@ -86,3 +88,12 @@ ENV_SANDBOX_URL = "GSPO_SANDBOX_URL"  # the learner's: base URL of the job's san
 SANDBOX_TOKEN_DIR = "/var/run/gspo/sandbox"
 # How long the learner waits for the job's sandbox pods to answer (they start with it).
 SANDBOX_STARTUP_SECONDS = 600
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback now, for a process of this machine to bind next (the
+    local run's servers and learner, the tests' rendezvous). Another process may take it
+    between this call and that bind: callers that must not fail retry or bind it at once."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

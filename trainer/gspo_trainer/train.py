@@ -20,7 +20,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,17 +31,12 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from gspo_trainer import output_dir, ports
 from gspo_trainer.jobs import tiny_manifest
+from gspo_trainer.ports import free_port
 
 if TYPE_CHECKING:
     from gspo_trainer.config import GSPOJobSpec
 
 SERVER_START_TIMEOUT_S = 300.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def at_least_one(text: str) -> int:

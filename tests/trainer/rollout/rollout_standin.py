@@ -83,6 +83,8 @@ from typing import Any
 
 import aiohttp
 
+from gspo_trainer.ports import free_port
+
 TOKEN = "s3cret"
 REPO = Path(__file__).resolve().parents[3]
 MODEL = "stand-in"  # the served model name: what /health names and requests give as "model"
@@ -566,12 +568,6 @@ def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
         yield
     finally:
         setattr(obj, name, saved)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _uvicorn_server(app: Any, port: int) -> Any:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 
 import pytest
 import torch
 
+from gspo_trainer.ports import free_port
 from gspo_trainer.rollout import weight_sync as ws
 
 
@@ -91,12 +91,6 @@ def test_bad_bucket_size_is_named() -> None:
         ws.plan_buckets([("a", (1,), "float32", 4)], 0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _receiver(port: int, queue: mp.Queue) -> None:  # type: ignore[type-arg]
     from safetensors.torch import save
 
@@ -119,7 +113,7 @@ def _received(queue: mp.Queue) -> tuple[int, dict[str, torch.Tensor]]:  # type: 
 def test_sender_to_receiver_over_gloo() -> None:
     tensors = _named({f"layer{i}.w": ((i + 1, 33), torch.float32) for i in range(20)})
     tensors["emb"] = torch.arange(1000, dtype=torch.bfloat16).reshape(10, 100)
-    port = _free_port()
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_receiver, args=(port, queue))
