@@ -20,6 +20,8 @@ from gspo_trainer.rewards import (
     tokenizer_answer_ids,
 )
 from gspo_trainer.tasks import (
+    DISTINCT_MAX_DIGITS,
+    DISTINCT_MIN_DIGITS,
     SORT3_MAX_DIGITS,
     SORT3_MIN_DIGITS,
     SORT3_SYMBOLS,
@@ -179,7 +181,7 @@ def test_an_unknown_built_in_task_names_the_field(field: str) -> None:
     found = problems(sort_spec(**{f"data.{field}": "builtin:reverse"}))
     assert found == {
         f"spec.data.{field}": "'builtin:reverse' is not a built-in task; use one of "
-        "builtin:addition, builtin:sort, builtin:sort3"
+        "builtin:addition, builtin:sort, builtin:sort3, builtin:sort-distinct"
     }
 
 
@@ -272,3 +274,30 @@ def test_the_sort3_example_holds_the_task_and_its_limits_name_the_field() -> Non
         "builtin:sort3's longest answer and its EOS (11 tokens)"
         in found["spec.algorithm.maxResponseTokens"]
     )
+
+
+DISTINCT = DataConfig(source="builtin:sort-distinct")
+
+
+def test_sort_distinct_problems_are_distinct_digits_held_out_and_long_enough() -> None:
+    train, held_out = load_examples(DISTINCT), load_eval_examples(DISTINCT)
+    assert held_out is not None and len(held_out) == 100 and len(train) == 10_000
+    lengths = [len(e.answer) for e in train]
+    assert set(lengths) == set(range(DISTINCT_MIN_DIGITS, DISTINCT_MAX_DIGITS + 1))
+    assert sum(n + 1 for n in lengths) / len(lengths) >= 8  # the answer, then EOS
+    for e in [*train, *held_out]:
+        digits = e.prompt.removesuffix("=")
+        assert e.prompt.endswith("=") and len(set(digits)) == len(digits) and digits.isdigit()
+        assert e.answer == "".join(sorted(digits))
+    assert len({e.prompt for e in train}) == len(train)
+    assert not {e.prompt for e in train} & {e.prompt for e in held_out}
+    assert train == load_examples(DISTINCT) and held_out == load_eval_examples(DISTINCT)
+    # the sets vary, not only their order: every digit is missing from some answer
+    assert all(any(d not in e.answer for e in held_out) for d in "0123456789")
+
+
+def test_the_sort_distinct_example_is_valid_and_capped_at_the_longest_answer() -> None:
+    spec = parse_spec(yaml.safe_load((REPO / "examples/sort-distinct.yaml").read_text())["spec"])
+    assert spec.data.source == "builtin:sort-distinct"
+    assert spec.algorithm.max_response_tokens == DISTINCT_MAX_DIGITS + 1  # the answer, EOS
+    assert spec.reward.kind == "positional" and spec.algorithm.loss_level == "gspo-token"

@@ -186,7 +186,8 @@ class DataConfig(Section):
         description=(
             "jsonl or parquet file, a local HF dataset directory (save_to_disk), a Hugging Face "
             "Hub dataset name (e.g. openai/gsm8k, downloaded once into the HF cache with "
-            "HF_TOKEN), or a built-in task: builtin:addition, builtin:sort, builtin:sort3."
+            "HF_TOKEN), or a built-in task: builtin:addition, builtin:sort, builtin:sort3, "
+            "builtin:sort-distinct."
         ),
     )
     format: Literal["auto", "jsonl", "parquet", "hf-dataset", "hub", "builtin"] = Field(
@@ -250,8 +251,8 @@ class DataConfig(Section):
         description=(
             "Held-out evaluation set in the format of source (same fields and templates), "
             "never trained on; needed for algorithm.evalEverySteps with a data set of your own. "
-            "builtin:addition evaluates on all of its 100 problems, builtin:sort and "
-            "builtin:sort3 on 100 held-out ones."
+            "builtin:addition evaluates on all of its 100 problems, builtin:sort, "
+            "builtin:sort3 and builtin:sort-distinct on 100 held-out ones."
         ),
     )
     max_prompt_tokens: int = Field(
@@ -473,7 +474,7 @@ class RewardConfig(Section):
         description=(
             "arithmetic: the exact answer, then EOS (builtin:addition); positional: the share "
             "of the answer's positions (each token, then EOS) the response gets right, per "
-            "token under lossLevel gspo-token (builtin:sort, builtin:sort3); math: boxed/final "
+            "token under lossLevel gspo-token (the builtin:sort tasks); math: boxed/final "
             "answers checked with math-verify; python: the function named in `function`; "
             "code: the response's program run against the row's tests in a sandbox "
             "(reward.code, reward.sandbox). math when neither this nor functions is set; not "

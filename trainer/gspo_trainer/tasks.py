@@ -23,6 +23,14 @@ each), so every built-in model and the rollout servers' copy of its tokenizer se
   within a few positions. With algorithm.maxResponseTokens at the longest answer and its
   EOS (11) it is the built-in task GSPO learns furthest on this CPU (BENCHMARKS.md). Split
   like builtin:sort: 10,000 training problems, 100 held-out ones.
+- `builtin:sort-distinct`: 7 to 10 distinct digits in random order, answered by the same
+  digits in ascending order ("39420157=" -> "01234579"): 9.5 response tokens on average, EOS
+  included, from 8 to 11. Each answer token is the smallest prompt digit above the one before
+  it, and EOS follows the largest: a lookup that attention does in one step, where
+  builtin:sort3's counts are a sum over the whole prompt. The policy learns that answers run
+  up from 0 early; what remains is to skip the 0 to 3 digits the prompt lacks (and the
+  held-out prompts are orders never trained on, of sets the training saw). Split like
+  builtin:sort.
 
 Pure and without torch: validation reads the lengths, data.py the problems.
 """
@@ -38,6 +46,7 @@ Problem = tuple[str, str]  # (prompt, answer): the answer without EOS
 SORT_MIN_DIGITS, SORT_MAX_DIGITS = 5, 12
 SORT_TRAIN_PROBLEMS, SORT_EVAL_PROBLEMS = 10_000, 100
 SORT3_SYMBOLS, SORT3_MIN_DIGITS, SORT3_MAX_DIGITS = "012", 7, 10
+DISTINCT_MIN_DIGITS, DISTINCT_MAX_DIGITS = 7, 10
 
 
 @dataclass(frozen=True)
@@ -67,9 +76,13 @@ class SortProblems:
     symbols: str
     shortest: int
     longest: int
+    seed_name: str | None = None  # what the draws are seeded with, if not `name`
+
+    def _rng(self, which: str) -> random.Random:
+        return random.Random(f"{self.seed_name or self.name}/{which}")
 
     def _draw(self, which: str, count: int, exclude: set[str]) -> list[Problem]:
-        rng, out, seen = random.Random(f"{self.name}/{which}"), list[Problem](), set(exclude)
+        rng, out, seen = self._rng(which), list[Problem](), set(exclude)
         while len(out) < count:
             n = rng.randint(self.shortest, self.longest)
             digits = "".join(rng.choice(self.symbols) for _ in range(n))
@@ -92,8 +105,27 @@ class SortProblems:
         return BuiltinTask(self.name, self.train, self.evaluation, self.longest + 1, self.longest)
 
 
+@dataclass(frozen=True)
+class DistinctSortProblems(SortProblems):
+    """A sorting task over strings of `shortest` to `longest` distinct characters of
+    `symbols`, in random order; drawn and split as SortProblems draws and splits."""
+
+    def _draw(self, which: str, count: int, exclude: set[str]) -> list[Problem]:
+        rng, out, seen = self._rng(which), list[Problem](), set(exclude)
+        while len(out) < count:
+            digits = "".join(rng.sample(self.symbols, rng.randint(self.shortest, self.longest)))
+            if digits + "=" not in seen:
+                seen.add(digits + "=")
+                out.append((f"{digits}=", "".join(sorted(digits))))
+        return out
+
+
 SORT = SortProblems("builtin:sort", "0123456789", SORT_MIN_DIGITS, SORT_MAX_DIGITS)
 SORT3 = SortProblems("builtin:sort3", SORT3_SYMBOLS, SORT3_MIN_DIGITS, SORT3_MAX_DIGITS)
+# Seeded with the name its benchmarks ran under (BENCHMARKS.md): the same problems as theirs.
+SORT_DISTINCT = DistinctSortProblems(
+    "builtin:sort-distinct", "0123456789", DISTINCT_MIN_DIGITS, DISTINCT_MAX_DIGITS, "builtin:sortd"
+)
 sort_eval_problems, sort_train_problems = SORT.evaluation, SORT.train
 
 
@@ -103,5 +135,6 @@ BUILTIN_TASKS = {
         BuiltinTask("builtin:addition", addition_problems, addition_problems, 4, 1),
         SORT.task(),
         SORT3.task(),
+        SORT_DISTINCT.task(),
     )
 }
