@@ -17,7 +17,7 @@ from typing import Any
 
 import kopf
 
-from gspo_operator import names, reconcile, status
+from gspo_operator import names, reconcile, status, views
 from gspo_operator.children import ChildView
 from gspo_operator.crd import PLURAL
 from gspo_operator.reconcile import DEFAULT_INTERVAL_S, Context, Key
@@ -95,13 +95,13 @@ def register(registry: kopf.OperatorRegistry, ctx: Context) -> None:
     async def jobset_view(
         namespace: str | None, labels: Mapping[str, str], body: Any, **_: Any
     ) -> Any:
-        view = (ChildView.from_object(body), status.JobSetView.from_jobset(body))
+        view = (ChildView.from_object(body), views.JobSetView.from_jobset(body))
         return {_job_of(namespace, labels): view}
 
     async def pod_view(
         namespace: str | None, labels: Mapping[str, str], body: Any, **_: Any
     ) -> Any:
-        return {_job_of(namespace, labels): status.PodView.from_pod(body)}
+        return {_job_of(namespace, labels): views.PodView.from_pod(body)}
 
     async def child_view(
         namespace: str | None, labels: Mapping[str, str], body: Any, **_: Any

@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from gspo_operator import api_errors, names, render, status
+from gspo_operator import api_errors, names, render, status, views
 from gspo_operator.children import (
     ChildKey,
     ChildView,
@@ -504,17 +504,17 @@ def _assume_created(
 
 async def _observe_jobset(
     ctx: Context, key: Key, spec: GSPOJobSpec, previous: Obj
-) -> status.Observed:
+) -> views.Observed:
     """The JobSet and pods from the indexes; rank 0's progress while it runs; a queued
     JobSet's Workload while Kueue may hold it (a running job's once, to see it admitted)."""
     ns, name = key
-    js: status.JobSetView | None = None
+    js: views.JobSetView | None = None
     if ctx.watch_jobsets:
         found = ctx.indexed("jobsets", key)
         js = found[0][1] if found else None
     else:
         jobset = await ctx.kube.get(render.JOBSET_API, "JobSet", ns, names.jobset(name))
-        js = None if jobset is None else status.JobSetView.from_jobset(jobset)
+        js = None if jobset is None else views.JobSetView.from_jobset(jobset)
     pods = sorted(ctx.indexed("pods", key), key=lambda p: p.name)
     queued: dict[str, Any] = {}
     if js is not None and spec.run_policy.scheduling.queue:
@@ -526,26 +526,26 @@ async def _observe_jobset(
             queued = await _observe_workload(ctx, ns, js.uid)
     if js is not None and not js.suspended:
         queued["rollout_failed_create"] = await _rollout_failed_create(ctx, ns, name, spec, pods)
-    observed = status.Observed(jobset=js, pods=pods, **queued)
+    observed = views.Observed(jobset=js, pods=pods, **queued)
     learners = observed.learners(js.restarts if js else 0)
     rank0 = next((p for p in learners if p.index == 0), None)
     if rank0 is not None and rank0.phase == "Running" and rank0.ip:
         progress = await fetch_progress(ctx.session(), rank0.ip, spec.metrics.port)
-        observed = status.Observed(jobset=js, pods=pods, progress=progress, **queued)
+        observed = views.Observed(jobset=js, pods=pods, progress=progress, **queued)
     elif js is not None and _starting(js, learners):
         claim = await _observe_claim(ctx, ns, render.checkpoint_claim_name(name, spec))
         refused = ""
         if len(learners) < spec.learner.replicas:
             job = names.child_job(name, names.LEARNER, 0)
-            refused = status.failed_create(job, await ctx.kube.events_of(ns, "Job", job))
-        observed = status.Observed(
+            refused = views.failed_create(job, await ctx.kube.events_of(ns, "Job", job))
+        observed = views.Observed(
             jobset=js, pods=pods, claim=claim, failed_create=refused, **queued
         )
     return observed
 
 
 async def _rollout_failed_create(
-    ctx: Context, ns: str, name: str, spec: GSPOJobSpec, pods: list[status.PodView]
+    ctx: Context, ns: str, name: str, spec: GSPOJobSpec, pods: list[views.PodView]
 ) -> str:
     """Why rollout servers have no pod, in the Job controller's words: one list of the
     namespace's FailedCreate Events, read only while some server's Job has no pod, and quoted
@@ -555,7 +555,7 @@ async def _rollout_failed_create(
     if not (missing := [j for j in jobs if j not in have]):
         return ""
     events = await ctx.kube.events_by_reason(ns, "Job", "FailedCreate")
-    return status.failed_creates(missing, events)
+    return views.failed_creates(missing, events)
 
 
 async def _observe_workload(ctx: Context, ns: str, jobset_uid: str) -> dict[str, Any]:
@@ -580,28 +580,28 @@ async def _observe_workload(ctx: Context, ns: str, jobset_uid: str) -> dict[str,
         )
         ctx.note_once(message)
         return {"kueue": True, "workload_error": message}
-    workload = status.WorkloadView.from_workload(found[0]) if found else None
+    workload = views.WorkloadView.from_workload(found[0]) if found else None
     return {"kueue": True, "workload": workload}
 
 
-def _starting(js: status.JobSetView, learners: list[status.PodView]) -> bool:
+def _starting(js: views.JobSetView, learners: list[views.PodView]) -> bool:
     """The JobSet runs but no learner pod does yet: its claim may be what holds it."""
     finished = js.true("Completed") or js.true("Failed")
     return not (js.suspended or finished or any(p.phase == "Running" for p in learners))
 
 
-async def _observe_claim(ctx: Context, ns: str, name: str) -> status.ClaimView | None:
+async def _observe_claim(ctx: Context, ns: str, name: str) -> views.ClaimView | None:
     """The checkpoint claim and its Events, read while no learner pod runs (a claim that
     never binds keeps every pod Pending; its Events say why)."""
     claim = await ctx.kube.get("v1", "PersistentVolumeClaim", ns, name)
     if claim is None or (claim.get("status") or {}).get("phase") == "Bound":
         return None
     events = await ctx.kube.events_of(ns, "PersistentVolumeClaim", name)
-    return status.ClaimView.from_claim(claim, events)
+    return views.ClaimView.from_claim(claim, events)
 
 
 async def _act(
-    ctx: Context, key: Key, uid: str, out: status.Outcome, observed: status.Observed | None
+    ctx: Context, key: Key, uid: str, out: status.Outcome, observed: views.Observed | None
 ) -> status.Refusal | None:
     """Suspend, resume and delete what `out` asks for; every call tolerates a repeat. A
     refusal an admin must clear (RBAC, a webhook), for the status."""
@@ -703,7 +703,7 @@ def _next_look(
     key: Key,
     spec: GSPOJobSpec,
     st: Mapping[str, Any],
-    observed: status.Observed,
+    observed: views.Observed,
     now: datetime,
 ) -> float | None:
     """When this job needs a look without any event: never, once it is finished for good."""

@@ -10,15 +10,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gspo_operator import status
+from gspo_operator import status, views
 from gspo_operator.status import (
     ChildrenSeen,
-    JobSetView,
     Observation,
+    compute,
+)
+from gspo_operator.views import (
+    JobSetView,
     Observed,
     PodView,
     WorkloadView,
-    compute,
 )
 from gspo_trainer.progress import LearnerProgress
 from gspo_trainer.validation import parse_spec
@@ -501,7 +503,7 @@ def test_a_claim_that_cannot_bind_shows_the_provisioners_reason() -> None:
         {"type": "Warning", "reason": "ProvisioningFailed", "message": "an earlier claim's",
          "lastTimestamp": "2026-01-01T11:59:50Z", "involvedObject": {"uid": "c0"}},
     ]  # fmt: skip
-    claim = status.ClaimView.from_claim(pvc, events)
+    claim = views.ClaimView.from_claim(pvc, events)
     assert claim.warning == "ProvisioningFailed: rpc error: new"
     obs = Observed(jobset=js(), pods=pods("Pending", "Pending"), claim=claim)
     out = step(spec(), obs, None)
@@ -511,7 +513,7 @@ def test_a_claim_that_cannot_bind_shows_the_provisioners_reason() -> None:
         f"checkpoint claim {JOB}-checkpoints is Pending: ProvisioningFailed: rpc error: new"
     )
     # Only progress so far (WaitForFirstConsumer, ExternalProvisioning): the pods' words stay.
-    quiet = status.ClaimView.from_claim(pvc, events[:1])
+    quiet = views.ClaimView.from_claim(pvc, events[:1])
     out = step(spec(), Observed(jobset=js(), pods=pods("Pending"), claim=quiet), None)
     assert cond(out.status, "Running")["reason"] == "PodsPending"
 
@@ -527,10 +529,10 @@ def test_failed_create_quotes_the_newest_refusal_of_the_job() -> None:
         ),
         event("Normal", "SuccessfulCreate", "Created pod: j-learner-0-0-x", "2026-01-01T00:00:03Z"),
     ]
-    assert status.failed_create("j-learner-0", events) == (
+    assert views.failed_create("j-learner-0", events) == (
         "Job j-learner-0: Error creating: no PriorityClass"
     )
-    assert status.failed_create("j-learner-0", events[2:]) == ""
+    assert views.failed_create("j-learner-0", events[2:]) == ""
 
 
 def test_rollout_servers_the_api_server_refuses_are_named_in_rollout_ready() -> None:
@@ -548,7 +550,7 @@ def test_rollout_servers_the_api_server_refuses_are_named_in_rollout_ready() -> 
         event(f"{JOB}-rollout-1", "Error creating: exceeded quota", "2026-01-01T00:00:02Z"),
         event(f"{JOB}-learner-0", "Error creating: not a rollout Job", "2026-01-01T00:00:03Z"),
     ]
-    refused = status.failed_creates([f"{JOB}-rollout-1", f"{JOB}-rollout-2"], events)
+    refused = views.failed_creates([f"{JOB}-rollout-1", f"{JOB}-rollout-2"], events)
     assert refused == f"Job {JOB}-rollout-1: Error creating: exceeded quota"
     base = observed(pods("Running"))
     out = step(spec(), replace(base, rollout_failed_create=refused), None)

@@ -20,19 +20,21 @@ from gspo_operator import crd, names
 from gspo_operator.status import (
     TERMINAL,
     ChildrenSeen,
-    ClaimView,
     ConditionType,
-    JobSetView,
     Observation,
-    Observed,
     Outcome,
-    PodView,
     Refusal,
-    WorkloadView,
     compute,
     finished,
     refused_before_creation,
     rejected_at_creation,
+)
+from gspo_operator.views import (
+    ClaimView,
+    JobSetView,
+    Observed,
+    PodView,
+    WorkloadView,
 )
 from gspo_trainer.config import MAX_CONDITIONS, GSPOJobStatus, Phase
 from gspo_trainer.progress import LearnerProgress
