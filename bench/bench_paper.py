@@ -2,7 +2,8 @@
 GSPO-token on a task with long answers and a 16-expert MoE, the same compute per run.
 
 Runs `gspo train` (real vLLM rollout server, real learner) once per variant and seed on the
-same job (examples/sort.yaml: sort 5-12 digits, partial credit per position) with the model
+same job (examples/sort-distinct.yaml: sort 7-10 distinct digits, partial credit per
+position: the built-in long-answer task learned furthest here, BENCHMARKS.md) with the model
 swapped for builtin:tiny-qwen3-moe-16e (16 experts, top-2, 4 layers) and the routing drift
 measured every step (metrics.diagnosticsEverySteps 1), one run after the other. Every run has
 the same steps, batch and learning rate; the variants differ only in the objective:
@@ -194,7 +195,7 @@ def plot(curves: dict[str, list[list[dict]]], out: Path, window: int = 20) -> li
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("config", nargs="?", default=str(REPO / "examples" / "sort.yaml"))
+    p.add_argument("config", nargs="?", default=str(REPO / "examples" / "sort-distinct.yaml"))
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per variant")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--model", default="builtin:tiny-qwen3-moe-16e")
