@@ -91,6 +91,7 @@ def step(policy, packed, budget: int) -> tuple[float, float, float]:  # type: ig
     from gspo_trainer.advantages import group_advantages
     from gspo_trainer.engine import score_with_head
     from gspo_trainer.fused_loss import policy_loss_from_hidden
+    from gspo_trainer.loss import LossOptions
     from gspo_trainer.step.plan import plan_step
 
     advantages, _ = group_advantages(packed.rewards, 4)
@@ -110,9 +111,7 @@ def step(policy, packed, budget: int) -> tuple[float, float, float]:  # type: ig
                 fwd.mask(packed, sub),
                 packed.engine_logp[sub, : fwd.L - 1],
                 advantages[sub],
-                level="sequence",
-                clip_low=3e-4,
-                clip_high=4e-4,
+                LossOptions("sequence", 3e-4, 4e-4),
             )
             (loss * mb.share(sub)).backward()
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0

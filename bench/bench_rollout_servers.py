@@ -37,9 +37,17 @@ REPO = Path(__file__).resolve().parents[1]
 # A measuring child runs the client of the tree it measures ($GSPO_BENCH_TREE).
 TREE = Path(os.environ.get("GSPO_BENCH_TREE", REPO))
 sys.path[:0] = [str(TREE / "operator"), str(TREE / "trainer")]
-from gspo_trainer.ports import free_port  # noqa: E402  (the tree measured)
 
 TOKEN = "bench-token"
+
+
+def free_port() -> int:
+    """Its own copy, not gspo_trainer.ports': the measured tree may predate that helper."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 REPLACED = "trainer/gspo_trainer/rollout/server.py"

@@ -245,7 +245,7 @@ def test_only_the_jobs_learner_reaches_the_sandbox_and_the_sandbox_reaches_nothi
 def test_a_sandbox_job_out_of_retries_fails_the_job_as_sandbox_failed() -> None:
     from test_operator_status import NOW, RAW, cond, js, observed, pods, servers, step
 
-    from gspo_operator.status import PodView
+    from gspo_operator.views import PodView
     from gspo_trainer.validation import parse_spec
 
     sandbox = {"mode": "service", "runtimeClassName": "gvisor"}
@@ -303,7 +303,7 @@ def test_a_sandbox_pod_refused_its_isolation_fails_the_job_at_once_with_its_word
     and the pod's termination message reaches the job's Failed condition."""
     from test_operator_status import NOW, RAW, cond, js, observed, pods, servers, step
 
-    from gspo_operator.status import PodView
+    from gspo_operator.views import PodView
     from gspo_trainer.validation import parse_spec
 
     objs = rendered(code_job())

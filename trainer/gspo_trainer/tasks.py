@@ -21,7 +21,8 @@ each), so every built-in model and the rollout servers' copy of its tokenizer se
   answer is a run of 0s, a run of 1s, a run of 2s, so the policy has only three counts and
   the answer's end to get right, and a narrow range of lengths keeps where EOS belongs
   within a few positions. With algorithm.maxResponseTokens at the longest answer and its
-  EOS (11) it is the built-in task GSPO learns furthest on this CPU (BENCHMARKS.md). Split
+  EOS (11) GSPO learns it further than builtin:sort on this CPU, and builtin:sort-distinct
+  further still (BENCHMARKS.md). Split
   like builtin:sort: 10,000 training problems, 100 held-out ones.
 - `builtin:sort-distinct`: 7 to 10 distinct digits in random order, answered by the same
   digits in ascending order ("39420157=" -> "01234579"): 9.5 response tokens on average, EOS
