@@ -109,7 +109,7 @@ def step(variant: str, inputs, chunk: int) -> None:
             mask,
             old,
             adv,
-            LossOptions(level="sequence", clip_low=3e-4, clip_high=4e-4),
+            LossOptions(**kw),
             chunk_size=chunk,
             with_entropy=False,
         )
