@@ -27,10 +27,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "operator"), str(REPO / "trainer")]
 
+from gspo_api.spec import CodeConfig, SandboxConfig  # noqa: E402
 from gspo_trainer.code.runner import HARNESS, PROGRAM, CodeRunner, CodeScorer  # noqa: E402
 from gspo_trainer.code.sandbox import LocalSandbox  # noqa: E402
 from gspo_trainer.code.tasks import task_from_row  # noqa: E402
-from gspo_trainer.config import CodeConfig, SandboxConfig  # noqa: E402
 from gspo_trainer.rewards import Scored  # noqa: E402
 
 

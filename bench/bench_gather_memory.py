@@ -67,9 +67,9 @@ def peak_extra(fn: Any) -> int:
 def build(layers: int, bucket_mb: int) -> tuple[Any, Any]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from gspo_api.validation import parse_spec
     from gspo_trainer.engine import build_engine
     from gspo_trainer.tiny import build_tokenizer
-    from gspo_trainer.validation import parse_spec
 
     manifest = copy.deepcopy(tiny_manifest())
     manifest["spec"]["learner"]["zeroStage"] = 3

@@ -86,16 +86,16 @@ def run_case(name: str) -> dict[str, Any]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from gspo_api.memory_plan import RUNTIME_RESERVE, LearnerSetup, Row, learner_rows
+    from gspo_api.model_shape import ModelShape
+    from gspo_api.validation import parse_spec
     from gspo_trainer.engine import build_engine, init_distributed
     from gspo_trainer.jobs import tiny_manifest
-    from gspo_trainer.memory_plan import RUNTIME_RESERVE, LearnerSetup, Row, learner_rows
-    from gspo_trainer.model_shape import ModelShape
     from gspo_trainer.step.batch import pack
     from gspo_trainer.step.old_policy import OldPolicy
     from gspo_trainer.step.plan import plan_step
     from gspo_trainer.step.policy import Policy
     from gspo_trainer.step.update import update
-    from gspo_trainer.validation import parse_spec
 
     fields, stage, checkpointing, tokens = CASES[name]
     fields = {**fields, "vocab_size": VOCAB, "tie_word_embeddings": False, "use_cache": False}

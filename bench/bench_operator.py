@@ -55,8 +55,8 @@ async def bench(args: argparse.Namespace) -> None:
     import aiohttp
     from operator_harness import api_server, operator, progress_server, tiny_job
 
+    from gspo_api.progress import LearnerProgress
     from gspo_operator.kube import Kube
-    from gspo_trainer.progress import LearnerProgress
 
     async with api_server() as api, progress_server() as prog:
         user = Kube.for_host(api.base_url)

@@ -55,9 +55,9 @@ class Result:
 
 def job_spec(config: str | None) -> Any:
     """The job both sides run, as the learner reads it."""
+    from gspo_api.validation import parse_spec
     from gspo_trainer.jobs import tiny_manifest
     from gspo_trainer.train import read_job_file
-    from gspo_trainer.validation import parse_spec
 
     manifest = read_job_file(config) if config else tiny_manifest()
     return parse_spec(manifest["spec"], prefix="spec")

@@ -110,7 +110,7 @@ class CannedResponder(asyncio.Protocol):
     ) -> None:
         import aiohttp
 
-        from gspo_trainer import ports
+        from gspo_api import ports
 
         headers = {
             k: v for k, v in fields.items() if k.lower() in ("authorization", "content-type")

@@ -42,7 +42,7 @@ TOKEN = "bench-token"
 
 
 def free_port() -> int:
-    """Its own copy, not gspo_trainer.ports': the measured tree may predate that helper."""
+    """Its own copy, not gspo_api.ports': the measured tree may predate that helper."""
     import socket
 
     with socket.socket() as s:
@@ -89,7 +89,7 @@ def baseline_tree(rev: str | None, into: Path) -> str:
 def start(
     kind: str, model: str, cache: str, log: Path, baseline: Path
 ) -> tuple[subprocess.Popen[bytes], str]:
-    from gspo_trainer import ports
+    from gspo_api import ports
 
     port = free_port()
     root = baseline if kind == "replaced" else REPO

@@ -69,10 +69,10 @@ def save(path: Path, layers: int) -> None:
 def rank_main(path: str, mode: str, out: str) -> None:
     import logging
 
+    from gspo_api.validation import parse_spec
     from gspo_trainer import engine as eng
     from gspo_trainer import zero3_load
     from gspo_trainer.jobs import tiny_manifest
-    from gspo_trainer.validation import parse_spec
 
     logging.disable(logging.WARNING)
     manifest = tiny_manifest()
@@ -107,7 +107,7 @@ def main() -> int:
     if args.rank:
         rank_main(*args.rank)
         return 0
-    from gspo_trainer.model_shape import ModelShape
+    from gspo_api.model_shape import ModelShape
 
     shape = ModelShape.from_config({"model_type": "qwen3_moe", **config_fields(args.layers)})
     env = dict(

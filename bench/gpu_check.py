@@ -260,8 +260,8 @@ def fused_loss(sizes: Sizes, _: dict) -> dict:
 
 
 def check_spec(sizes: Sizes, attention: str) -> Any:
+    from gspo_api.validation import parse_spec
     from gspo_trainer.jobs import tiny_manifest
-    from gspo_trainer.validation import parse_spec
 
     manifest = tiny_manifest()
     manifest["spec"]["model"].update(
@@ -317,8 +317,8 @@ def memory_plan_estimate(spec: Any, config: Any, peak: dict) -> dict:
     """The memory plan's learner estimate for this model and spec (memory_plan.plan over the
     model's config, one GPU), beside the measured peak: estimate / measured is the figure
     the plan is judged by."""
-    from gspo_trainer import memory_plan
-    from gspo_trainer.model_shape import ModelShape
+    from gspo_api import memory_plan
+    from gspo_api.model_shape import ModelShape
 
     shape = ModelShape.from_config(config.to_dict())
     one_gpu = spec.learner.model_copy(update={"replicas": 1, "gpus_per_replica": 1})

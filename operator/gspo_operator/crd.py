@@ -21,8 +21,8 @@ from pydantic import BaseModel
 from pydantic.json_schema import GenerateJsonSchema, NoDefault
 from pydantic_core import core_schema
 
+from gspo_api.spec import API_GROUP, API_VERSION, KIND, GSPOJobSpec, GSPOJobStatus
 from gspo_operator import crd_rules, names
-from gspo_trainer.config import API_GROUP, API_VERSION, KIND, GSPOJobSpec, GSPOJobStatus
 
 PLURAL = "gspojobs"
 SINGULAR = "gspojob"

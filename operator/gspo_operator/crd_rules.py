@@ -1,7 +1,7 @@
 """The CRD's CEL rules (x-kubernetes-validations): the API server refuses at `kubectl apply`
 what the operator would otherwise accept and then fail with InvalidSpec.
 
-Each rule mirrors one check of `gspo validate` (gspo_trainer.validation.check_spec,
+Each rule mirrors one check of `gspo validate` (gspo_api.validation.check_spec,
 check_pod_settings, gspo_operator.names.check_job_name), names the same field and ends with
 the same fix; `status.MUTABLE_FIELDS` decides which spec fields may change while the job
 exists. A `messageExpression` repeats validate's words exactly where it needs only strings the
@@ -23,7 +23,7 @@ tests exactly as written. Kubernetes specifics the rules rely on:
   pass when an old object exists (names cannot change, and a root rule is never ratcheted, so
   a rule the stored name broke would otherwise block every later patch, finalizers included);
 - every list a rule iterates or is declared in has maxItems, and every string a rule scans
-  or compares inside a loop has maxLength (config.py states the bounds), so the API server
+  or compares inside a loop has maxLength (gspo_api.spec states the bounds), so the API server
   can bound each rule's cost (tests/contract/cel_cost.py estimates it as the API server does,
   4 bytes a character of maxLength);
 - numbers and strings never compare equal (no error), where cel-python raises: the rules
@@ -37,11 +37,9 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from gspo_operator import names
-from gspo_operator.status import MUTABLE_FIELDS
-from gspo_trainer.config import BUILTIN_MODELS, VOLUME_SOURCES
-from gspo_trainer.ports import RESERVED_PORTS
-from gspo_trainer.validation import (
+from gspo_api.ports import RESERVED_PORTS
+from gspo_api.spec import BUILTIN_MODELS, VOLUME_SOURCES
+from gspo_api.validation import (
     GPU_RESOURCE,
     NAMESPACES_NEED_A_RUNTIME,
     RESERVED_MOUNT_PATHS,
@@ -57,6 +55,8 @@ from gspo_trainer.validation import (
     SANDBOX_POD_FIELD_OWN_SERVICE,
     SANDBOX_POD_FIELDS,
 )
+from gspo_operator import names
+from gspo_operator.status import MUTABLE_FIELDS
 
 Rule = dict[str, Any]
 Node = dict[str, Any]

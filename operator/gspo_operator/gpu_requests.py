@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from gspo_trainer.config import GSPOJobSpec, LearnerConfig, RolloutConfig
-from gspo_trainer.validation import GPU_RESOURCE, Problem
+from gspo_api.spec import GSPOJobSpec, LearnerConfig, RolloutConfig
+from gspo_api.validation import GPU_RESOURCE, Problem
 
 SECTIONS = ("requests", "limits")
 

@@ -17,12 +17,12 @@ from typing import Any
 
 import kopf
 
+from gspo_api.spec import API_GROUP, API_VERSION
 from gspo_operator import names, reconcile, status, views
 from gspo_operator.children import ChildView
 from gspo_operator.crd import PLURAL
 from gspo_operator.reconcile import DEFAULT_INTERVAL_S, Context, Key
 from gspo_operator.workqueue import WorkQueue
-from gspo_trainer.config import API_GROUP, API_VERSION
 
 __all__ = ["DEFAULT_INTERVAL_S", "WATCHED_CHILDREN", "Context", "label_selectors", "register"]
 

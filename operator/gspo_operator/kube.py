@@ -18,7 +18,7 @@ from typing import Any
 import urllib3
 from kubernetes import client, config
 
-from gspo_trainer.config import API_GROUP, API_VERSION
+from gspo_api.spec import API_GROUP, API_VERSION
 
 Obj = dict[str, Any]
 log = logging.getLogger(__name__)

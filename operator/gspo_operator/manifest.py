@@ -23,11 +23,11 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from gspo_api.spec import API_GROUP, API_VERSION, KIND, GSPOJobSpec
+from gspo_api.validation import Problem, SpecError, check_spec, parse_spec
 from gspo_operator import names
 from gspo_operator.gpu_requests import check_gpu_requests
 from gspo_operator.memory_check import check_memory, overcommit_allowed
-from gspo_trainer.config import API_GROUP, API_VERSION, KIND, GSPOJobSpec
-from gspo_trainer.validation import Problem, SpecError, check_spec, parse_spec
 
 API = f"{API_GROUP}/{API_VERSION}"
 ENV_ALLOW_HOST_PATH = "GSPO_ALLOW_HOST_PATH"

@@ -1,7 +1,7 @@
 """The memory plan as a check: a spec that cannot fit the GPUs it names is refused before any pod
 starts (`gspo validate` and the operator alike), with the numbers and the fixes.
 
-The plan needs the model's config.json (gspo_trainer.memory_plan). The operator has the
+The plan needs the model's config.json (gspo_api.memory_plan). The operator has the
 built-in models and the configs shipped with the package; a Hub model neither there nor in a
 local Hugging Face cache is not planned, and the job goes ahead: a warning says the plan was
 skipped, never a refusal. The annotation gspo.dev/allow-overcommit: "true" on the GSPOJob (or
@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gspo_trainer.config import GSPOJobSpec
-from gspo_trainer.memory_plan import MemoryPlan, plan_spec, refusals
-from gspo_trainer.validation import Problem
+from gspo_api.memory_plan import MemoryPlan, plan_spec, refusals
+from gspo_api.spec import GSPOJobSpec
+from gspo_api.validation import Problem
 
 ALLOW_OVERCOMMIT = "gspo.dev/allow-overcommit"
 

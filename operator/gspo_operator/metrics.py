@@ -13,7 +13,7 @@ from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from gspo_trainer.config import Phase
+from gspo_api.spec import Phase
 
 CONTROLLER = "gspojob"
 RESULTS = ("success", "error", "requeue")

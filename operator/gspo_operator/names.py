@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from gspo_trainer.config import API_GROUP
+from gspo_api.spec import API_GROUP
 
 # JobSet's webhook refuses a JobSet whose generated pod names `<jobset>-<replicatedJob>-
 # <jobIndex>-<podIndex>` exceed 63 characters less the 6 of the pods' random suffix ("-xxxxx").

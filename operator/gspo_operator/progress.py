@@ -7,7 +7,7 @@ import logging
 import aiohttp
 from pydantic import ValidationError
 
-from gspo_trainer.progress import PROGRESS_PATH, LearnerProgress
+from gspo_api.progress import PROGRESS_PATH, LearnerProgress
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ annotations, posting Events, observing CRDs and namespaces) and `kube` (the chil
 
 from __future__ import annotations
 
-from gspo_trainer.config import API_GROUP
+from gspo_api.spec import API_GROUP
 
 Rule = dict[str, list[str]]
 

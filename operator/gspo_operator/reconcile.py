@@ -28,6 +28,9 @@ from typing import Any
 import aiohttp
 import yaml
 
+from gspo_api import ports
+from gspo_api.spec import GSPOJobSpec, Phase
+from gspo_api.validation import Problem, SpecError, parse_spec
 from gspo_operator import api_errors, names, render, status, views
 from gspo_operator.children import (
     ChildKey,
@@ -41,9 +44,6 @@ from gspo_operator.manifest import ClusterPolicy, check_job
 from gspo_operator.memory_check import check_memory, overcommit_allowed
 from gspo_operator.metrics import OperatorMetrics
 from gspo_operator.progress import fetch_progress
-from gspo_trainer import ports
-from gspo_trainer.config import GSPOJobSpec, Phase
-from gspo_trainer.validation import Problem, SpecError, parse_spec
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ one JobSet (jobset.x-k8s.io/v1alpha2), the way Kubeflow Trainer v2 runs TrainJob
 learner is one Indexed Job of `learner.replicas` pods, each rollout server a Job of its own,
 and JobSet's failurePolicy and successPolicy carry the job's restart and completion rules on
 a stock JobSet install (default feature gates). The pod contract (ports, environment, mounts,
-commands) comes from gspo_trainer.ports, the one place the learner and the rollout server
+commands) comes from gspo_api.ports, the one place the learner and the rollout server
 read it from too.
 """
 
@@ -19,11 +19,11 @@ from typing import Any
 
 import yaml
 
+from gspo_api import ports
+from gspo_api.spec import API_GROUP, API_VERSION, KIND, GSPOJobSpec, PodSettings
 from gspo_operator import names
 from gspo_operator.gpu_requests import render_resources
 from gspo_operator.manifest import ClusterPolicy
-from gspo_trainer import ports
-from gspo_trainer.config import API_GROUP, API_VERSION, KIND, GSPOJobSpec, PodSettings
 
 Obj = dict[str, Any]
 

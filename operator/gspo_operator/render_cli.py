@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from gspo_api.spec import KIND
 from gspo_operator.manifest import (
     ManifestError,
     check_job,
@@ -21,7 +22,6 @@ from gspo_operator.manifest import (
     source_name,
 )
 from gspo_operator.render import Obj, render_job
-from gspo_trainer.config import KIND
 
 REDACTED = "<redacted>"
 

@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp.web
 import kopf
 
+from gspo_api import ports
 from gspo_operator import leader
 from gspo_operator.handlers import DEFAULT_INTERVAL_S, Context, label_selectors, register
 from gspo_operator.kube import Kube, load_api_client
@@ -27,7 +28,6 @@ from gspo_operator.reconcile import (
     DEFAULT_PROGRESS_WRITE_S,
     DEFAULT_PROGRESS_WRITES_PER_MINUTE,
 )
-from gspo_trainer import ports
 
 log = logging.getLogger("gspo_operator")
 

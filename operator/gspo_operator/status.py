@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal, get_args
 
+from gspo_api.progress import LearnerProgress
+from gspo_api.spec import GSPOJobSpec, Phase
+from gspo_api.validation import Problem
 from gspo_operator import names
 from gspo_operator.views import JobSetView, Observed, PodView
-from gspo_trainer.config import GSPOJobSpec, Phase
-from gspo_trainer.progress import LearnerProgress
-from gspo_trainer.validation import Problem
 
 TERMINAL: tuple[Phase, ...] = ("Succeeded", "Failed")
 _PHASES: dict[str, Phase] = {phase: phase for phase in get_args(Phase)}

@@ -10,8 +10,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gspo_api.progress import LearnerProgress
 from gspo_operator import names
-from gspo_trainer.progress import LearnerProgress
 
 
 @dataclass(frozen=True)

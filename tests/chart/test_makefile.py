@@ -14,7 +14,7 @@ import pytest
 import yaml
 from checkout import REPO
 
-from gspo_trainer.config import LearnerConfig, RolloutConfig
+from gspo_api.spec import LearnerConfig, RolloutConfig
 
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 TOOL_BUILDERS = ("npm ", "apt-get", "dpkg")

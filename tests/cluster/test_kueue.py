@@ -27,9 +27,9 @@ from jobset_controller import JobSetController
 from jobset_webhook import admit
 from operator_harness import flagship_priority_class
 
+from gspo_api.validation import parse_spec
 from gspo_operator import render
 from gspo_operator.manifest import ClusterPolicy
-from gspo_trainer.validation import parse_spec
 
 Obj = dict[str, Any]
 NS = "default"

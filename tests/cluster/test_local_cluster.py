@@ -28,7 +28,7 @@ from local_cluster import LocalCluster, local_cluster
 from netns import unavailable_reason
 from storage import GKE_CLASSES
 
-from gspo_trainer import ports
+from gspo_api import ports
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = list(yaml.safe_load_all((REPO / "examples/local-cluster.yaml").read_text()))

@@ -31,8 +31,8 @@ from netns import unavailable_reason
 from netpol import nft_command
 from test_local_cluster import BUILD_CACHE, share_build_cache
 
+from gspo_api import ports
 from gspo_operator import names
-from gspo_trainer import ports
 
 REPO = Path(__file__).resolve().parents[2]
 CODE = yaml.safe_load((REPO / "examples/code.yaml").read_text())

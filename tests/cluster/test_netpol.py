@@ -30,9 +30,9 @@ from netns import unavailable_reason
 from netpol import NFT_MISSING, PodAddress, nft_command, pod_ruleset
 from operator_harness import tiny_job
 
+from gspo_api import ports
+from gspo_api.validation import parse_spec
 from gspo_operator.render import render_job
-from gspo_trainer import ports
-from gspo_trainer.validation import parse_spec
 
 Obj = dict[str, Any]
 NS = "default"

@@ -10,8 +10,8 @@ import jsonschema
 import pytest
 import yaml
 
+from gspo_api.spec import GSPOJobSpec
 from gspo_operator.crd import CHART_CRD_PATH, render_crd, render_crd_yaml, structural
-from gspo_trainer.config import GSPOJobSpec
 
 REPO = Path(__file__).resolve().parents[2]
 JUNCTORS = ("anyOf", "allOf", "oneOf", "not")
@@ -67,7 +67,7 @@ def test_chart_copy_is_current() -> None:
 
 
 def _aliases(model: type, prefix: str = "") -> set[str]:
-    from gspo_trainer.validation import _model_of
+    from gspo_api.validation import _model_of
 
     out = set()
     for name, field in model.model_fields.items():

@@ -56,13 +56,13 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 from test_spec_fuzz import extras, typed_mutation
 
+from gspo_api.spec import GSPOJobSpec
+from gspo_api.validation import Problem
 from gspo_operator import names
 from gspo_operator.crd import render_crd
 from gspo_operator.crd_rules import REJECTED_AT_CREATION
 from gspo_operator.manifest import check_job
 from gspo_operator.status import MUTABLE_FIELDS
-from gspo_trainer.config import GSPOJobSpec
-from gspo_trainer.validation import Problem
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA = render_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]

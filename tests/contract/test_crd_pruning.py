@@ -23,9 +23,9 @@ from cel_admission import default
 from jobset_crd import render_jobset_crd
 from schema_admission import prune, validate
 
+from gspo_api.spec import GSPOJobSpec
 from gspo_operator.crd import render_crd, structural
 from gspo_operator.render_cli import render_source
-from gspo_trainer.config import GSPOJobSpec
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA = render_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]

@@ -201,7 +201,7 @@ def _described_spec(doc: Path) -> dict[str, set[str]]:
 def test_the_captured_kubectl_describe_shows_the_whole_spec_of_the_example() -> None:
     """docs/operator.md's transcript is of examples/gspojob.yaml with the API server's
     defaults: every field of each section the spec now has is in it."""
-    from gspo_trainer.validation import parse_spec
+    from gspo_api.validation import parse_spec
 
     manifest = yaml.safe_load((REPO / "examples" / "gspojob.yaml").read_text())
     spec = parse_spec(manifest["spec"]).model_dump(mode="json", by_alias=True, exclude_none=True)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from gspo_api import ports
 from gspo_operator.cli import SUBCOMMANDS
-from gspo_trainer import ports
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGES = {

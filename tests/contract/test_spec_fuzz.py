@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from rendered_checks import check_rendered
 
-from gspo_trainer.validation import SpecError, parse_spec
+from gspo_api.validation import SpecError, parse_spec
 
 EXAMPLE = yaml.safe_load((REPO / "examples" / "gspojob.yaml").read_text())["spec"]
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from gspo_trainer.rollout.engine_args import engine_arg_problems, shipped_table
+from gspo_api.engine_args import engine_arg_problems, shipped_table
 from gspo_trainer.rollout.serve_command import ServeOptions, serve_argv
 from gspo_trainer.rollout.vllm_flags import installed_table
 

@@ -13,7 +13,7 @@ from unittest import mock
 
 from prometheus_client import CollectorRegistry
 
-from gspo_trainer import ports
+from gspo_api import ports
 from gspo_trainer.rollout import vllm_plugin
 from gspo_trainer.rollout.control import RolloutState
 

@@ -44,8 +44,8 @@ import kmock
 import multidict
 from kmock._internal import rendering
 
+from gspo_api.spec import API_GROUP, API_VERSION, KIND
 from gspo_operator.crd import PLURAL, PRINTER_COLUMNS, SHORT_NAMES, render_crd
-from gspo_trainer.config import API_GROUP, API_VERSION, KIND
 
 Obj = dict[str, Any]
 Key = tuple[str, str, str]  # group, version, plural

@@ -20,11 +20,11 @@ from job_controller import JobController, admit_job
 from jobset_controller import JobSetController
 from jobset_webhook import admit
 
+from gspo_api.ports import free_port
+from gspo_api.progress import LearnerProgress
 from gspo_operator.handlers import Context
 from gspo_operator.kube import Kube
 from gspo_operator.run import serve
-from gspo_trainer.ports import free_port
-from gspo_trainer.progress import LearnerProgress
 
 NS = "default"
 
@@ -167,8 +167,8 @@ def _blocking_owners(body: Any) -> list[tuple[str, str]]:
     kubernetes plugin/pkg/admission/gc/gc_admission.go) admits an ownerReference with
     blockOwnerDeletion: true only when the requester may update the owner's `finalizers`
     subresource. Only GSPOJob owners are mapped: the operator owns nothing else."""
+    from gspo_api.spec import API_GROUP, KIND
     from gspo_operator.crd import PLURAL
-    from gspo_trainer.config import API_GROUP, KIND
 
     refs = ((body or {}).get("metadata") or {}).get("ownerReferences") or []
     out = []

@@ -21,13 +21,13 @@ from typing import Any
 from apiserver import ClusterApiServer as ApiServer
 from operator_harness import NS, Progress, api_server, kubelet, progress_server, tiny_job
 
+from gspo_api.progress import LearnerProgress
 from gspo_operator import names
 from gspo_operator.handlers import Context
 from gspo_operator.kube import Kube
 from gspo_operator.manifest import check_job
 from gspo_operator.render import render_job
 from gspo_operator.run import serve
-from gspo_trainer.progress import LearnerProgress
 
 JOB = "restarts"
 TICK_S = 0.05

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import yaml
 
+from gspo_api.validation import explain_error
 from gspo_operator.cli import EXIT_INVALID, EXIT_OK, EXIT_USAGE, main
 from gspo_operator.manifest import ManifestError, check_job, load_documents
-from gspo_trainer.validation import explain_error
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = yaml.safe_load((REPO / "examples/gspojob.yaml").read_text())

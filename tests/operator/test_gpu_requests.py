@@ -12,6 +12,8 @@ import pytest
 import yaml
 from rendered_checks import check_rendered
 
+from gspo_api.spec import GSPOJobSpec
+from gspo_api.validation import parse_spec
 from gspo_operator.gpu_requests import (
     check_gpu_requests,
     gpu_resource_name,
@@ -19,8 +21,6 @@ from gspo_operator.gpu_requests import (
     render_resources,
 )
 from gspo_operator.render import render_job
-from gspo_trainer.config import GSPOJobSpec
-from gspo_trainer.validation import parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = yaml.safe_load((REPO / "examples/gspojob.yaml").read_text())

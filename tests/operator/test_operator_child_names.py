@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from operator_harness import NS, eventually, tiny_job
 
+from gspo_api.validation import parse_spec
 from gspo_operator import names, reconcile, render
 from gspo_operator.children import ChildView
 from gspo_operator.kube import Kube
-from gspo_trainer.validation import parse_spec
 
 
 def status_of(api, job: str) -> dict:

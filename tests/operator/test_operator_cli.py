@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from gspo_api import ports
 from gspo_operator.run import parse_args
-from gspo_trainer import ports
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -7,7 +7,7 @@ import copy
 
 from test_operator_status import NOW, RAW, cond, observed, pods, servers, step
 
-from gspo_trainer.validation import parse_spec
+from gspo_api.validation import parse_spec
 
 
 def status_with(reward: dict) -> dict:

@@ -19,9 +19,9 @@ from operator_harness import (
     tiny_job,
 )
 
+from gspo_api.progress import LearnerProgress
 from gspo_operator import names
 from gspo_operator.crd import render_crd
-from gspo_trainer.progress import LearnerProgress
 
 JOB = "tiny"
 # The operator's children (the pods' headless Service "tiny" too: the operator makes it).

@@ -12,8 +12,8 @@ from kmock_apiserver import Fault
 from operator_harness import NS, api_server, eventually, kubelet, pods_of, run_all, tiny_job
 from test_operator_kmock import JOB, call, cond, create, events, has_event, job_status
 
+from gspo_api.progress import LearnerProgress
 from gspo_operator import api_errors
-from gspo_trainer.progress import LearnerProgress
 
 QUOTA = (
     'persistentvolumeclaims "tiny-checkpoints" is forbidden: exceeded quota: storage, '

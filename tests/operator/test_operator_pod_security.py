@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import yaml
 
+from gspo_api import ports
 from gspo_operator import names
 from gspo_operator.manifest import check_job
 from gspo_operator.render import HOME_DIR, TMP_DIR, render_job
-from gspo_trainer import ports
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = yaml.safe_load((REPO / "examples/gspojob.yaml").read_text())

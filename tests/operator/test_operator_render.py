@@ -10,10 +10,10 @@ import pytest
 import yaml
 from rendered_checks import check_rendered
 
+from gspo_api import ports
 from gspo_operator import names
 from gspo_operator.manifest import PROMETHEUS_POD_LABELS, ClusterPolicy, check_job
 from gspo_operator.render import render_job
-from gspo_trainer import ports
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = yaml.safe_load((REPO / "examples/gspojob.yaml").read_text())

@@ -24,10 +24,10 @@ from test_operator_render import (
     rendered,
 )
 
+from gspo_api import ports
+from gspo_api.spec import MAX_SANDBOX_REPLICAS, SandboxConfig
 from gspo_operator import names
 from gspo_operator.render import SANDBOX_BACKOFF_LIMIT
-from gspo_trainer import ports
-from gspo_trainer.config import MAX_SANDBOX_REPLICAS, SandboxConfig
 
 NAME, NS = "qwen3-30b-a3b-math", "team-a"
 SANDBOX = {
@@ -245,8 +245,8 @@ def test_only_the_jobs_learner_reaches_the_sandbox_and_the_sandbox_reaches_nothi
 def test_a_sandbox_job_out_of_retries_fails_the_job_as_sandbox_failed() -> None:
     from test_operator_status import NOW, RAW, cond, js, observed, pods, servers, step
 
+    from gspo_api.validation import parse_spec
     from gspo_operator.views import PodView
-    from gspo_trainer.validation import parse_spec
 
     sandbox = {"mode": "service", "runtimeClassName": "gvisor"}
     raw = {**RAW, "reward": {"kind": "code", "sandbox": sandbox}}
@@ -303,8 +303,8 @@ def test_a_sandbox_pod_refused_its_isolation_fails_the_job_at_once_with_its_word
     and the pod's termination message reaches the job's Failed condition."""
     from test_operator_status import NOW, RAW, cond, js, observed, pods, servers, step
 
+    from gspo_api.validation import parse_spec
     from gspo_operator.views import PodView
-    from gspo_trainer.validation import parse_spec
 
     objs = rendered(code_job())
     sandbox_job = next(

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gspo_api.progress import LearnerProgress
+from gspo_api.validation import parse_spec
 from gspo_operator import status, views
 from gspo_operator.status import (
     ChildrenSeen,
@@ -22,8 +24,6 @@ from gspo_operator.views import (
     PodView,
     WorkloadView,
 )
-from gspo_trainer.progress import LearnerProgress
-from gspo_trainer.validation import parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
 RAW = yaml.safe_load((REPO / "examples/gspojob.yaml").read_text())["spec"]
@@ -325,7 +325,7 @@ def test_spec_changes_in_flight(change: dict, refused: list[str]) -> None:
 
 
 def test_invalid_and_refused_statuses_name_the_field() -> None:
-    from gspo_trainer.validation import Problem
+    from gspo_api.validation import Problem
 
     problems = (Problem("spec.algorithm.groupSize", "too small"),)
     out = compute(Observation({}, NOW, problems=problems))

@@ -10,8 +10,8 @@ from operator_harness import NS, eventually, kubelet, tiny_job
 from prometheus_client import generate_latest
 from test_operator_kmock import create, job_status, learners, names_of, start_running
 
+from gspo_api.progress import LearnerProgress
 from gspo_operator import names
-from gspo_trainer.progress import LearnerProgress
 
 JOB = "tiny"
 

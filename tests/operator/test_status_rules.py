@@ -16,6 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schema_admission import validate
 
+from gspo_api.progress import LearnerProgress
+from gspo_api.spec import MAX_CONDITIONS, GSPOJobStatus, Phase
+from gspo_api.validation import Problem, parse_spec
 from gspo_operator import crd, names
 from gspo_operator.status import (
     TERMINAL,
@@ -36,9 +39,6 @@ from gspo_operator.views import (
     PodView,
     WorkloadView,
 )
-from gspo_trainer.config import MAX_CONDITIONS, GSPOJobStatus, Phase
-from gspo_trainer.progress import LearnerProgress
-from gspo_trainer.validation import Problem, parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
 RAW = yaml.safe_load((REPO / "examples/gspojob.yaml").read_text())["spec"]

@@ -7,11 +7,11 @@ import copy
 from pathlib import Path
 from typing import Any
 
+from gspo_api.validation import parse_spec
 from gspo_trainer.engine import load_model, resolve_model_path
 from gspo_trainer.jobs import tiny_manifest
 from gspo_trainer.learner import Learner
 from gspo_trainer.rollout.local import LocalRollout
-from gspo_trainer.validation import parse_spec
 
 
 def tiny_spec(**algorithm: Any) -> Any:

@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 import torch
 
+from gspo_api.validation import SpecError, parse_spec
 from gspo_trainer.jobs import tiny_manifest
 from gspo_trainer.preflight import check_attention
 from gspo_trainer.step.batch import pack
 from gspo_trainer.step.policy import Policy
-from gspo_trainer.validation import SpecError, parse_spec
 
 
 def tiny_model() -> Any:

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import yaml
 
+from gspo_api.spec import RewardConfig
+from gspo_api.validation import parse_spec
 from gspo_trainer.code.preflight import check_code_reward
 from gspo_trainer.code.runner import CodeScorer
-from gspo_trainer.config import RewardConfig
 from gspo_trainer.rewards import Scored, build_scorer
-from gspo_trainer.validation import parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = yaml.safe_load((REPO / "examples/code.yaml").read_text())

@@ -8,13 +8,13 @@ from typing import get_args
 
 import pytest
 
+from gspo_api.spec import CodeConfig, RewardConfig, SandboxConfig
+from gspo_api.validation import SpecError, parse_spec
 from gspo_trainer.code.runner import OUTCOMES, CodeRunner, CodeScorer, Outcome
 from gspo_trainer.code.sandbox import LocalSandbox
 from gspo_trainer.code.tasks import BadTests, Case, extract_program, outputs_match, task_from_row
-from gspo_trainer.config import CodeConfig, RewardConfig, SandboxConfig
 from gspo_trainer.metrics import CODE_OUTCOMES, LearnerMetrics
 from gspo_trainer.rewards import Scored, build_scorer
-from gspo_trainer.validation import SpecError, parse_spec
 
 ADD = {"tests": [{"input": "2 3\n", "output": "5\n"}, {"input": "10 -4\n", "output": "6"}]}
 SQUARE = {

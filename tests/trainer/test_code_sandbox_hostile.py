@@ -23,13 +23,13 @@ from pathlib import Path
 
 import pytest
 
+from gspo_api.ports import ENV_SYNC_TOKEN
+from gspo_api.spec import CodeConfig, SandboxConfig
 from gspo_trainer.code import sandbox_init
 from gspo_trainer.code.runner import CaseResult, CodeRunner
 from gspo_trainer.code.sandbox import LocalSandbox
 from gspo_trainer.code.service import RemoteSandbox, serve_sandbox
 from gspo_trainer.code.tasks import Case, CodeTask
-from gspo_trainer.config import CodeConfig, SandboxConfig
-from gspo_trainer.ports import ENV_SYNC_TOKEN
 
 LIMITS = SandboxConfig(timeout_seconds=1, memory_mib=256, processes=16, output_bytes=1 << 16)
 SECRET = "s3cret-rollout-token-0123456789"
@@ -482,7 +482,7 @@ def test_a_rootless_containers_root_is_isolated_and_a_refusal_names_unshare(tmp_
     program = f"import os\nprint(sorted(os.listdir('/')))\nprint(open({str(secret)!r}).read())"
     script = (
         "from gspo_trainer.code.sandbox import LocalSandbox\n"
-        "from gspo_trainer.config import SandboxConfig\n"
+        "from gspo_api.spec import SandboxConfig\n"
         "sandbox = LocalSandbox(SandboxConfig())\n"
         "print(sandbox.probe())\n"
         f"result = sandbox.run({{'p.py': {program!r}}}, ['{{python}}', '-I', '-S', 'p.py'])\n"
@@ -518,7 +518,7 @@ def test_a_volume_mounted_under_usr_stays_out_of_sight(mode) -> None:
         f"subprocess.run(['mount', '-t', 'tmpfs', 'volume', {under!r}], check=True)\n"
         f"open({under + '/secret'!r}, 'w').write({SECRET!r})\n"
         "from gspo_trainer.code.sandbox import LocalSandbox\n"
-        "from gspo_trainer.config import SandboxConfig\n"
+        "from gspo_api.spec import SandboxConfig\n"
         f"result = LocalSandbox(SandboxConfig()).run({{'p.py': {program!r}}}, "
         "['{python}', '-I', '-S', 'p.py'])\n"
         "print(result.stdout.decode(), result.stderr.decode(), result.failure)\n"

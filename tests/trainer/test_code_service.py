@@ -14,14 +14,14 @@ import time
 
 import pytest
 
+from gspo_api.ports import ENV_SANDBOX_URL, ENV_SYNC_TOKEN
+from gspo_api.spec import CodeConfig, SandboxConfig
+from gspo_api.validation import SpecError, parse_spec
 from gspo_trainer.code import service as service_module
 from gspo_trainer.code.runner import CodeRunner, CodeScorer, build_code_scorer, wait_for_service
 from gspo_trainer.code.sandbox import SETUP_SECONDS, LocalSandbox, RunResult
 from gspo_trainer.code.service import RemoteSandbox, request_timeout, serve_sandbox
-from gspo_trainer.config import CodeConfig, SandboxConfig
-from gspo_trainer.ports import ENV_SANDBOX_URL, ENV_SYNC_TOKEN
 from gspo_trainer.rewards import Scored
-from gspo_trainer.validation import SpecError, parse_spec
 
 TOKEN = "job-token-abc"
 ADD = {"tests": [{"input": "2 3\n", "output": "5\n"}]}
@@ -222,7 +222,7 @@ def test_sandbox_pods_that_never_answer_stop_the_learner_naming_them(monkeypatch
     learner's status server serves, and Kueue's WaitForPodsReady would evict a pod not Ready);
     the learner waits for them afterwards, and pods that never answer are a retryable
     SandboxUnavailable (exit 1) naming where to look, not a configuration error (exit 2)."""
-    from gspo_trainer import ports
+    from gspo_api import ports
     from gspo_trainer.code import runner
     from gspo_trainer.code.preflight import check_code_reward
 

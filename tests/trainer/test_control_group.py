@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
+from gspo_api.ports import free_port
+from gspo_api.validation import parse_spec
 from gspo_trainer import checkpoint as ckpt
 from gspo_trainer.jobs import tiny_manifest
-from gspo_trainer.ports import free_port
 from gspo_trainer.ranks import Ranks, control_timeout_s, data_timeout_s
-from gspo_trainer.validation import parse_spec
 
 DEFAULT_TIMEOUT_S = 1.0
 RANK0_ALONE_S = 2.5  # longer than the default group's timeout

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gspo_trainer.config import DataConfig
+from gspo_api.spec import DataConfig
 from gspo_trainer.data import PromptStream, addition_examples, load_examples
 
 

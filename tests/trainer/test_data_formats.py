@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from gspo_trainer.config import DataConfig
+from gspo_api.spec import DataConfig
 from gspo_trainer.data import DataError, load_eval_examples, load_examples
 
 TEMPLATE = (
@@ -187,8 +187,8 @@ def test_a_line_that_is_not_json_and_a_tokenizer_without_a_template(tmp_path: Pa
 def test_preflight_names_the_spec_field_in_one_line(tmp_path: Path) -> None:
     from learner_helpers import tiny_spec
 
+    from gspo_api.validation import parse_spec
     from gspo_trainer.preflight import check_data
-    from gspo_trainer.validation import parse_spec
 
     src = write_parquet(tmp_path / "t.parquet", [verl_gsm8k_row(0, "q", "1")])
     manifest = tiny_spec()
@@ -265,7 +265,7 @@ def test_a_hub_dataset_not_in_the_cache_is_refused_offline(hub_cache: Path) -> N
 def test_a_builtin_model_with_a_hub_dataset_may_download_it() -> None:
     from learner_helpers import tiny_spec
 
-    from gspo_trainer.validation import parse_spec
+    from gspo_api.validation import parse_spec
 
     spec = tiny_spec()["spec"]
     assert parse_spec(spec).hub_offline  # built on the spot, nothing to download

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from learner_helpers import WrappedFleet, make_learner, run, tiny_spec
 
-from gspo_trainer.config import DataConfig
+from gspo_api.spec import DataConfig
 from gspo_trainer.data import load_eval_examples
 from gspo_trainer.metrics import STEP_GAUGES
 from gspo_trainer.plot import plot_training
@@ -45,8 +45,8 @@ def test_eval_sets_are_kept_apart_from_training(tmp_path: Path) -> None:
 
 
 def test_preflight_names_a_missing_eval_source(tmp_path: Path) -> None:
+    from gspo_api.validation import parse_spec
     from gspo_trainer.preflight import check_data
-    from gspo_trainer.validation import parse_spec
 
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"prompt": "p", "answer": "a"}) + "\n")
@@ -106,7 +106,7 @@ def test_greedy_is_deterministic_and_the_argmax(cache: Path) -> None:
 
 
 def test_off_by_default_in_the_spec(cache: Path) -> None:
-    from gspo_trainer.config import AlgorithmConfig
+    from gspo_api.spec import AlgorithmConfig
 
     assert AlgorithmConfig().eval_every_steps == 0  # a cluster job evaluates when asked
     learner = make_learner(cache, None, tiny_spec(evalEverySteps=0))

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from gspo_api.validation import parse_spec
 from gspo_trainer import engine as eng
 from gspo_trainer.jobs import tiny_manifest
-from gspo_trainer.validation import parse_spec
 
 
 @pytest.mark.parametrize("checkpointing", [True, False])

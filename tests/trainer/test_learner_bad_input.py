@@ -106,7 +106,7 @@ def test_bad_input_exits_2_naming_the_field(name: str, tmp_path: Path, capsys) -
 
 
 def test_the_good_tiny_spec_passes_preflight(tmp_path: Path) -> None:
-    from gspo_trainer.config import GSPOJobSpec
+    from gspo_api.spec import GSPOJobSpec
     from gspo_trainer.preflight import preflight
 
     spec = GSPOJobSpec.model_validate(tiny_manifest()["spec"])

@@ -9,13 +9,13 @@ import pytest
 import yaml
 from checkout import REPO
 
-from gspo_trainer.config import GSPOJobSpec
+from gspo_api.ports import free_port
+from gspo_api.spec import GSPOJobSpec
+from gspo_api.validation import SpecError
 from gspo_trainer.jobs import tiny_manifest
 from gspo_trainer.learner_cli import load_spec, main
-from gspo_trainer.ports import free_port
 from gspo_trainer.rollout.client import RolloutClient
 from gspo_trainer.rollout.discovery import FleetDiscovery, resolve_urls
-from gspo_trainer.validation import SpecError
 
 
 def test_examples_tiny_yaml_is_the_embedded_default() -> None:
@@ -141,8 +141,8 @@ async def test_the_pod_is_ready_while_the_learner_still_loads(tmp_path: Path, mo
     import json
     import urllib.request
 
+    from gspo_api.progress import LearnerProgress
     from gspo_trainer import learner, learner_cli
-    from gspo_trainer.progress import LearnerProgress
 
     port = free_port()
     seen: dict[str, object] = {}
@@ -186,8 +186,8 @@ def test_a_config_error_found_while_running_exits_2(
 ) -> None:
     """Found after preflight (prompts too long for the model once tokenized, a row the
     learner reads later): the code JobSet's failure policy does not retry, not 1."""
+    from gspo_api.validation import ConfigError
     from gspo_trainer import learner_cli
-    from gspo_trainer.validation import ConfigError
 
     async def refuses(args, spec):  # type: ignore[no-untyped-def]
         raise ConfigError("data.source: all 3 prompts are longer than data.maxPromptTokens=8")
@@ -207,7 +207,8 @@ def test_a_rank_that_refuses_its_config_makes_its_group_exit_2(
     file the launcher names, makes the launcher exit 2 with it."""
     import sys
 
-    from gspo_trainer import learner_cli, ports
+    from gspo_api import ports
+    from gspo_trainer import learner_cli
 
     rank = (
         "import os, sys; os.environ['TORCHELASTIC_RUN_ID'] = 'x'; "

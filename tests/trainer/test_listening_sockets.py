@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from gspo_trainer import ports
+from gspo_api import ports
+from gspo_api.ports import free_port
 from gspo_trainer.learner_cli import group_command
-from gspo_trainer.ports import free_port
 from gspo_trainer.rollout import client as client_mod
 from gspo_trainer.rollout import weight_sync as ws
 from gspo_trainer.rollout.client import RolloutClient, Server, SyncOptions

@@ -8,7 +8,7 @@ from typing import get_args
 import pytest
 import torch
 
-from gspo_trainer.config import LossLevel
+from gspo_api.spec import LossLevel
 from gspo_trainer.logprobs import token_logprobs_from_hidden
 from gspo_trainer.loss import LEVEL_OF, POLICY_LOSSES, policy_loss
 

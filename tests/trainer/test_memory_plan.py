@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gspo_trainer.memory_plan import (
+from gspo_api.memory_plan import (
     GiB,
     LearnerSetup,
     gpu_capacity,
@@ -18,14 +18,14 @@ from gspo_trainer.memory_plan import (
     plan_spec,
     refusals,
 )
-from gspo_trainer.model_shape import (
+from gspo_api.model_shape import (
     TINY_KINDS,
     TINY_VOCAB,
     ModelConfigError,
     ModelShape,
     find_model_config,
 )
-from gspo_trainer.validation import parse_spec
+from gspo_api.validation import parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = yaml.safe_load((REPO / "examples/gspojob.yaml").read_text())

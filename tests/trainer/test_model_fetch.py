@@ -11,8 +11,8 @@ import pytest
 from huggingface_hub import constants
 from learner_helpers import tiny_spec
 
+from gspo_api.validation import parse_spec
 from gspo_trainer import engine
-from gspo_trainer.validation import parse_spec
 
 
 def spec_of(name: str, revision: str | None = None) -> Any:

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
+from gspo_api.validation import parse_spec
 from gspo_trainer.engine import ds_config, reference_ds_config
 from gspo_trainer.jobs import tiny_manifest
-from gspo_trainer.validation import parse_spec
 
 
 def spec_with(stage: int, offload: bool) -> Any:

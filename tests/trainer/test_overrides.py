@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from gspo_api.validation import parse_spec
 from gspo_trainer.overrides import OverrideError, apply_overrides
 from gspo_trainer.train import job_manifest, main, parse_args
-from gspo_trainer.validation import parse_spec
 
 
 def spec_after(*assignments: str) -> dict:

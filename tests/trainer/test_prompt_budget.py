@@ -58,7 +58,7 @@ def test_the_learner_trains_only_on_prompts_that_fit(tmp_path: Path) -> None:
 
 def test_chat_template_kwargs_reach_the_template() -> None:
     """data.chatTemplateKwargs, as vLLM's chat_template_kwargs: Qwen3's enable_thinking."""
-    from gspo_trainer.config import DataConfig
+    from gspo_api.spec import DataConfig
     from gspo_trainer.data import render_prompt
 
     tok = build_tokenizer()

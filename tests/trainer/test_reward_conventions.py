@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from gspo_trainer.config import RewardConfig
+from gspo_api.spec import RewardConfig
+from gspo_api.validation import SpecError, parse_spec
 from gspo_trainer.rewards import Scored, build_scorer
-from gspo_trainer.validation import SpecError, parse_spec
 
 CALLS: list[dict[str, Any]] = []
 
@@ -158,7 +158,7 @@ def test_trls_own_accuracy_reward_runs_unchanged() -> None:
 
 def test_the_collector_hands_a_conversations_row_to_a_trl_function() -> None:
     """What the learner scores: the example's messages and columns reach the function."""
-    from gspo_trainer.config import AlgorithmConfig, MetricsConfig
+    from gspo_api.spec import AlgorithmConfig, MetricsConfig
     from gspo_trainer.data import Example
     from gspo_trainer.rollout.types import Completion
     from gspo_trainer.step.collect import Collector

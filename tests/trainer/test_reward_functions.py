@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from learner_helpers import make_learner, tiny_spec
 
-from gspo_trainer.config import RewardConfig
+from gspo_api.spec import RewardConfig
+from gspo_api.validation import SpecError, parse_spec
 from gspo_trainer.metrics import LearnerMetrics
 from gspo_trainer.plot import read_history
 from gspo_trainer.rewards import Scored, build_scorer, format_reward, length_penalty
-from gspo_trainer.validation import SpecError, parse_spec
 
 
 def boom(prompt: str, completion: str, answer: str) -> float:

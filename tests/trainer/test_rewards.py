@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from gspo_trainer.config import RewardConfig
+from gspo_api.spec import RewardConfig
 from gspo_trainer.metrics import LearnerMetrics
 from gspo_trainer.rewards import (
     RewardScorer,

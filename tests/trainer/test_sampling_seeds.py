@@ -51,7 +51,7 @@ def recording_server(seeds: list[int | None]) -> Any:
     request's seed."""
     from aiohttp import web
 
-    from gspo_trainer import ports
+    from gspo_api import ports
 
     async def health(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "policy_version": 0, "model": "m", "workers": 1})

@@ -9,7 +9,17 @@ from typing import Any
 import pytest
 import yaml
 
-from gspo_trainer.config import DataConfig, RewardConfig
+from gspo_api.spec import DataConfig, RewardConfig
+from gspo_api.tasks import (
+    DISTINCT_MAX_DIGITS,
+    DISTINCT_MIN_DIGITS,
+    SORT3_MAX_DIGITS,
+    SORT3_MIN_DIGITS,
+    SORT3_SYMBOLS,
+    SORT_MAX_DIGITS,
+    SORT_MIN_DIGITS,
+)
+from gspo_api.validation import SpecError, parse_spec
 from gspo_trainer.data import load_eval_examples, load_examples
 from gspo_trainer.preflight import check_data
 from gspo_trainer.rewards import (
@@ -19,16 +29,6 @@ from gspo_trainer.rewards import (
     sequence_reward,
     tokenizer_answer_ids,
 )
-from gspo_trainer.tasks import (
-    DISTINCT_MAX_DIGITS,
-    DISTINCT_MIN_DIGITS,
-    SORT3_MAX_DIGITS,
-    SORT3_MIN_DIGITS,
-    SORT3_SYMBOLS,
-    SORT_MAX_DIGITS,
-    SORT_MIN_DIGITS,
-)
-from gspo_trainer.validation import SpecError, parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
 SORT = DataConfig(source="builtin:sort")

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from checkout import checkout_env
 
-from gspo_trainer.validation import SpecError, parse_spec
+from gspo_api.validation import SpecError, parse_spec
 
 
 def minimal(**sections: dict[str, Any]) -> dict[str, Any]:
@@ -179,7 +179,7 @@ def test_config_modules_import_no_torch() -> None:
     import sys
 
     code = (
-        "import sys; import gspo_trainer.config, gspo_trainer.validation, gspo_trainer.progress; "
+        "import sys; import gspo_api.spec, gspo_api.validation, gspo_api.progress; "
         "import gspo_operator.crd; print('torch' in sys.modules)"
     )
     out = subprocess.run(

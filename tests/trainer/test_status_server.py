@@ -8,8 +8,8 @@ import urllib.request
 
 import pytest
 
-from gspo_trainer.ports import HEALTH_PATH
-from gspo_trainer.progress import LearnerProgress
+from gspo_api.ports import HEALTH_PATH
+from gspo_api.progress import LearnerProgress
 from gspo_trainer.status_server import serve_status
 
 

@@ -236,7 +236,7 @@ def item(ids: list[int]) -> Scored:
 
 
 def test_a_reward_may_score_each_token() -> None:
-    from gspo_trainer.config import RewardConfig
+    from gspo_api.spec import RewardConfig
 
     scorer = build_scorer(RewardConfig(kind="python", function="test_token_advantages:per_token"))
     items = [item([2, 3, 4, 5]), item([1])]
@@ -247,7 +247,7 @@ def test_a_reward_may_score_each_token() -> None:
 
 
 def test_a_per_token_reward_of_the_wrong_length_fails_naming_it(caplog) -> None:
-    from gspo_trainer.config import RewardConfig
+    from gspo_api.spec import RewardConfig
 
     function = "test_token_advantages:short_by_one"
     counted = []

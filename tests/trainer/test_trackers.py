@@ -291,7 +291,7 @@ def test_only_rank_0_reports(tmp_path: Path) -> None:
 def test_every_tracker_the_spec_allows_has_an_implementation() -> None:
     from typing import get_args
 
-    from gspo_trainer.config import TrackerName
+    from gspo_api.spec import TrackerName
 
     assert set(trackers.TRACKERS) == set(get_args(TrackerName))
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from gspo_api.validation import parse_spec
 from gspo_operator.render import render_job
 from gspo_trainer.jobs import tiny_manifest
 from gspo_trainer.train import place_on_cpus, process_env, server_env, spawn
-from gspo_trainer.validation import parse_spec
 
 
 def spec_with(name: str, offline: bool = False):  # type: ignore[no-untyped-def]

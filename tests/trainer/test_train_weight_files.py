@@ -9,7 +9,7 @@ import pytest
 import yaml
 from checkout import run_gspo
 
-from gspo_trainer import ports
+from gspo_api import ports
 from gspo_trainer.jobs import tiny_manifest
 from gspo_trainer.plot import read_history
 

@@ -25,8 +25,8 @@ import pytest
 import torch
 from learner_helpers import staged_spec
 
+from gspo_api.spec import AlgorithmConfig
 from gspo_trainer import engine as eng
-from gspo_trainer.config import AlgorithmConfig
 from gspo_trainer.moe import moe_shape
 from gspo_trainer.step.batch import pack
 from gspo_trainer.step.old_policy import old_policy

@@ -25,8 +25,8 @@ if str(HERE) not in sys.path:  # run as the torchrun worker
 
 from learner_helpers import make_learner, tiny_spec  # noqa: E402
 
+from gspo_api.validation import parse_spec  # noqa: E402
 from gspo_trainer import learner as learner_module  # noqa: E402
-from gspo_trainer.validation import parse_spec  # noqa: E402
 
 
 @pytest.fixture(scope="module")

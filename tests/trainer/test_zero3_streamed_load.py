@@ -103,9 +103,9 @@ def test_from_pretrained_goes_through_the_groups(checkpoint: Path, monkeypatch) 
     functions it replaced in transformers are back afterwards."""
     from transformers import modeling_utils as mu
 
+    from gspo_api.validation import parse_spec
     from gspo_trainer import engine as eng
     from gspo_trainer.jobs import tiny_manifest
-    from gspo_trainer.validation import parse_spec
 
     before = (mu.load_state_dict, mu._load_state_dict_into_zero3_model)
     groups: list[list[str]] = []

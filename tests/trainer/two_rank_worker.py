@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
+from gspo_api.validation import parse_spec
 from gspo_trainer.engine import exit_rank, load_model, resolve_model_path
 from gspo_trainer.jobs import tiny_manifest
 from gspo_trainer.learner import Learner
 from gspo_trainer.param_stream import ParamStream
 from gspo_trainer.rollout.local import LocalRollout
-from gspo_trainer.validation import parse_spec
 
 
 def varied(prompt: str, completion: str, answer: str) -> float:

@@ -15,7 +15,7 @@ import socket
 from datetime import timedelta
 from typing import Any
 
-from gspo_trainer import ports
+from gspo_api import ports
 
 LISTEN_BACKLOG = 4096  # what the store's own server asks for
 

@@ -1,4 +1,4 @@
-"""Prompts for the learner: the built-in tasks (tasks.py), jsonl, parquet, a local HF dataset
+"""Prompts for the learner: the built-in tasks (gspo_api.tasks), jsonl, parquet, a local HF dataset
 or a Hugging Face Hub dataset, in the row shapes TRL's and verl's preparations write.
 
 A prompt is text or a conversation (a list of {role, content} messages: TRL's conversational
@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gspo_trainer.config import DataConfig, looks_like_hub_name
-from gspo_trainer.tasks import BUILTIN_TASKS, Problem
-from gspo_trainer.validation import ConfigError
+from gspo_api.spec import DataConfig, looks_like_hub_name
+from gspo_api.tasks import BUILTIN_TASKS, Problem
+from gspo_api.validation import ConfigError
 
 log = logging.getLogger("gspo.data")
 
@@ -366,7 +366,7 @@ def load_examples(
 
 def load_eval_examples(cfg: DataConfig, tokenizer: Any | None = None) -> list[Example] | None:
     """The evaluation set, kept apart from the training stream: data.evalSource (held out,
-    read like source), or a built-in task's own (tasks.py): builtin:sort's 100 held-out
+    read like source), or a built-in task's own (gspo_api.tasks): builtin:sort's 100 held-out
     problems; for builtin:addition all of its 100 problems, which are also its training
     problems (the task has no others, so its evaluation measures how much of the table the
     policy has learned, not generalisation). None: a data set of your own without an

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from gspo_trainer.config import GSPOJobSpec
-from gspo_trainer.ports import free_port
+from gspo_api.ports import free_port
+from gspo_api.spec import GSPOJobSpec
 
 if TYPE_CHECKING:
     import torch

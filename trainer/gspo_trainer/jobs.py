@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gspo_trainer.config import API_GROUP, API_VERSION, KIND
+from gspo_api.spec import API_GROUP, API_VERSION, KIND
 
 TINY_JOB_NAME = "tiny-addition"
 

@@ -21,15 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from gspo_api import ports
+from gspo_api.progress import LearnerProgress
+from gspo_api.spec import GSPOJobSpec
 from gspo_trainer import checkpoint as ckpt
-from gspo_trainer import device, ports
+from gspo_trainer import device
 from gspo_trainer.checkpointer import Checkpointer
-from gspo_trainer.config import GSPOJobSpec
 from gspo_trainer.data import PromptStream, fit_prompts, load_eval_examples, load_examples
 from gspo_trainer.draws import PromptDraws
 from gspo_trainer.learner_state import LearnerState
 from gspo_trainer.metrics import LearnerMetrics
-from gspo_trainer.progress import LearnerProgress
 from gspo_trainer.ranks import Ranks, control_timeout_s, data_timeout_s
 from gspo_trainer.rewards import build_scorer
 from gspo_trainer.routing_replay import RoutingReplay

@@ -1,6 +1,6 @@
 """`gspo learner --config FILE`: the learner process the learner pods (and `gspo train`) run.
 
-The pod contract (ports.py): GSPO_CONFIG or /etc/gspo/gspojob.yaml holds the GSPOJob
+The pod contract (gspo_api.ports): GSPO_CONFIG or /etc/gspo/gspojob.yaml holds the GSPOJob
 manifest (or a bare spec); GSPO_ROLLOUT_URLS the servers (fixed URLs or dns+http://);
 GSPO_SYNC_TOKEN their control token; GSPO_POD_IP the address the servers reach rank 0 on
 for weight sync; GSPO_CHECKPOINT_DIR the checkpoint volume; MASTER_ADDR/MASTER_PORT and
@@ -30,10 +30,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gspo_trainer import ports
-from gspo_trainer.config import GSPOJobSpec
+from gspo_api import ports
+from gspo_api.spec import GSPOJobSpec
+from gspo_api.validation import ConfigError
 from gspo_trainer.trackers import ENV_TRACKER_DIR
-from gspo_trainer.validation import ConfigError
 
 log = logging.getLogger("gspo.learner")
 
@@ -42,8 +42,8 @@ def load_spec(path: str | os.PathLike[str]) -> GSPOJobSpec:
     """A GSPOJob manifest or a bare spec, from YAML or JSON, read as `gspo train` reads its
     job file: FileNotFoundError when it is missing, JobFileError (one line, with the line and
     column of broken YAML) when it cannot be read as a job, SpecError naming bad fields."""
+    from gspo_api.validation import parse_spec
     from gspo_trainer.train import read_job_file
-    from gspo_trainer.validation import parse_spec
 
     if not Path(path).exists():
         raise FileNotFoundError(str(path))
@@ -245,9 +245,9 @@ def build_rollout(args: argparse.Namespace, spec: GSPOJobSpec) -> Any:
 
 
 async def run(args: argparse.Namespace, spec: GSPOJobSpec) -> int:
+    from gspo_api.progress import LearnerProgress
     from gspo_trainer.learner import Learner
     from gspo_trainer.metrics import LearnerMetrics
-    from gspo_trainer.progress import LearnerProgress
     from gspo_trainer.rewards import RewardFailed
     from gspo_trainer.status_server import serve_status
 
@@ -340,8 +340,8 @@ async def run(args: argparse.Namespace, spec: GSPOJobSpec) -> int:
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from gspo_api.validation import SpecError
     from gspo_trainer.train import JobFileError
-    from gspo_trainer.validation import SpecError
 
     args = parse_args(argv)
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gspo_trainer.progress import LearnerPhase
+from gspo_api.progress import LearnerPhase
 
 
 @dataclass

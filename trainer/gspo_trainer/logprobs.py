@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from gspo_trainer.chunking import (  # noqa: F401  (re-exported: fused_loss, tests)
+from gspo_api.chunking import (  # noqa: F401  (re-exported: fused_loss, tests)
     DEFAULT_CHUNK_TOKENS,
     GPU_CHUNK_BYTES_PER_LOGIT,
     GPU_CHUNK_MEMORY_SHARE,

@@ -17,7 +17,7 @@ from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from gspo_trainer.config import TrackerName
+from gspo_api.spec import TrackerName
 
 # Step-level values: key in the learner's per-step stats -> (metric name, help).
 STEP_GAUGES: dict[str, tuple[str, str]] = {

@@ -17,8 +17,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from gspo_trainer.config import GSPOJobSpec
-from gspo_trainer.validation import _model_of
+from gspo_api.spec import GSPOJobSpec
+from gspo_api.validation import _model_of
 
 _SEGMENT = re.compile(r"([^.\[\]]+)((?:\[\d+\])*)")
 

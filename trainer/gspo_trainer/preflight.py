@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from gspo_api.spec import GSPOJobSpec
+from gspo_api.validation import Problem
 from gspo_trainer.code.preflight import check_code_reward
-from gspo_trainer.config import GSPOJobSpec
-from gspo_trainer.validation import Problem
 
 
 def _looks_like_path(name: str) -> bool:

@@ -17,10 +17,10 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from gspo_trainer import ports
+from gspo_api import ports
 
 if TYPE_CHECKING:
-    from gspo_trainer.config import GSPOJobSpec
+    from gspo_api.spec import GSPOJobSpec
 
 T = TypeVar("T")
 

@@ -27,7 +27,7 @@ from torch.distributed.elastic.rendezvous import (
     static_tcp_rendezvous,
 )
 
-from gspo_trainer import ports
+from gspo_api import ports
 from gspo_trainer.bound_store import bind_address, serve_store
 
 

@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from gspo_trainer.config import RewardConfig, RewardFunctionConfig
+from gspo_api.spec import RewardConfig, RewardFunctionConfig
+from gspo_api.validation import ConfigError
 from gspo_trainer.metrics import REWARD_COMPONENT_PREFIX
-from gspo_trainer.validation import ConfigError
 
 log = logging.getLogger("gspo.rewards")
 

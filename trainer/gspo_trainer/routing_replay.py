@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
-from gspo_trainer.validation import ConfigError
+from gspo_api.validation import ConfigError
 
 if TYPE_CHECKING:
     import torch

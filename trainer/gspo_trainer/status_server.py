@@ -11,9 +11,9 @@ import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from gspo_api.ports import HEALTH_PATH
+from gspo_api.progress import PROGRESS_PATH, LearnerProgress
 from gspo_trainer.metrics import LearnerMetrics
-from gspo_trainer.ports import HEALTH_PATH
-from gspo_trainer.progress import PROGRESS_PATH, LearnerProgress
 
 
 def serve_status(

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from gspo_trainer.model_shape import TINY_KINDS, tiny_config_fields
+from gspo_api.model_shape import TINY_KINDS, tiny_config_fields
 
 # The built-in arithmetic task needs only these characters; a small vocabulary keeps the
 # random policy's chance of a well-formed answer high enough for the reward to move.
@@ -26,7 +26,7 @@ SPECIAL_TOKENS = (PAD, EOS, UNK)
 # embedded default's: on the built-in addition task it reaches a given greedy accuracy in
 # about a third of tiny's steps, at about 1.5x the cost of a step on CPU (BENCHMARKS.md).
 # `tiny-qwen3-moe-16e` (hidden 64, 4 layers of 16 experts, 2 routed: ~0.84M) is the one whose
-# routing drifts enough to measure. Their config fields live in model_shape.py, which the
+# routing drifts enough to measure. Their config fields live in gspo_api.model_shape, which the
 # memory plan reads without transformers.
 
 

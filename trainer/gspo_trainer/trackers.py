@@ -42,8 +42,8 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from gspo_trainer import ports
-from gspo_trainer.config import TrackerName
+from gspo_api import ports
+from gspo_api.spec import TrackerName
 
 if TYPE_CHECKING:
     from prometheus_client import Counter

@@ -2,7 +2,7 @@
 
 It starts the same processes the pods run: `gspo rollout-server` (vLLM's own OpenAI server
 with the gspo plugin) per rollout replica and `gspo learner`, wired with the pod environment
-(ports.py). With no file it trains the embedded default (jobs.tiny_manifest: a tiny MoE
+(gspo_api.ports). With no file it trains the embedded default (jobs.tiny_manifest: a tiny MoE
 model and tokenizer built here, the built-in addition task). It shows a progress bar, and
 leaves in the output directory the checkpoints, the final HF export, history.jsonl,
 reward.png, the logs and the rollout servers' token (rollout-token: talk to the policy
@@ -29,12 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from gspo_trainer import output_dir, ports
+from gspo_api import ports
+from gspo_api.ports import free_port
+from gspo_trainer import output_dir
 from gspo_trainer.jobs import tiny_manifest
-from gspo_trainer.ports import free_port
 
 if TYPE_CHECKING:
-    from gspo_trainer.config import GSPOJobSpec
+    from gspo_api.spec import GSPOJobSpec
 
 SERVER_START_TIMEOUT_S = 300.0
 
@@ -614,8 +615,8 @@ def hub_offline_env(offline: bool) -> Iterator[None]:
 
 
 def main(argv: list[str]) -> int:
+    from gspo_api.validation import SpecError, parse_spec
     from gspo_trainer.overrides import OverrideError
-    from gspo_trainer.validation import SpecError, parse_spec
 
     args = parse_args(argv)
     try:

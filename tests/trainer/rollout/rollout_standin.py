@@ -83,7 +83,7 @@ from typing import Any
 
 import aiohttp
 
-from gspo_trainer.ports import free_port
+from gspo_api.ports import free_port
 
 TOKEN = "s3cret"
 REPO = Path(__file__).resolve().parents[3]
@@ -326,7 +326,7 @@ def plugin_env(
     weights_dir: Path | str | None = None,
 ) -> dict[str, str | None]:
     """The plugin's settings as a server's environment gives them (None: unset)."""
-    from gspo_trainer import ports
+    from gspo_api import ports
 
     return {
         ports.ENV_SYNC_TOKEN: token,

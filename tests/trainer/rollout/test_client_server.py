@@ -23,7 +23,7 @@ from rollout_standin import (
     spawn_standin,
 )
 
-from gspo_trainer import ports
+from gspo_api import ports
 from gspo_trainer.rollout.client import RequestRefused, RolloutClient, RolloutError
 from gspo_trainer.rollout.types import SamplingParams
 
@@ -114,9 +114,9 @@ def rendered_readiness_path() -> str:
     """The path of the readiness probe the operator gives the flagship example's servers."""
     import yaml
 
+    from gspo_api.validation import parse_spec
     from gspo_operator import render
     from gspo_operator.manifest import ClusterPolicy
-    from gspo_trainer.validation import parse_spec
 
     body = yaml.safe_load((REPO / "examples/gspojob.yaml").read_text())
     body["metadata"].update(namespace="default", uid="u")

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from rollout_standin import MODEL, TOKEN, StandInEngine, serve_in_process
 
-from gspo_trainer import ports
+from gspo_api import ports
 
 GOOD = {
     "model": MODEL,

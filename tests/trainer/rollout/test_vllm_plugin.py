@@ -32,7 +32,7 @@ from test_vllm_e2e import (
     max_logprob_gap,
 )
 
-from gspo_trainer import ports
+from gspo_api import ports
 from gspo_trainer.rollout.client import RequestRefused, RolloutClient, SyncOptions
 from gspo_trainer.rollout.launch import command, parse_args
 from gspo_trainer.tiny import build_tiny_model

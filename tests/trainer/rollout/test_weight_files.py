@@ -14,7 +14,7 @@ import pytest
 import torch
 from rollout_standin import TOKEN, GlooEngine, StandInEngine, serve_in_process
 
-from gspo_trainer import ports
+from gspo_api import ports
 from gspo_trainer.rollout import weight_files
 from gspo_trainer.rollout.client import RolloutClient, SyncOptions
 from gspo_trainer.rollout.weight_sync import checkpoint_named_tensors

@@ -7,7 +7,7 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from gspo_trainer.ports import free_port
+from gspo_api.ports import free_port
 from gspo_trainer.rollout import weight_sync as ws
 
 

@@ -6,7 +6,7 @@ rather than a run that scores it as a sandbox failure at every step.
 
 from __future__ import annotations
 
-from gspo_trainer.config import GSPOJobSpec
+from gspo_api.spec import GSPOJobSpec
 
 Problem = tuple[str, str]  # (field path, message)
 

@@ -27,6 +27,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, get_args
 
+from gspo_api.spec import CodeConfig, SandboxConfig
 from gspo_trainer.code.sandbox import LocalSandbox, RunResult
 from gspo_trainer.code.tasks import (
     BadTests,
@@ -36,7 +37,6 @@ from gspo_trainer.code.tasks import (
     outputs_match,
     task_from_row,
 )
-from gspo_trainer.config import CodeConfig, SandboxConfig
 from gspo_trainer.metrics import CODE_TESTS_PREFIX
 from gspo_trainer.rewards import BatchOutcome
 
@@ -280,13 +280,13 @@ def _service_scorer(
     $GSPO_SANDBOX_URL), which start with the learner and are waited for."""
     import os
 
-    from gspo_trainer.code.service import RemoteSandbox, request_timeout
-    from gspo_trainer.ports import (
+    from gspo_api.ports import (
         ENV_JOB_NAME,
         ENV_SANDBOX_URL,
         ENV_SYNC_TOKEN,
         SANDBOX_STARTUP_SECONDS,
     )
+    from gspo_trainer.code.service import RemoteSandbox, request_timeout
 
     url, wait_s, pods = sandbox.service_url, 0.0, 1
     if url is None:

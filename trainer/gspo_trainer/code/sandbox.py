@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gspo_trainer.config import SandboxConfig
+from gspo_api.spec import SandboxConfig
 
 INIT = Path(__file__).with_name("sandbox_init.py")
 OPEN_FILES = 64

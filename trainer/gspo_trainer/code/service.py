@@ -26,9 +26,9 @@ import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from gspo_api.ports import INVALID_CONFIG_EXIT_CODE
+from gspo_api.spec import SandboxConfig
 from gspo_trainer.code.sandbox import LocalSandbox, RunResult, run_bound_seconds
-from gspo_trainer.config import SandboxConfig
-from gspo_trainer.ports import INVALID_CONFIG_EXIT_CODE
 
 log = logging.getLogger("gspo.rewards.code")
 RUN_PATH, HEALTH_PATH = "/run", "/healthz"

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gspo_trainer.config import CodeConfig
+from gspo_api.spec import CodeConfig
 
 FENCE = re.compile(r"```[^\n`]*\n(.*?)```", re.DOTALL)
 THINK_END = "</think>"

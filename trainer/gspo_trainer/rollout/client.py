@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import msgspec
 
-from gspo_trainer import device, ports
+from gspo_api import ports
+from gspo_trainer import device
 from gspo_trainer.rollout.types import Completion, RolloutBatch, SamplingParams
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from gspo_trainer import ports
+from gspo_api import ports
 
 log = logging.getLogger("gspo.rollout.discovery")
 

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gspo_trainer import ports
+from gspo_api import ports
 from gspo_trainer.rollout.serve_command import ServeOptions, serve_argv, serve_env
 
 log = logging.getLogger("gspo.rollout")

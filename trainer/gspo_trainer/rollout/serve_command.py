@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from gspo_trainer import ports
+from gspo_api import ports
 
 SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 PLUGIN_NAME = "gspo"  # the entry point's name in pyproject.toml (vllm.endpoint_plugins)

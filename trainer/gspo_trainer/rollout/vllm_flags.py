@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Any
 
-from gspo_trainer.rollout.engine_args import TABLE
+from gspo_api.engine_args import TABLE
 
 
 def describe(parser: argparse.ArgumentParser) -> dict[str, dict[str, Any]]:

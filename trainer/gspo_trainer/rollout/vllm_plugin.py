@@ -44,7 +44,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from gspo_trainer import ports
+from gspo_api import ports
 from gspo_trainer.rollout.control import (
     ControlError,
     RolloutState,

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from gspo_trainer.config import AlgorithmConfig, MetricsConfig
+from gspo_api.spec import AlgorithmConfig, MetricsConfig
 from gspo_trainer.rewards import (
     RewardFailed,
     RewardScorer,

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gspo_trainer.config import AlgorithmConfig
+from gspo_api.spec import AlgorithmConfig
 from gspo_trainer.engine import score_with_head
 from gspo_trainer.logprobs import token_logprobs_from_hidden
 from gspo_trainer.step.batch import Packed

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from gspo_trainer.config import AlgorithmConfig
+from gspo_api.spec import AlgorithmConfig
 from gspo_trainer.engine import score_with_head
 from gspo_trainer.loss import LEVEL_OF, LossOptions
 from gspo_trainer.step.batch import Packed

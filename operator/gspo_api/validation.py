@@ -15,11 +15,11 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from pydantic.alias_generators import to_snake
 
-from gspo_trainer.config import BUILTIN_MODELS, GSPOJobSpec, PodSettings, SandboxConfig
-from gspo_trainer.model_shape import TINY_KINDS
-from gspo_trainer.ports import RESERVED_PORTS
-from gspo_trainer.rollout.engine_args import engine_arg_problems
-from gspo_trainer.tasks import BUILTIN_TASKS
+from gspo_api.engine_args import engine_arg_problems
+from gspo_api.model_shape import TINY_KINDS
+from gspo_api.ports import RESERVED_PORTS
+from gspo_api.spec import BUILTIN_MODELS, GSPOJobSpec, PodSettings, SandboxConfig
+from gspo_api.tasks import BUILTIN_TASKS
 
 
 @dataclass(frozen=True)

@@ -39,14 +39,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gspo_trainer.chunking import GPU_CHUNK_BYTES_PER_LOGIT, chunk_tokens
-from gspo_trainer.config import GSPOJobSpec
-from gspo_trainer.model_shape import (
+from gspo_api.chunking import GPU_CHUNK_BYTES_PER_LOGIT, chunk_tokens
+from gspo_api.model_shape import (
     ModelConfigError,
     ModelShape,
     find_model_config,
     hub_cache_dir,
 )
+from gspo_api.spec import GSPOJobSpec
 
 GiB = 2**30
 MiB = 2**20

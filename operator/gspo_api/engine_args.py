@@ -17,7 +17,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from gspo_trainer.ports import ROLLOUT_HTTP_PORT
+from gspo_api.ports import ROLLOUT_HTTP_PORT
 
 TABLE = Path(__file__).with_name("vllm_flags.json")
 
