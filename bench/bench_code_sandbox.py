@@ -31,7 +31,7 @@ from gspo_api.spec import CodeConfig, SandboxConfig  # noqa: E402
 from gspo_trainer.code.runner import HARNESS, PROGRAM, CodeRunner, CodeScorer  # noqa: E402
 from gspo_trainer.code.sandbox import LocalSandbox  # noqa: E402
 from gspo_trainer.code.tasks import task_from_row  # noqa: E402
-from gspo_trainer.rewards import Scored  # noqa: E402
+from gspo_trainer.reward_types import Scored  # noqa: E402
 
 
 def bare(program: str, harness: str, stdin: str) -> float:

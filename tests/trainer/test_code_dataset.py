@@ -13,7 +13,8 @@ from gspo_api.spec import RewardConfig
 from gspo_api.validation import parse_spec
 from gspo_trainer.code.preflight import check_code_reward
 from gspo_trainer.code.runner import CodeScorer
-from gspo_trainer.rewards import Scored, build_scorer
+from gspo_trainer.reward_types import Scored
+from gspo_trainer.rewards import build_scorer
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = yaml.safe_load((REPO / "examples/code.yaml").read_text())

@@ -14,7 +14,8 @@ from gspo_trainer.code.runner import OUTCOMES, CodeRunner, CodeScorer, Outcome
 from gspo_trainer.code.sandbox import LocalSandbox
 from gspo_trainer.code.tasks import BadTests, Case, extract_program, outputs_match, task_from_row
 from gspo_trainer.metrics import CODE_OUTCOMES, LearnerMetrics
-from gspo_trainer.rewards import Scored, build_scorer
+from gspo_trainer.reward_types import Scored
+from gspo_trainer.rewards import build_scorer
 
 ADD = {"tests": [{"input": "2 3\n", "output": "5\n"}, {"input": "10 -4\n", "output": "6"}]}
 SQUARE = {

@@ -21,7 +21,7 @@ from gspo_trainer.code import service as service_module
 from gspo_trainer.code.runner import CodeRunner, CodeScorer, build_code_scorer, wait_for_service
 from gspo_trainer.code.sandbox import SETUP_SECONDS, LocalSandbox, RunResult
 from gspo_trainer.code.service import RemoteSandbox, request_timeout, serve_sandbox
-from gspo_trainer.rewards import Scored
+from gspo_trainer.reward_types import Scored
 
 TOKEN = "job-token-abc"
 ADD = {"tests": [{"input": "2 3\n", "output": "5\n"}]}

@@ -13,7 +13,8 @@ import pytest
 
 from gspo_api.spec import RewardConfig
 from gspo_api.validation import SpecError, parse_spec
-from gspo_trainer.rewards import Scored, build_scorer
+from gspo_trainer.reward_types import Scored
+from gspo_trainer.rewards import build_scorer
 
 CALLS: list[dict[str, Any]] = []
 

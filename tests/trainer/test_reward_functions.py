@@ -13,7 +13,8 @@ from gspo_api.spec import RewardConfig
 from gspo_api.validation import SpecError, parse_spec
 from gspo_trainer.metrics import LearnerMetrics
 from gspo_trainer.plot import read_history
-from gspo_trainer.rewards import Scored, build_scorer, format_reward, length_penalty
+from gspo_trainer.reward_types import Scored
+from gspo_trainer.rewards import build_scorer, format_reward, length_penalty
 
 
 def boom(prompt: str, completion: str, answer: str) -> float:

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gspo_trainer.rewards import Scored
+    from gspo_trainer.reward_types import Scored
 
 BatchFn = Callable[[Sequence["Scored"]], list[float | None]]
 TRL_RESERVED = ("prompt", "completion", "completion_ids")  # columns TRL does not pass on

@@ -37,7 +37,7 @@ import math
 import re
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -45,6 +45,7 @@ from typing import Any
 from gspo_api.spec import RewardConfig, RewardFunctionConfig
 from gspo_api.validation import ConfigError
 from gspo_trainer.metrics import REWARD_COMPONENT_PREFIX
+from gspo_trainer.reward_types import BatchOutcome, Scored
 
 log = logging.getLogger("gspo.rewards")
 
@@ -121,20 +122,6 @@ def takes_token_ids(fn: Callable[..., Any]) -> bool:
 
 
 ItemFn = Callable[["Scored"], float]  # built-in components that read more than the text
-
-
-@dataclass(frozen=True)
-class Scored:
-    prompt: str
-    completion: str  # decoded response without special tokens
-    answer: str
-    finished: bool  # the response ended with EOS (not cut at max tokens)
-    tokens: int | None = None  # response tokens, read by the length component
-    # For TRL's and verl's functions (reward_conventions.py): the response's token ids, the
-    # prompt as the data set holds it (text or messages) and the data set's row.
-    token_ids: Sequence[int] | None = None
-    source_prompt: str | list[dict[str, Any]] | None = None
-    row: Mapping[str, Any] = field(default_factory=dict)
 
 
 def arithmetic_reward(prompt: str, completion: str, answer: str) -> float:
@@ -318,19 +305,6 @@ class WorkerPool:
         """Whether every thread there may be is running a call started `timeout_s` ago."""
         hung = sum(1 for t in self.running.values() if now - t >= timeout_s)
         return hung >= self.size
-
-
-@dataclass
-class BatchOutcome:
-    """What one score() call saw: its calls, and those that failed by reason."""
-
-    calls: int = 0
-    failed: dict[str, int] = field(default_factory=lambda: {"error": 0, "timeout": 0})
-    first: str = ""  # the first failure's message, for the batch's one warning
-
-    @property
-    def failed_total(self) -> int:
-        return sum(self.failed.values())
 
 
 @dataclass

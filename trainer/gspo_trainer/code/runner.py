@@ -38,7 +38,7 @@ from gspo_trainer.code.tasks import (
     task_from_row,
 )
 from gspo_trainer.metrics import CODE_TESTS_PREFIX
-from gspo_trainer.rewards import BatchOutcome
+from gspo_trainer.reward_types import BatchOutcome
 
 log = logging.getLogger("gspo.rewards.code")
 
