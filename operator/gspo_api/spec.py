@@ -539,6 +539,17 @@ class AlgorithmConfig(Section):
         None, description="Upper clip epsilon; default 4e-4 for gspo levels, 0.27 for grpo."
     )
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the reference policy (beta).")
+    entropy_coef: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description=(
+            "Entropy bonus: the loss subtracts entropyCoef x the policy's entropy, averaged "
+            "over each response's tokens and then over responses (as GSPO averages its "
+            "ratio), so a policy keeps sampling alternatives instead of turning "
+            "deterministic on a wrong answer; 0 (the default) adds nothing."
+        ),
+    )
     learning_rate: float = Field(1e-6, gt=0, description="Peak learning rate.")
     warmup_steps: int = Field(
         0,

@@ -71,6 +71,49 @@ def test_equals_unfused_path(level: str, chunk_size: int, off_policy: bool) -> N
         assert 0 < float(stats["importance_truncated_fraction"]) < 1
 
 
+@pytest.mark.parametrize("level", ["sequence", "sequence_token", "token"])
+@pytest.mark.parametrize("chunk_size", [1, 4, 100])
+def test_the_entropy_bonus_equals_autograd_over_the_whole_softmax(
+    level: str, chunk_size: int
+) -> None:
+    """loss - coef x mean over responses of each response's mean token entropy, the entropy
+    taken from the full logits by autograd, nothing of the fused path reused."""
+    hidden, weight, tokens, mask, old, adv, _ = batch(torch.float64)
+    coef, temperature = 0.3, 0.7
+    kw = dict(level=level, clip_low=0.2, clip_high=0.27)
+    logits = hidden @ weight.T / temperature  # (B, T, V)
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(2, tokens.clamp(min=0)[..., None]).squeeze(2)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)  # (B, T)
+    per_response = (entropy * mask).sum(1) / mask.sum(1)
+    want = policy_loss(logp, old, adv, mask, **kw)[0] - coef * per_response.mean()
+    want_grads = torch.autograd.grad(want, (hidden, weight))
+    got, _, scores = policy_loss_from_hidden(
+        hidden,
+        weight,
+        tokens,
+        mask,
+        old,
+        adv,
+        LossOptions(**kw, entropy_coef=coef),
+        temperature=temperature,
+        chunk_size=chunk_size,
+        with_entropy=False,  # the bonus computes it anyway
+    )
+    got_grads = torch.autograd.grad(got, (hidden, weight))
+    torch.testing.assert_close(got, want)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b)
+    assert scores.entropy is not None
+    torch.testing.assert_close(scores.entropy[mask], entropy[mask].detach())
+    # The bonus moves the gradient: without it the same call differs.
+    plain, _, _ = policy_loss_from_hidden(
+        hidden, weight, tokens, mask, old, adv, LossOptions(**kw), temperature=temperature
+    )
+    plain_grads = torch.autograd.grad(plain, (hidden, weight))
+    assert not torch.allclose(plain_grads[1], got_grads[1])
+
+
 def test_bfloat16_close_to_unfused() -> None:
     hidden, weight, tokens, mask, old, adv, _ = batch(torch.bfloat16)
     kw = dict(level="sequence", clip_low=0.2, clip_high=0.27)
@@ -160,3 +203,17 @@ def test_responses_longer_than_a_chunk_match_the_float32_reference(level: str) -
     for got, ref in ((hidden.grad, h32.grad), (weight.grad, w32.grad)):
         scale = ref.abs().max()
         torch.testing.assert_close(got.float() / scale, ref / scale, rtol=0, atol=2e-2)
+
+
+def test_the_spec_entropy_coef_reaches_the_loss_options() -> None:
+    from gspo_api.validation import parse_spec
+    from gspo_trainer.jobs import tiny_manifest
+    from gspo_trainer.step.update import loss_options
+
+    raw = tiny_manifest()["spec"]
+    raw["algorithm"]["entropyCoef"] = 0.02
+    options = loss_options(parse_spec(raw).algorithm, behaviour=False)
+    assert options.entropy_coef == 0.02
+    raw["algorithm"]["entropyCoef"] = -0.1
+    with pytest.raises(ValueError, match=r"spec\.algorithm\.entropyCoef"):
+        parse_spec(raw)

@@ -107,6 +107,11 @@ def policy_loss_from_hidden(
     form, each response's weight its own). Returns (loss, stats, detached TokenScores) where
     the scores (log-probs and, by default, entropy) are what the learner logs. Gradients
     reach hidden and the weight.
+
+    With options.entropy_coef > 0 the loss is that minus entropy_coef x the mean over
+    responses of each response's mean token entropy (GSPO's own averaging, so a long response
+    counts as much as a short one), its gradient made in the same pass (entropy is then
+    always computed).
     """
     import torch
 
@@ -125,7 +130,12 @@ def policy_loss_from_hidden(
     flat_tokens = tokens.reshape(-1)
     dtype = _compute_dtype(lm_head_weight.dtype)
     logp = torch.zeros(B * T, dtype=dtype, device=hidden.device)
+    bonus = options.entropy_coef
+    with_entropy = with_entropy or bonus > 0
     entropy = torch.zeros_like(logp) if with_entropy else None
+    # d loss / d H for each scored token: -coef / (B x its response's length).
+    per_response = mask.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
+    g_entropy = (mask / per_response * (-bonus / B)).to(dtype).reshape(-1) if bonus else None
 
     def run(h_all: torch.Tensor, weight: torch.Tensor):
         h_flat = h_all.reshape(-1, H)
@@ -172,8 +182,9 @@ def policy_loss_from_hidden(
                     z = _upcast(h @ weight.T)
                     if temperature != 1.0:
                         z.div_(temperature)
+                g_ent = g_entropy[g_rows[s:e]] if g_entropy is not None else None
                 g = _chunk_grad(
-                    z, flat_tokens[g_rows[s:e]], lse, ent, g_flat[s:e], None, 1.0 / temperature
+                    z, flat_tokens[g_rows[s:e]], lse, ent, g_flat[s:e], g_ent, 1.0 / temperature
                 ).to(weight.dtype)
                 grad_h[g_rows[s:e]] = (g @ weight).to(grad_h.dtype)
                 _add_head_grad(grad_w, g, h)
@@ -191,5 +202,7 @@ def policy_loss_from_hidden(
         ref_logprobs=ref_logprobs,
         behaviour_logprobs=behaviour_logprobs,
     )
+    if g_entropy is not None and entropy is not None:  # the bonus: its value, the same sum
+        value = value + (g_entropy * entropy).sum()
     scores = TokenScores(logp_bt, entropy.view(B, T) if entropy is not None else None)
     return zero + value.detach(), stats, scores

@@ -50,15 +50,18 @@ POLICY_LOSSES: dict[str, LevelLoss] = {}
 class LossOptions:
     """The objective's settings, one typed value from the spec (the update builds it once a
     step) through the fused head to `policy_loss`: the level, its clip range, the KL
-    coefficient and, for rollouts an older policy sampled, the importance weight's cap (None:
-    on-policy, no weight). The tensors a mini-batch brings (reference and behaviour
-    log-probs) travel beside it, not in it."""
+    coefficient, for rollouts an older policy sampled the importance weight's cap (None:
+    on-policy, no weight), and the entropy bonus's coefficient. The tensors a mini-batch
+    brings (reference and behaviour log-probs) travel beside it, not in it."""
 
     level: Level
     clip_low: float
     clip_high: float
     kl_coef: float = 0.0
     is_cap: float | None = None
+    # The entropy bonus needs the whole distribution, not only the sampled tokens' log-probs:
+    # the fused head (fused_loss.py) adds it; `loss` below is the objective without it.
+    entropy_coef: float = 0.0
 
     def loss(
         self,

@@ -150,6 +150,7 @@ def loss_options(alg: AlgorithmConfig, *, behaviour: bool) -> LossOptions:
         alg.clip_high,
         kl_coef=alg.kl_coef,
         is_cap=alg.importance_weight_cap if behaviour else None,
+        entropy_coef=alg.entropy_coef,
     )
 
 
