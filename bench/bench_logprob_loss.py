@@ -160,7 +160,9 @@ def child(args: argparse.Namespace) -> None:
 
 def run_variant(args: argparse.Namespace, variant: str) -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "trainer"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO / "operator"), str(REPO / "trainer"), env.get("PYTHONPATH", "")]
+    )
     cmd = [sys.executable, __file__, "--child", "--variant", variant]
     for key in ("vocab", "tokens", "batch", "hidden", "chunk", "repeats", "dtype", "device"):
         cmd += [f"--{key}", str(getattr(args, key))]
@@ -218,5 +220,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO / "trainer"))
+    sys.path[:0] = [str(REPO / "operator"), str(REPO / "trainer")]
     main()

@@ -41,7 +41,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "trainer"), str(REPO / "tests" / "trainer" / "rollout")]
+sys.path[:0] = [
+    str(REPO / "operator"),
+    str(REPO / "trainer"),
+    str(REPO / "tests" / "trainer" / "rollout"),
+]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")

@@ -88,7 +88,7 @@ def test_the_entropy_bonus_equals_autograd_over_the_whole_softmax(
     per_response = (entropy * mask).sum(1) / mask.sum(1)
     want = policy_loss(logp, old, adv, mask, **kw)[0] - coef * per_response.mean()
     want_grads = torch.autograd.grad(want, (hidden, weight))
-    got, _, scores = policy_loss_from_hidden(
+    got, stats, scores = policy_loss_from_hidden(
         hidden,
         weight,
         tokens,
@@ -101,9 +101,11 @@ def test_the_entropy_bonus_equals_autograd_over_the_whole_softmax(
         with_entropy=False,  # the bonus computes it anyway
     )
     got_grads = torch.autograd.grad(got, (hidden, weight))
-    torch.testing.assert_close(got, want)
+    exact = dict(rtol=1e-12, atol=1e-12)  # float64 throughout: nothing rounded to float32
+    torch.testing.assert_close(got, want, **exact)
+    torch.testing.assert_close(stats["loss"], want.detach(), **exact)  # the loss it logs
     for a, b in zip(got_grads, want_grads, strict=True):
-        torch.testing.assert_close(a, b)
+        torch.testing.assert_close(a, b, **exact)
     assert scores.entropy is not None
     torch.testing.assert_close(scores.entropy[mask], entropy[mask].detach())
     # The bonus moves the gradient: without it the same call differs.

@@ -13,8 +13,8 @@ recomputing its pieces; the learner sizes chunks by its device (`logprobs.chunk_
 tokens. The lm_head's gradient accumulates in float32 (`_add_head_grad`). Backward only
 scales the stored gradients by the upstream gradient.
 
-Values and gradients equal `policy_loss(token_logprobs_from_hidden(...).logp, ...)`; the
-tests hold them to it.
+Values and gradients equal `policy_loss(token_logprobs_from_hidden(...).logp, ...)`, less
+the entropy bonus's term when options.entropy_coef > 0; the tests hold them to it.
 """
 
 from __future__ import annotations
@@ -135,7 +135,9 @@ def policy_loss_from_hidden(
     entropy = torch.zeros_like(logp) if with_entropy else None
     # d loss / d H for each scored token: -coef / (B x its response's length).
     per_response = mask.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
-    g_entropy = (mask / per_response * (-bonus / B)).to(dtype).reshape(-1) if bonus else None
+    g_entropy = None
+    if bonus:  # in the compute dtype from the start: 1/|y_i| is not rounded to float32 first
+        g_entropy = (mask.to(dtype) / per_response.to(dtype) * (-bonus / B)).reshape(-1)
 
     def run(h_all: torch.Tensor, weight: torch.Tensor):
         h_flat = h_all.reshape(-1, H)
@@ -204,5 +206,6 @@ def policy_loss_from_hidden(
     )
     if g_entropy is not None and entropy is not None:  # the bonus: its value, the same sum
         value = value + (g_entropy * entropy).sum()
+        stats = {**stats, "loss": value.detach()}  # the logged loss is the one minimised
     scores = TokenScores(logp_bt, entropy.view(B, T) if entropy is not None else None)
     return zero + value.detach(), stats, scores
