@@ -133,11 +133,12 @@ def policy_loss_from_hidden(
     bonus = options.entropy_coef
     with_entropy = with_entropy or bonus > 0
     entropy = torch.zeros_like(logp) if with_entropy else None
-    # d loss / d H for each scored token: -coef / (B x its response's length).
-    per_response = mask.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
+    # d loss / d H for each scored token: -coef / (B x its response's length), in the compute
+    # dtype from the start (1/|y_i| is not rounded to float32 first); nothing without a bonus.
     g_entropy = None
-    if bonus:  # in the compute dtype from the start: 1/|y_i| is not rounded to float32 first
-        g_entropy = (mask.to(dtype) / per_response.to(dtype) * (-bonus / B)).reshape(-1)
+    if bonus:
+        per_response = mask.sum(dim=1, keepdim=True).clamp(min=1).to(dtype)  # (B, 1)
+        g_entropy = (mask.to(dtype) / per_response * (-bonus / B)).reshape(-1)
 
     def run(h_all: torch.Tensor, weight: torch.Tensor):
         h_flat = h_all.reshape(-1, H)
