@@ -600,8 +600,8 @@ class AlgorithmConfig(Section):
             "each step samples with the weights it updates; 1: the next step's rollouts are "
             "generated while this one updates, one policy version behind). Above 0 the "
             "objective is the decoupled one: clip against the learner's recompute, each "
-            "response weighted by its importance weight recompute / sampler, truncated at "
-            "importanceWeightCap."
+            "response (each token, where the advantages are per token) weighted by its "
+            "importance weight recompute / sampler, truncated at importanceWeightCap."
         ),
     )
     importance_weight_cap: float = Field(
@@ -609,8 +609,9 @@ class AlgorithmConfig(Section):
         ge=1,
         description=(
             "Truncation of the importance weight (learner / sampler, the length-normalised "
-            "sequence ratio; per token for grpo) that corrects rollouts sampled by an older "
-            "policy version: used when maxStaleness > 0 or weightSync.everySteps > 1."
+            "sequence ratio; per token for grpo, and for gspo-token on a per-token reward) "
+            "that corrects rollouts sampled by an older policy version: used when "
+            "maxStaleness > 0 or weightSync.everySteps > 1."
         ),
     )
     eval_every_steps: int = Field(

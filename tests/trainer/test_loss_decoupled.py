@@ -26,18 +26,21 @@ def case(seed: int, b: int = 6, t: int = 5):  # type: ignore[no-untyped-def]
 
 
 def reference(logp, prox, behaviour, adv, mask, level, cap):  # type: ignore[no-untyped-def]
-    """The decoupled loss, one response and one token at a time."""
+    """The decoupled loss, one response and one token at a time: adv (B,), or (B, T) per
+    token, each token's term then weighted by its own pi_prox / mu."""
     lo, hi = CLIP[level]
     total = 0.0
     for i in range(logp.shape[0]):
         toks = [j for j in range(logp.shape[1]) if mask[i, j]]
-        if level == "token":
+        if level == "token" or adv.dim() == 2:
+            s = math.exp(sum(logp[i, j] - prox[i, j] for j in toks) / len(toks))
             terms = []
             for j in toks:
-                r = math.exp(logp[i, j] - prox[i, j])
+                r = math.exp(logp[i, j] - prox[i, j]) if level == "token" else s
+                a = adv[i, j] if adv.dim() == 2 else adv[i]
                 w = min(math.exp(prox[i, j] - behaviour[i, j]), cap)
                 clipped = min(max(r, 1 - lo), 1 + hi)
-                terms.append(-w * min(r * adv[i], clipped * adv[i]))
+                terms.append(-w * min(r * a, clipped * a))
             total += sum(terms) / len(toks)
         else:
             s = math.exp(sum(logp[i, j] - prox[i, j] for j in toks) / len(toks))
@@ -59,6 +62,45 @@ def test_matches_the_formula(level: str, cap: float, seed: int) -> None:
                      mask, level, cap)  # fmt: skip
     assert loss.item() == pytest.approx(float(want), rel=1e-5, abs=1e-7)
     assert 0.0 <= float(stats["importance_truncated_fraction"]) <= 1.0
+
+
+@pytest.mark.parametrize("level", ["sequence_token", "token"])
+@pytest.mark.parametrize("cap", [1.2, 5.0])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_per_token_advantages_take_per_token_weights(level: str, cap: float, seed: int) -> None:
+    """GSPO-token on A_i,t (a per-token reward, lossLevel gspo-token), like GRPO: each token's
+    term is weighted by that token's own pi_prox / mu, not by its response's geometric mean."""
+    logp, prox, behaviour, _, mask = case(seed)
+    adv = torch.randn(logp.shape, generator=torch.Generator().manual_seed(seed + 10))
+    lo, hi = CLIP[level]
+    kw = dict(level=level, clip_low=lo, clip_high=hi, is_cap=cap)
+    loss, stats = policy_loss(logp, prox, adv, mask, behaviour_logprobs=behaviour, **kw)
+    doubles = (t.detach().double() for t in (logp, prox, behaviour, adv))
+    want = reference(*doubles, mask, level, cap)
+    assert loss.item() == pytest.approx(float(want), rel=1e-5, abs=1e-7)
+    raw = (prox - behaviour).exp()[mask]  # the statistics count tokens
+    assert float(stats["importance_weight_max"]) == pytest.approx(float(raw.max()), rel=1e-6)
+    assert float(stats["importance_truncated_fraction"]) == pytest.approx(
+        float((raw > cap).float().mean())
+    )
+
+
+def test_a_token_the_last_update_made_less_likely_weighs_less() -> None:
+    """One response of two tokens, both with advantage -1, sampled one version back: the
+    last update made token 0 less likely (mu = e^0.5 pi_prox) and token 1 more likely (mu =
+    e^-0.5 pi_prox). Their geometric mean is 1, which would push token 0 down again at the
+    older version's higher sampling rate; each token's own weight scales its gradient to
+    what pi_prox would have sampled: e^-0.5 and e^0.5."""
+    prox = torch.tensor([[-1.0, -2.0]])
+    logp = prox.clone().requires_grad_(True)
+    behaviour = prox + torch.tensor([[0.5, -0.5]])
+    adv, mask = torch.tensor([[-1.0, -1.0]]), torch.ones(1, 2, dtype=torch.bool)
+    kw = dict(level="sequence_token", clip_low=3e-4, clip_high=4e-4, is_cap=2.0)
+    loss, _ = policy_loss(logp, prox, adv, mask, behaviour_logprobs=behaviour, **kw)
+    (grad,) = torch.autograd.grad(loss, logp)
+    # d loss / d logp_t = -A_t w_t s / |y| with s = 1 at pi_theta = pi_prox
+    want = torch.tensor([[math.exp(-0.5), math.exp(0.5)]]) / 2
+    torch.testing.assert_close(grad, want)
 
 
 @pytest.mark.parametrize("level", ["sequence", "sequence_token", "token"])

@@ -110,9 +110,13 @@ def test_the_sequence_level_refuses_per_token_advantages() -> None:
 
 @pytest.mark.parametrize("level", ["sequence_token", "token"])
 @pytest.mark.parametrize("chunk_size", [4, 100])  # 4 splits the longer responses
-def test_the_fused_loss_takes_per_token_advantages(level: str, chunk_size: int) -> None:
+@pytest.mark.parametrize("stale", [False, True])
+def test_the_fused_loss_takes_per_token_advantages(
+    level: str, chunk_size: int, stale: bool
+) -> None:
     """The update's loss (from hidden states) equals policy_loss on the same per-token
-    advantages: each response's slice of them reaches its own tokens."""
+    advantages: each response's slice of them reaches its own tokens, and with rollouts an
+    older version sampled (`stale`), each token's own importance weight."""
     g = torch.Generator().manual_seed(0)
     B, T, H, V = 5, 9, 8, 23
     hidden = torch.randn(B, T, H, generator=g, dtype=torch.float64).requires_grad_(True)
@@ -123,12 +127,21 @@ def test_the_fused_loss_takes_per_token_advantages(level: str, chunk_size: int) 
         logp = token_logprobs_from_hidden(hidden, weight, tokens, 4, 1.0, mask=mask).logp
     old = logp + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)
     adv = torch.randn(B, T, generator=g, dtype=torch.float64)
-    kw = dict(level=level, clip_low=0.2, clip_high=0.27)
+    mu = old + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64) if stale else None
+    kw = dict(level=level, clip_low=0.2, clip_high=0.27, is_cap=2.0 if stale else None)
     scores = token_logprobs_from_hidden(hidden, weight, tokens, 4, 1.0, mask=mask)
-    want, _ = policy_loss(scores.logp, old, adv, mask, **kw)
+    want, _ = policy_loss(scores.logp, old, adv, mask, behaviour_logprobs=mu, **kw)
     want_grads = torch.autograd.grad(want, (hidden, weight))
     got, _, _ = policy_loss_from_hidden(
-        hidden, weight, tokens, mask, old, adv, LossOptions(**kw), chunk_size=chunk_size
+        hidden,
+        weight,
+        tokens,
+        mask,
+        old,
+        adv,
+        LossOptions(**kw),
+        chunk_size=chunk_size,
+        behaviour_logprobs=mu,
     )
     torch.testing.assert_close(got, want)
     for a, b in zip(torch.autograd.grad(got, (hidden, weight)), want_grads, strict=True):

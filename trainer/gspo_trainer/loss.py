@@ -21,11 +21,17 @@ for policy optimization", the decoupled PPO objective AReaL uses), carried to GS
 sequence level: three policies, the behaviour policy mu that sampled (the engine's
 log-probs of the version that generated), the proximal policy pi_prox (the learner's
 weights before this update: `old_logprobs`) and pi_theta. The clip applies to the ratio
-against pi_prox, so the first mini-batch still starts at s = 1, and each response's loss is
-weighted by its importance weight pi_prox / mu, truncated at `is_cap`: at the sequence
-levels the length-normalised sequence weight exp(mean_t log pi_prox / mu), the same
-geometric mean as GSPO's ratio (Eq. 7); at the token level the per-token weight. Without
-behaviour log-probs (or with mu = pi_prox) it is exactly the on-policy loss.
+against pi_prox, so the first mini-batch still starts at s = 1, and the loss is weighted by
+the importance weight pi_prox / mu, truncated at `is_cap`, of the unit each advantage
+scores: with one advantage per response (GSPO, GSPO-token on A_i) the length-normalised
+sequence weight exp(mean_t log pi_prox / mu), the same geometric mean as GSPO's ratio
+(Eq. 7); with one per token (GRPO, GSPO-token on A_i,t) each token's own weight. A
+per-token advantage makes each token's term an estimate of its own: a token the last update
+made less likely is still sampled at the older version's higher rate, and only its own
+weight (< 1) scales it back; the sequence's geometric mean averages it with the response's
+other tokens, whose ratios move the other way, to about 1, so stale rollouts push again on
+what the last update already pushed. Without behaviour log-probs (or with mu = pi_prox) it
+is exactly the on-policy loss.
 """
 
 from __future__ import annotations
@@ -159,7 +165,9 @@ def gspo_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high: floa
 
 
 @register_policy_loss("sequence_token")
-def gspo_token_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high: float):
+def gspo_token_loss(
+    logp, old_logp, advantages, mask, clip_low: float, clip_high: float, token_weights=None
+):
     """GSPO-token (paper §4.3), Eq. (13)-(14): s_i,t = sg[s_i] * pi(y_i,t) / sg[pi(y_i,t)],
     loss_i = mean over tokens t of -min(s_i,t A_i,t, clip(s_i,t, 1 - eps_low, 1 + eps_high) A_i,t).
 
@@ -167,7 +175,8 @@ def gspo_token_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high
     response, or (B, T), one per token (advantages.token_group_advantages). With one per
     response the value and gradient equal GSPO's (the paper's Eq. (18) against Eq. (11)), and
     the clip statistics count responses; per token, the clip binds token by token (s_i,t is s_i
-    for all, the sign of A_i,t decides), so they count unmasked tokens.
+    for all, the sign of A_i,t decides), so they count unmasked tokens. token_weights (B, T):
+    each token's term times its weight (the decoupled objective's, per-token advantages).
     """
     import torch
 
@@ -176,6 +185,8 @@ def gspo_token_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high
     tok_ratio = (log_s[:, None] + logp - logp.detach()).exp()  # (B, T), value s_i
     adv = advantages if advantages.dim() == 2 else advantages[:, None]  # (B, T) or (B, 1)
     per_token = _clipped_surrogate(tok_ratio, adv, clip_low, clip_high)
+    if token_weights is not None:
+        per_token = per_token * token_weights
     if advantages.dim() == 2:
         stats = _clip_stats(tok_ratio, advantages, clip_low, clip_high, mask)
     else:
@@ -316,8 +327,9 @@ def policy_loss(
     response's tokens, times kl_coef, added to that response's loss.
     behaviour_logprobs (B, T): mu, the log-probs of the policy version that sampled, when it
     is older than pi_prox (= old_logprobs); the policy term is then weighted by pi_prox / mu
-    truncated at is_cap (None: untruncated), see the module's docstring. The KL term is not
-    weighted.
+    truncated at is_cap (None: untruncated), per token where the advantages are (level
+    "token", or "sequence_token" with (B, T) advantages), else per response; see the
+    module's docstring. The KL term is not weighted.
     """
     import torch
 
@@ -339,16 +351,18 @@ def policy_loss(
     weights = None
     if behaviour_logprobs is not None:
         behaviour = behaviour_logprobs.detach()
-        token_level = level == "token"
+        # Each advantage's unit: a token's advantage is weighted by that token's pi_prox / mu.
+        token_level = level == "token" or (level == "sequence_token" and advantages.dim() == 2)
         weights, is_stats = importance_weights(
             old, behaviour, mask, token_level=token_level, cap=is_cap
         )
-    extra = {"token_weights": weights} if level == "token" and weights is not None else {}
+    per_token_weights = weights is not None and weights.dim() == 2
+    extra = {"token_weights": weights} if per_token_weights else {}
     per_response, stats = POLICY_LOSSES[level](
         logprobs, old, advantages.detach(), mask, float(clip_low), float(clip_high), **extra
     )
     if weights is not None:
-        if level != "token":
+        if not per_token_weights:
             per_response = per_response * weights
         stats.update(is_stats)
     stats["log_ratio_abs"] = _log_seq_ratio(logprobs.detach(), old, mask).abs().mean()

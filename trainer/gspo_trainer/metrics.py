@@ -72,7 +72,8 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
     "importance_weight_max": ("gspo_importance_weight_max", "Largest importance weight."),
     "importance_truncated_fraction": (
         "gspo_importance_truncated_fraction",
-        "Share of responses (tokens for grpo) whose weight algorithm.importanceWeightCap cut.",
+        "Share of responses (tokens for grpo, and gspo-token on a per-token reward) whose "
+        "weight algorithm.importanceWeightCap cut.",
     ),
     # Set at each evaluation (algorithm.evalEverySteps) and held until the next.
     "eval_accuracy": (

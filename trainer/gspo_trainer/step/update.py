@@ -3,8 +3,9 @@ micro-batches, each micro-batch's loss weighted by its share of the mini-batch's
 
 The loss is computed straight from hidden states (`fused_loss`), clipped against πold.
 Off-policy (`behaviour=True`: rollouts may come from an older version than πold) it is the
-decoupled objective: each response weighted by its truncated importance weight πold / μ,
-μ being the engine's log-probs of the version that sampled (loss.py). On a diagnostics step
+decoupled objective: each response (each token, with per-token advantages) weighted by its
+truncated importance weight πold / μ, μ being the engine's log-probs of the version that
+sampled (loss.py). On a diagnostics step
 of an MoE model, routing drift as the GSPO paper counts it: per layer, the share of the
 first mini-batch's activated experts that its one update changed, measured by a forward that
 routes freely (with algorithm.routingReplay the updates' forwards replay πold's experts, and
