@@ -18,7 +18,8 @@ from pydantic.alias_generators import to_snake
 from gspo_api.engine_args import engine_arg_problems
 from gspo_api.model_shape import TINY_KINDS
 from gspo_api.ports import RESERVED_PORTS
-from gspo_api.spec import BUILTIN_MODELS, GSPOJobSpec, PodSettings, SandboxConfig
+from gspo_api.rules import RULES
+from gspo_api.spec import GSPOJobSpec, PodSettings, SandboxConfig
 from gspo_api.tasks import BUILTIN_TASKS
 
 
@@ -212,15 +213,6 @@ def explain_error(err: Mapping[str, Any], allowed: Sequence[str] | None = None) 
     return f"{err['msg'].removeprefix('Value error, ')} (got {value!r})"
 
 
-# The learner accumulates bf16 gradients in fp32 (engine.ds_config); DeepSpeed 0.19.8 does that
-# under ZeRO 1-3 only: without ZeRO its engine refuses the mix (_do_optimizer_sanity_check).
-ZERO0_BF16 = (
-    "0 cannot train model.dtype bfloat16: bf16 gradients accumulate in fp32, which DeepSpeed "
-    "offers under ZeRO stages 1-3 only; set learner.zeroStage to 1 or more, or model.dtype "
-    "to float32"
-)
-
-
 def builtin_task_problems(spec: GSPOJobSpec) -> list[tuple[str, str]]:
     """(field, message) for a data.source or data.evalSource naming no built-in task, and,
     with a built-in model (one token per character, tasks.py), limits too short for the
@@ -261,69 +253,16 @@ def check_spec(spec: GSPOJobSpec, *, prefix: str = "spec") -> list[Problem]:
     def bad(path: str, message: str) -> None:
         out.append(Problem(f"{prefix}.{path}", message))
 
-    alg, learner, rollout = spec.algorithm, spec.learner, spec.rollout
-    if alg.group_size < 2:
-        bad(
-            "algorithm.groupSize",
-            f"{alg.group_size} leaves every response with zero advantage "
-            "(advantages compare responses to the same prompt); set it to 2 or more",
-        )
-    assert alg.clip_low is not None and alg.clip_high is not None  # filled by the model
-    if not 0 < alg.clip_low < 1:
-        bad("algorithm.clipLow", f"{alg.clip_low} must be in (0, 1); the paper uses 3e-4 for GSPO")
-    if alg.clip_high <= 0:
-        bad("algorithm.clipHigh", f"{alg.clip_high} must be > 0; the paper uses 4e-4 for GSPO")
-
-    responses = alg.prompts_per_step * alg.group_size
-    if responses % alg.mini_batches:
-        bad(
-            "algorithm.miniBatches",
-            f"promptsPerStep x groupSize = {responses} responses do not split into "
-            f"{alg.mini_batches} equal mini-batches; choose a divisor of {responses}",
-        )
-    world = learner.replicas * max(learner.gpus_per_replica, 1)
-    per_update = responses // alg.mini_batches
-    if per_update and per_update % world:
-        bad(
-            "algorithm.promptsPerStep",
-            f"each mini-batch holds {per_update} responses, which do not split evenly over "
-            f"{world} learner processes (replicas x gpusPerReplica); make "
-            "promptsPerStep x groupSize / miniBatches a multiple of it",
-        )
-
-    if learner.zero_stage == 0 and spec.model.dtype == "bfloat16":
-        bad("learner.zeroStage", ZERO0_BF16)
-    if spec.model.moe is not None and spec.model.moe.expert_parallel_size != 1:
-        bad(
-            "model.moe.expertParallelSize",
-            f"{spec.model.moe.expert_parallel_size}: expert parallelism is not available in "
-            "this release; the learner shards experts with ZeRO-3 (learner.zeroStage: 3, "
-            "whole expert blocks gathered as leaf modules); set it to 1",
-        )
-    name = spec.model.name
-    if name.startswith("builtin:") and name not in BUILTIN_MODELS:
-        bad(
-            "model.name", f"unknown built-in model {name!r}; use one of {', '.join(BUILTIN_MODELS)}"
-        )
+    out.extend(
+        Problem(f"{prefix}.{rule.path}", said)
+        for rule in RULES
+        if (said := rule.refusal(spec)) is not None
+    )
+    learner, rollout = spec.learner, spec.rollout
+    # What the API server cannot see: the built-in models' shapes and the tasks' lengths.
     for path, message in _routing_replay_problems(spec):
         bad(path, message)
-    longest = spec.data.max_prompt_tokens + alg.max_response_tokens
-    if longest > spec.model.max_model_len:
-        bad(
-            "model.maxModelLen",
-            f"{spec.model.max_model_len} is shorter than data.maxPromptTokens + "
-            f"algorithm.maxResponseTokens = {longest}; raise it or shorten those",
-        )
     out.extend(Problem(f"{prefix}.{path}", m) for path, m in builtin_task_problems(spec))
-
-    if rollout.gpus_per_replica == 0 and rollout.tensor_parallel_size != 1:
-        bad("rollout.tensorParallelSize", "must be 1 when rollout.gpusPerReplica is 0 (CPU)")
-    elif rollout.gpus_per_replica and rollout.gpus_per_replica % rollout.tensor_parallel_size:
-        bad(
-            "rollout.tensorParallelSize",
-            f"{rollout.tensor_parallel_size} must divide rollout.gpusPerReplica "
-            f"({rollout.gpus_per_replica}); each server's GPUs form whole tensor-parallel groups",
-        )
 
     for path, message in _reward_problems(spec):
         bad(path, message)

@@ -1,9 +1,10 @@
 """The CRD's CEL rules (x-kubernetes-validations): the API server refuses at `kubectl apply`
 what the operator would otherwise accept and then fail with InvalidSpec.
 
-Each rule mirrors one check of `gspo validate` (gspo_api.validation.check_spec,
-check_pod_settings, gspo_operator.names.check_job_name), names the same field and ends with
-the same fix; `status.MUTABLE_FIELDS` decides which spec fields may change while the job
+The spec's cross-field rules come from their table (gspo_api.rules), where each is declared
+once with its Python side. The others written here each mirror one check of `gspo validate`
+(gspo_api.validation.check_spec, check_pod_settings, gspo_operator.names.check_job_name),
+name the same field and end with the same fix; `status.MUTABLE_FIELDS` decides which spec fields may change while the job
 exists. A `messageExpression` repeats validate's words exactly where it needs only strings the
 schema bounds: the API server gives `string(<number>)` an unbounded size and refuses a CRD
 whose messageExpression concatenates one (kubernetes/kubernetes#124234), so messages that
@@ -32,13 +33,13 @@ tests exactly as written. Kubernetes specifics the rules rely on:
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable
 from typing import Any
 
 from gspo_api.ports import RESERVED_PORTS
-from gspo_api.spec import BUILTIN_MODELS, VOLUME_SOURCES
+from gspo_api.rules import FORBIDDEN, INVALID, RULES, Rule, lit, prop
+from gspo_api.spec import VOLUME_SOURCES
 from gspo_api.validation import (
     GPU_RESOURCE,
     NAMESPACES_NEED_A_RUNTIME,
@@ -58,28 +59,8 @@ from gspo_api.validation import (
 from gspo_operator import names
 from gspo_operator.status import MUTABLE_FIELDS
 
-Rule = dict[str, Any]
+Validation = dict[str, Any]  # one entry of x-kubernetes-validations
 Node = dict[str, Any]
-
-INVALID, FORBIDDEN = "FieldValueInvalid", "FieldValueForbidden"
-# Kubernetes escapes a property named like one of these (apiserver/pkg/cel/escaping.go).
-CEL_KEYWORDS = frozenset(
-    {
-        *("true", "false", "null", "in", "as", "break", "const", "continue", "else", "for"),
-        *("function", "if", "import", "let", "loop", "package", "namespace", "return", "var"),
-        *("void", "while"),
-    }
-)
-
-
-def lit(value: str) -> str:
-    """A CEL string literal (JSON's double-quoted form is valid CEL)."""
-    return json.dumps(value)
-
-
-def prop(name: str) -> str:
-    """A property as CEL reads it (Kubernetes escapes keywords: `function` -> `__function__`)."""
-    return f"__{name}__" if name in CEL_KEYWORDS else name
 
 
 def rule(
@@ -90,8 +71,8 @@ def rule(
     field_path: str | None = None,
     reason: str = INVALID,
     optional_old_self: bool = False,
-) -> Rule:
-    out: Rule = {"rule": expr, "message": message}
+) -> Validation:
+    out: Validation = {"rule": expr, "message": message}
     if message_expression:
         out["messageExpression"] = message_expression
     if field_path:
@@ -107,10 +88,8 @@ def add_rules(root: Node) -> None:
     spec = root["properties"]["spec"]
     sections = spec["properties"]
     _attach(root, [*_name_rules(), *_immutable_rules(spec)])
-    _attach(spec, _spec_rules())
-    _attach(sections["algorithm"], _algorithm_rules())
-    _attach(sections["model"], _model_rules())
-    _attach(sections["model"]["properties"]["moe"], _moe_rules())
+    for declared in RULES:
+        _attach(_node(spec, declared.at), [_from_table(declared)])
     _attach(sections["reward"], _reward_rules())
     functions = sections["reward"]["properties"]["functions"]
     _attach(functions, _reward_functions_rules())
@@ -119,7 +98,6 @@ def add_rules(root: Node) -> None:
     _attach(sections["reward"]["properties"]["sandbox"], _sandbox_rules())
     _attach(sections["checkpoint"], _checkpoint_rules())
     _attach(sections["metrics"], _metrics_rules())
-    _attach(sections["rollout"], _rollout_rules())
     for role in ("learner", "rollout"):
         pods = sections[role]
         _attach(pods, _pod_rules(role))
@@ -128,14 +106,37 @@ def add_rules(root: Node) -> None:
         _attach(pods["properties"]["env"]["items"], _env_rules())
 
 
-def _attach(node: Node, rules: Iterable[Rule]) -> None:
-    node.setdefault("x-kubernetes-validations", []).extend(rules)
+def _attach(node: Node, validations: Iterable[Validation]) -> None:
+    node.setdefault("x-kubernetes-validations", []).extend(validations)
+
+
+def _node(spec: Node, at: str) -> Node:
+    """The schema node of `at` ("model.moe", "reward.functions[]"; "" is the spec)."""
+    node = spec
+    for name in filter(None, at.split(".")):
+        node = node["properties"][name.removesuffix("[]")]
+        if name.endswith("[]"):
+            node = node["items"]
+    return node
+
+
+def _from_table(declared: Rule) -> Validation:
+    """A rule of gspo_api.rules as the API server reads it: its fieldPath is the refused
+    field below the node, with map keys quoted (`requests['nvidia.com/gpu']`)."""
+    field_path = re.sub(r"\[([^\]]+)\]", r"['\1']", f".{declared.field}")
+    return rule(
+        declared.cel,
+        declared.message,
+        message_expression=declared.message_expression,
+        field_path=field_path if declared.field else None,
+        reason=declared.reason,
+    )
 
 
 # --- metadata.name (names.check_job_name) --------------------------------------------------
 
 
-def _name_rules() -> list[Rule]:
+def _name_rules() -> list[Validation]:
     name = "self.metadata.name"
     dns = names.DNS_LABEL.pattern
     # The longest pod name JobSet generates: `<job>-learner-0-<L-1>` or `<job>-rollout-<R-1>-0`
@@ -189,7 +190,7 @@ REJECTED_AT_CREATION = (
 )
 
 
-def _immutable_rules(spec: Node) -> list[Rule]:
+def _immutable_rules(spec: Node) -> list[Validation]:
     """One transition rule per spec section (`self == oldSelf` on what may not change).
 
     At the root, because only there the rule sees the status: a job the operator refused at
@@ -251,108 +252,7 @@ def _nullable_below(node: Node) -> bool:
 # --- check_spec ----------------------------------------------------------------------------
 
 
-def _spec_rules() -> list[Rule]:
-    alg, learner = "self.algorithm", "self.learner"
-    responses = f"({alg}.promptsPerStep * {alg}.groupSize)"
-    mini = f"{alg}.miniBatches"
-    # validation.py divides with Python's floor division; CEL's `/` truncates toward zero.
-    exact = f"{responses} >= 0 || {responses} % {mini} == 0"
-    per_update = f"({exact} ? {responses} / {mini} : {responses} / {mini} - 1)"
-    world = f"({learner}.replicas * ({learner}.gpusPerReplica > 0 ? {learner}.gpusPerReplica : 1))"
-    longest = "(self.data.maxPromptTokens + self.algorithm.maxResponseTokens)"
-    return [
-        rule(
-            f"{per_update} == 0 || {per_update} % {world} == 0",
-            "each mini-batch's responses (promptsPerStep x groupSize / miniBatches) do not "
-            "split evenly over the learner processes (learner.replicas x gpusPerReplica); make "
-            "promptsPerStep x groupSize / miniBatches a multiple of it",
-            field_path=".algorithm.promptsPerStep",
-        ),
-        rule(
-            f"{learner}.zeroStage != 0 || self.model.dtype != 'bfloat16'",
-            "0 cannot train model.dtype bfloat16: bf16 gradients accumulate in fp32, which "
-            "DeepSpeed offers under ZeRO stages 1-3 only; set learner.zeroStage to 1 or more, "
-            "or model.dtype to float32",
-            field_path=".learner.zeroStage",
-        ),
-        rule(
-            f"{longest} <= self.model.maxModelLen",
-            "is shorter than data.maxPromptTokens + algorithm.maxResponseTokens; raise it or "
-            "shorten those",
-            field_path=".model.maxModelLen",
-        ),
-    ]
-
-
-def _algorithm_rules() -> list[Rule]:
-    responses = "(self.promptsPerStep * self.groupSize)"
-    return [
-        rule(
-            "self.groupSize >= 2",
-            "leaves every response with zero advantage (advantages compare responses to the "
-            "same prompt); set it to 2 or more",
-            field_path=".groupSize",
-        ),
-        rule(
-            "!has(self.clipLow) || (self.clipLow > 0.0 && self.clipLow < 1.0)",
-            "must be in (0, 1); the paper uses 3e-4 for GSPO",
-            field_path=".clipLow",
-        ),
-        rule(
-            "!has(self.clipHigh) || self.clipHigh > 0.0",
-            "must be > 0; the paper uses 4e-4 for GSPO",
-            field_path=".clipHigh",
-        ),
-        rule(
-            f"{responses} % self.miniBatches == 0",
-            "promptsPerStep x groupSize responses do not split into miniBatches equal "
-            "mini-batches; choose a divisor of promptsPerStep x groupSize",
-            field_path=".miniBatches",
-        ),
-    ]
-
-
-def _model_rules() -> list[Rule]:
-    builtins = ", ".join(lit(m) for m in BUILTIN_MODELS)
-    return [
-        rule(
-            f"!self.name.startsWith('builtin:') || self.name in [{builtins}]",
-            f"names an unknown built-in model; use one of {', '.join(BUILTIN_MODELS)}",
-            message_expression=(
-                f'"unknown built-in model \'" + self.name + '
-                f'"\'; use one of {", ".join(BUILTIN_MODELS)}"'
-            ),
-            field_path=".name",
-        )
-    ]
-
-
-def _moe_rules() -> list[Rule]:
-    words = (
-        "expert parallelism is not available in this release; the learner shards experts "
-        "with ZeRO-3 (learner.zeroStage: 3, whole expert blocks gathered as leaf modules); set "
-        "it to 1"
-    )
-    return [rule("self.expertParallelSize == 1", words, field_path=".expertParallelSize")]
-
-
-def _rollout_rules() -> list[Rule]:
-    return [
-        rule(
-            "self.gpusPerReplica != 0 || self.tensorParallelSize == 1",
-            "must be 1 when rollout.gpusPerReplica is 0 (CPU)",
-            field_path=".tensorParallelSize",
-        ),
-        rule(
-            "self.gpusPerReplica == 0 || self.gpusPerReplica % self.tensorParallelSize == 0",
-            "must divide rollout.gpusPerReplica; each server's GPUs form whole tensor-parallel "
-            "groups",
-            field_path=".tensorParallelSize",
-        ),
-    ]
-
-
-def _reward_rules() -> list[Rule]:
+def _reward_rules() -> list[Validation]:
     fn, many = f"self.{prop('function')}", "has(self.functions)"
     exclusive = f"{REWARD_EXCLUSIVE}; {REWARD_EXCLUSIVE_FIX}"
     return [
@@ -398,7 +298,7 @@ def _reward_rules() -> list[Rule]:
     ]
 
 
-def _sandbox_rules() -> list[Rule]:
+def _sandbox_rules() -> list[Validation]:
     """On reward.sandbox (validation._sandbox_problems): the sandbox pods' settings only where
     the operator runs them, and a RuntimeClass for their namespaces."""
     local = "(!has(self.mode) || self.mode == 'local')"
@@ -438,12 +338,12 @@ def _sandbox_rules() -> list[Rule]:
     return out
 
 
-def _reward_functions_rules() -> list[Rule]:
+def _reward_functions_rules() -> list[Validation]:
     """On reward.functions: names are unique."""
     return [rule("self.all(f, self.exists_one(g, g.name == f.name))", REWARD_NAMES_UNIQUE)]
 
 
-def _reward_function_rules() -> list[Rule]:
+def _reward_function_rules() -> list[Validation]:
     """On each reward.functions entry: what its kind reads, and only that."""
     fn = f"self.{prop('function')}"
     out = [
@@ -473,7 +373,7 @@ def _reward_function_rules() -> list[Rule]:
     return out
 
 
-def _reward_target_rules() -> list[Rule]:
+def _reward_target_rules() -> list[Validation]:
     """At the spec: a length component's targetTokens below algorithm.maxResponseTokens."""
     return [
         rule(
@@ -485,7 +385,7 @@ def _reward_target_rules() -> list[Rule]:
     ]
 
 
-def _checkpoint_rules() -> list[Rule]:
+def _checkpoint_rules() -> list[Validation]:
     claim = "(has(self.claimName) && self.claimName != '')"
     return [
         rule(
@@ -503,7 +403,7 @@ def _checkpoint_rules() -> list[Rule]:
     ]
 
 
-def _metrics_rules() -> list[Rule]:
+def _metrics_rules() -> list[Validation]:
     ports = ", ".join(str(p) for p in RESERVED_PORTS)
     # Whole messages as map values: constant strings have a known size, numbers printed do not.
     said = ", ".join(
@@ -522,7 +422,7 @@ def _metrics_rules() -> list[Rule]:
 # --- check_pod_settings, per role ----------------------------------------------------------
 
 
-def _pod_rules(role: str) -> list[Rule]:
+def _pod_rules(role: str) -> list[Validation]:
     out = []
     for section in ("requests", "limits"):
         where = f"self.resources.{section}"
@@ -566,7 +466,7 @@ def _pod_rules(role: str) -> list[Rule]:
     ]
 
 
-def _volume_rules() -> list[Rule]:
+def _volume_rules() -> list[Validation]:
     allowed = ", ".join(VOLUME_SOURCES)
     count = " + ".join(f"(has(self.{s}) ? 1 : 0)" for s in VOLUME_SOURCES)
     # ", ".join(the sources set) or "none", as validate words it.
@@ -593,7 +493,7 @@ def _volume_rules() -> list[Rule]:
     ]
 
 
-def _mount_rules() -> list[Rule]:
+def _mount_rules() -> list[Validation]:
     reserved = "|".join(re.escape(p) for p in RESERVED_MOUNT_PATHS)
     return [
         rule(
@@ -604,7 +504,7 @@ def _mount_rules() -> list[Rule]:
     ]
 
 
-def _env_rules() -> list[Rule]:
+def _env_rules() -> list[Validation]:
     return [
         rule(
             "!(has(self.value) && has(self.valueFrom))",
