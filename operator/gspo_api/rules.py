@@ -20,7 +20,8 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gspo_api.spec import BUILTIN_MODELS, GSPOJobSpec
+from gspo_api.ports import RESERVED_PORTS
+from gspo_api.spec import BUILTIN_MODELS, GSPOJobSpec, LearnerConfig, RolloutConfig
 
 # The API server's reasons (field.ErrorType); a rule's `reason` says which one it refuses with.
 INVALID, FORBIDDEN = "FieldValueInvalid", "FieldValueForbidden"
@@ -236,4 +237,87 @@ SHAPE_RULES = (
     ),
 )
 
-RULES: tuple[Rule, ...] = SHAPE_RULES
+
+# --- the checkpoint claim ----------------------------------------------------------------
+
+_CLAIM = "(has(self.claimName) && self.claimName != '')"
+CHECKPOINT_RULES = (
+    Rule(
+        at="checkpoint",
+        field="storageClassName",
+        cel=f"!{_CLAIM} || !has(self.storageClassName) || self.storageClassName == ''",
+        check=lambda s: not (s.checkpoint.claim_name and s.checkpoint.storage_class_name),
+        message="is ignored when checkpoint.claimName names an existing claim; remove one of them",
+        reason=FORBIDDEN,
+    ),
+    Rule(
+        at="checkpoint",
+        field="claimName",
+        cel=f"!{_CLAIM} || !has(self.accessModes) || size(self.accessModes) == 0",
+        check=lambda s: not (s.checkpoint.claim_name and s.checkpoint.access_modes),
+        message="names an existing claim, so accessModes (a setting of a claim the operator "
+        "creates) does not apply; remove it",
+    ),
+)
+
+
+# --- what the pods are given: GPUs, the status port --------------------------------------
+
+GPU_RESOURCE = "nvidia.com/gpu"
+ROLES = ("learner", "rollout")
+_GPUS_ONCE = (
+    "GPUs are stated once: remove this entry (the operator sets requests and limits from "
+    "gpusPerReplica) or make them equal"
+)
+
+
+def _pods(spec: GSPOJobSpec, role: str) -> LearnerConfig | RolloutConfig:
+    return spec.learner if role == "learner" else spec.rollout
+
+
+def _gpus_agree(pods: LearnerConfig | RolloutConfig, section: str) -> bool:
+    """A GPU count under resources equals gpusPerReplica, as text: 8 and "8" agree, "08" not."""
+    gpus = getattr(pods.resources, section).get(GPU_RESOURCE)
+    return gpus is None or str(gpus) == str(pods.gpus_per_replica)
+
+
+def _gpu_rule(role: str, section: str) -> Rule:
+    gpus = f"self.resources.{section}[{lit(GPU_RESOURCE)}]"
+    # An int-or-string: cel-python raises on comparing an int with a string, so test its type.
+    as_int, as_text = f"{gpus} == self.gpusPerReplica", f"{gpus} == string(self.gpusPerReplica)"
+    same = f"type({gpus}) == int ? {as_int} : {as_text}"
+    return Rule(
+        at=role,
+        field=f"resources.{section}[{GPU_RESOURCE}]",
+        cel=f"!({lit(GPU_RESOURCE)} in self.resources.{section}) || ({same})",
+        check=lambda s: _gpus_agree(_pods(s, role), section),
+        message=f"disagrees with {role}.gpusPerReplica; {_GPUS_ONCE}",
+        said=lambda s, _: (
+            f"{getattr(_pods(s, role).resources, section)[GPU_RESOURCE]} disagrees with "
+            f"{role}.gpusPerReplica={_pods(s, role).gpus_per_replica}; {_GPUS_ONCE}"
+        ),
+    )
+
+
+_PORTS = ", ".join(str(p) for p in RESERVED_PORTS)
+# Whole messages as the values of a CEL map: constant strings have a known size, printed
+# numbers do not (crd_rules' docstring).
+_PORT_MESSAGES = ", ".join(
+    f"{p}: {lit(f'{p} is used by {who}; pick another')}" for p, who in RESERVED_PORTS.items()
+)
+POD_RULES = (
+    *(_gpu_rule(role, section) for role in ROLES for section in ("requests", "limits")),
+    Rule(
+        at="metrics",
+        field="port",
+        cel=f"!(self.port in [{_PORTS}])",
+        check=lambda s: s.metrics.port not in RESERVED_PORTS,
+        message=f"is a port the pods use already ({_PORTS}); pick another",
+        said=lambda s, _: (
+            f"{s.metrics.port} is used by {RESERVED_PORTS[s.metrics.port]}; pick another"
+        ),
+        message_expression=f"{{{_PORT_MESSAGES}}}[self.port]",
+    ),
+)
+
+RULES: tuple[Rule, ...] = (*SHAPE_RULES, *CHECKPOINT_RULES, *POD_RULES)

@@ -17,7 +17,6 @@ from pydantic.alias_generators import to_snake
 
 from gspo_api.engine_args import engine_arg_problems
 from gspo_api.model_shape import TINY_KINDS
-from gspo_api.ports import RESERVED_PORTS
 from gspo_api.rules import RULES
 from gspo_api.spec import GSPOJobSpec, PodSettings, SandboxConfig
 from gspo_api.tasks import BUILTIN_TASKS
@@ -267,34 +266,8 @@ def check_spec(spec: GSPOJobSpec, *, prefix: str = "spec") -> list[Problem]:
     for path, message in _reward_problems(spec):
         bad(path, message)
 
-    ckpt = spec.checkpoint
-    if ckpt.claim_name and ckpt.storage_class_name:
-        bad(
-            "checkpoint.storageClassName",
-            "is ignored when checkpoint.claimName names an existing claim; remove one of them",
-        )
     for role, pods in (("learner", learner), ("rollout", rollout)):
         out.extend(check_pod_settings(pods, f"{prefix}.{role}"))
-        for section in ("requests", "limits"):
-            gpus = getattr(pods.resources, section).get(GPU_RESOURCE)
-            if gpus is not None and str(gpus) != str(pods.gpus_per_replica):
-                bad(
-                    f"{role}.resources.{section}[{GPU_RESOURCE}]",
-                    f"{gpus} disagrees with {role}.gpusPerReplica={pods.gpus_per_replica}; GPUs "
-                    f"are stated once: remove this entry (the operator sets requests and limits "
-                    "from gpusPerReplica) or make them equal",
-                )
-    if ckpt.claim_name and ckpt.access_modes:
-        bad(
-            "checkpoint.claimName",
-            "names an existing claim, so accessModes (a setting of a claim the operator "
-            "creates) does not apply; remove it",
-        )
-    if spec.metrics.port in RESERVED_PORTS:
-        bad(
-            "metrics.port",
-            f"{spec.metrics.port} is used by {RESERVED_PORTS[spec.metrics.port]}; pick another",
-        )
     for key, message in engine_arg_problems(rollout.engine_args):
         bad(f"rollout.engineArgs.{key}", message)
     if rollout.gpus_per_replica == 0:
@@ -337,7 +310,6 @@ def _int_or_none(value: Any) -> int | None:
         return None
 
 
-GPU_RESOURCE = "nvidia.com/gpu"
 # Volumes and mount paths of the pod contract (render.py); user volumes may not reuse them.
 RESERVED_VOLUMES = ("config", "checkpoints", "dshm", "home", "tmp", "model-cache")
 RESERVED_MOUNT_PATHS = ("/etc/gspo", "/checkpoints", "/dev/shm", "/home/gspo", "/tmp")

@@ -4,14 +4,15 @@ what the operator would otherwise accept and then fail with InvalidSpec.
 The spec's cross-field rules come from their table (gspo_api.rules), where each is declared
 once with its Python side. The others written here each mirror one check of `gspo validate`
 (gspo_api.validation.check_spec, check_pod_settings, gspo_operator.names.check_job_name),
-name the same field and end with the same fix; `status.MUTABLE_FIELDS` decides which spec fields may change while the job
-exists. A `messageExpression` repeats validate's words exactly where it needs only strings the
-schema bounds: the API server gives `string(<number>)` an unbounded size and refuses a CRD
-whose messageExpression concatenates one (kubernetes/kubernetes#124234), so messages that
-would print a number say which fields to compare instead. What CEL cannot see stays the
-operator's alone: the cluster's policy (hostPath, restartScope: learner, images, priority
-classes), env valueFrom and envFrom contents (preserved unknown fields are invisible to
-CEL), quantity syntax, and mount paths that differ only by two or more trailing slashes.
+name the same field and end with the same fix; `status.MUTABLE_FIELDS` decides which spec
+fields may change while the job exists. A `messageExpression` repeats validate's words
+exactly where it needs only strings the schema bounds: the API server gives
+`string(<number>)` an unbounded size and refuses a CRD whose messageExpression concatenates
+one (kubernetes/kubernetes#124234), so messages that would print a number say which fields
+to compare instead. What CEL cannot see stays the operator's alone: the cluster's policy
+(hostPath, restartScope: learner, images, priority classes), env valueFrom and envFrom
+contents (preserved unknown fields are invisible to CEL), quantity syntax, and mount paths
+that differ only by two or more trailing slashes.
 
 Written for Kubernetes 1.30+ CEL with nothing beyond the standard library and macros (no
 Kubernetes extension library, no cel.bind), so that cel-python evaluates every rule in the
@@ -37,11 +38,9 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from gspo_api.ports import RESERVED_PORTS
 from gspo_api.rules import FORBIDDEN, INVALID, RULES, Rule, lit, prop
 from gspo_api.spec import VOLUME_SOURCES
 from gspo_api.validation import (
-    GPU_RESOURCE,
     NAMESPACES_NEED_A_RUNTIME,
     RESERVED_MOUNT_PATHS,
     RESERVED_VOLUMES,
@@ -96,8 +95,6 @@ def add_rules(root: Node) -> None:
     _attach(functions["items"], _reward_function_rules())
     _attach(spec, _reward_target_rules())
     _attach(sections["reward"]["properties"]["sandbox"], _sandbox_rules())
-    _attach(sections["checkpoint"], _checkpoint_rules())
-    _attach(sections["metrics"], _metrics_rules())
     for role in ("learner", "rollout"):
         pods = sections[role]
         _attach(pods, _pod_rules(role))
@@ -385,59 +382,10 @@ def _reward_target_rules() -> list[Validation]:
     ]
 
 
-def _checkpoint_rules() -> list[Validation]:
-    claim = "(has(self.claimName) && self.claimName != '')"
-    return [
-        rule(
-            f"!{claim} || !has(self.storageClassName) || self.storageClassName == ''",
-            "is ignored when checkpoint.claimName names an existing claim; remove one of them",
-            field_path=".storageClassName",
-            reason=FORBIDDEN,
-        ),
-        rule(
-            f"!{claim} || !has(self.accessModes) || size(self.accessModes) == 0",
-            "names an existing claim, so accessModes (a setting of a claim the operator "
-            "creates) does not apply; remove it",
-            field_path=".claimName",
-        ),
-    ]
-
-
-def _metrics_rules() -> list[Validation]:
-    ports = ", ".join(str(p) for p in RESERVED_PORTS)
-    # Whole messages as map values: constant strings have a known size, numbers printed do not.
-    said = ", ".join(
-        f"{p}: {lit(f'{p} is used by {who}; pick another')}" for p, who in RESERVED_PORTS.items()
-    )
-    return [
-        rule(
-            f"!(self.port in [{ports}])",
-            f"is a port the pods use already ({ports}); pick another",
-            message_expression=f"{{{said}}}[self.port]",
-            field_path=".port",
-        )
-    ]
-
-
 # --- check_pod_settings, per role ----------------------------------------------------------
 
 
 def _pod_rules(role: str) -> list[Validation]:
-    out = []
-    for section in ("requests", "limits"):
-        where = f"self.resources.{section}"
-        gpus = f"{where}[{lit(GPU_RESOURCE)}]"
-        # validate compares str(quantity) with str(gpusPerReplica): 8 and "8" agree, "08" not.
-        as_int, as_text = f"{gpus} == self.gpusPerReplica", f"{gpus} == string(self.gpusPerReplica)"
-        same = f"(type({gpus}) == int ? {as_int} : {as_text})"
-        out.append(
-            rule(
-                f"!({lit(GPU_RESOURCE)} in {where}) || {same}",
-                f"disagrees with {role}.gpusPerReplica; GPUs are stated once: remove this entry "
-                "(the operator sets requests and limits from gpusPerReplica) or make them equal",
-                field_path=f".resources.{section}['{GPU_RESOURCE}']",
-            )
-        )
     twice = "self.volumes.filter(v, self.volumes.filter(w, w.name == v.name).size() > 1)"
     undeclared = "self.volumeMounts.filter(m, !self.volumes.exists(v, v.name == m.name))"
     # A trailing slash names the same mount point (validate strips every trailing slash). Two
@@ -449,7 +397,6 @@ def _pod_rules(role: str) -> list[Validation]:
     paths = "self.volumeMounts.map(n, n.mountPath)"
     slashed = f"!self.volumeMounts.exists(m, m.mountPath + '/' in {paths})"
     return [
-        *out,
         rule(
             f"{twice}.size() == 0",
             "a volume name is used twice; names are unique",

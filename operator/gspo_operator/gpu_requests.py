@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from gspo_api.rules import GPU_RESOURCE
 from gspo_api.spec import GSPOJobSpec, LearnerConfig, RolloutConfig
-from gspo_api.validation import GPU_RESOURCE, Problem
+from gspo_api.validation import Problem
 
 SECTIONS = ("requests", "limits")
 
