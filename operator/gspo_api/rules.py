@@ -20,6 +20,8 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pydantic.alias_generators import to_snake
+
 from gspo_api.ports import RESERVED_PORTS
 from gspo_api.spec import BUILTIN_MODELS, GSPOJobSpec, LearnerConfig, RolloutConfig
 
@@ -320,4 +322,93 @@ POD_RULES = (
     ),
 )
 
-RULES: tuple[Rule, ...] = (*SHAPE_RULES, *CHECKPOINT_RULES, *POD_RULES)
+
+# --- reward.sandbox: where model-written programs run ------------------------------------
+
+SANDBOX_POD_FIELDS = ("replicas", "runtimeClassName", "resources")
+SANDBOX_ONLY_IN_SERVICE = (
+    "is only read when reward.sandbox.mode is service; remove it or set mode: service"
+)
+SANDBOX_POD_FIELD_LOCAL = (
+    "is only read when reward.sandbox.mode is service (the operator then runs the sandbox "
+    "pods); remove it or set mode: service"
+)
+SANDBOX_POD_FIELD_OWN_SERVICE = (
+    "is not read when serviceUrl names your own sandbox service (the operator runs no sandbox "
+    "pods then); remove it, or remove serviceUrl to have them run"
+)
+# The operator's pods run under the container runtime's default seccomp profile with every
+# capability dropped; containerd's and CRI-O's refuse unshare and namespace-creating clone to
+# a process without CAP_SYS_ADMIN, so isolation namespaces cannot start there. A RuntimeClass
+# such as gVisor or Kata gives the pod a kernel of its own (docs/rewards.md).
+NAMESPACES_NEED_A_RUNTIME = (
+    "is needed with isolation: namespaces in the sandbox pods the operator runs: the node's "
+    "default seccomp profile refuses the namespaces to a pod without privileges, so every "
+    "sandbox pod would fail. Name a RuntimeClass that isolates the pod (e.g. gvisor, kata), "
+    "or set reward.sandbox.isolation: none explicitly (programs then share the sandbox pod, "
+    "apart from the job, under process limits only)"
+)
+_CEL_LOCAL = "(!has(self.mode) || self.mode == 'local')"
+# The operator runs the sandbox pods: mode service, and no sandbox service of the author's.
+_CEL_OPERATOR_PODS = "(has(self.mode) && self.mode == 'service' && !has(self.serviceUrl))"
+
+
+def _operator_runs_sandbox_pods(spec: GSPOJobSpec) -> bool:
+    sandbox = spec.reward.sandbox
+    return sandbox.mode == "service" and sandbox.service_url is None
+
+
+def _sandbox_pod_field_set(spec: GSPOJobSpec, name: str) -> bool:
+    return getattr(spec.reward.sandbox, to_snake(name)) is not None
+
+
+def _sandbox_pod_field_rules(name: str) -> tuple[Rule, Rule]:
+    """A setting of the sandbox pods is read only where the operator runs them."""
+    field = f"self.{prop(name)}"
+    return (
+        Rule(
+            at="reward.sandbox",
+            field=name,
+            cel=f"!has({field}) || !{_CEL_LOCAL}",
+            check=lambda s: not _sandbox_pod_field_set(s, name) or s.reward.sandbox.mode != "local",
+            message=SANDBOX_POD_FIELD_LOCAL,
+            reason=FORBIDDEN,
+        ),
+        Rule(
+            at="reward.sandbox",
+            field=name,
+            cel=f"!has({field}) || !has(self.serviceUrl)",
+            check=lambda s: (
+                not _sandbox_pod_field_set(s, name) or s.reward.sandbox.service_url is None
+            ),
+            message=SANDBOX_POD_FIELD_OWN_SERVICE,
+            reason=FORBIDDEN,
+        ),
+    )
+
+
+SANDBOX_RULES = (
+    Rule(
+        at="reward.sandbox",
+        field="runtimeClassName",
+        cel=f"!{_CEL_OPERATOR_PODS} || has(self.runtimeClassName) || "
+        "(has(self.isolation) && self.isolation == 'none')",
+        check=lambda s: (
+            not _operator_runs_sandbox_pods(s)
+            or s.reward.sandbox.runtime_class_name is not None
+            or s.reward.sandbox.isolation == "none"
+        ),
+        message=NAMESPACES_NEED_A_RUNTIME,
+    ),
+    Rule(
+        at="reward.sandbox",
+        field="serviceUrl",
+        cel=f"!has(self.serviceUrl) || !{_CEL_LOCAL}",
+        check=lambda s: s.reward.sandbox.service_url is None or s.reward.sandbox.mode != "local",
+        message=SANDBOX_ONLY_IN_SERVICE,
+        reason=FORBIDDEN,
+    ),
+    *(rule for name in SANDBOX_POD_FIELDS for rule in _sandbox_pod_field_rules(name)),
+)
+
+RULES: tuple[Rule, ...] = (*SHAPE_RULES, *CHECKPOINT_RULES, *POD_RULES, *SANDBOX_RULES)

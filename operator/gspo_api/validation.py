@@ -394,57 +394,11 @@ def _module_function(path: str | None) -> bool:
     return bool(module and attr)
 
 
-SANDBOX_POD_FIELDS = ("replicas", "runtimeClassName", "resources")
-# The sandbox's cross-field refusals, shared with the CRD's CEL rules (crd_rules.py).
-SANDBOX_ONLY_IN_SERVICE = (
-    "is only read when reward.sandbox.mode is service; remove it or set mode: service"
-)
-SANDBOX_POD_FIELD_LOCAL = (
-    "is only read when reward.sandbox.mode is service (the operator then runs the sandbox "
-    "pods); remove it or set mode: service"
-)
-SANDBOX_POD_FIELD_OWN_SERVICE = (
-    "is not read when serviceUrl names your own sandbox service (the operator runs no sandbox "
-    "pods then); remove it, or remove serviceUrl to have them run"
-)
-# The operator's pods run under the container runtime's default seccomp profile with every
-# capability dropped; containerd's and CRI-O's refuse unshare and namespace-creating clone to
-# a process without CAP_SYS_ADMIN, so isolation namespaces cannot start there. A RuntimeClass
-# such as gVisor or Kata gives the pod a kernel of its own (docs/rewards.md).
-NAMESPACES_NEED_A_RUNTIME = (
-    "is needed with isolation: namespaces in the sandbox pods the operator runs: the node's "
-    "default seccomp profile refuses the namespaces to a pod without privileges, so every "
-    "sandbox pod would fail. Name a RuntimeClass that isolates the pod (e.g. gvisor, kata), "
-    "or set reward.sandbox.isolation: none explicitly (programs then share the sandbox pod, "
-    "apart from the job, under process limits only)"
-)
-
-
 def _sandbox_problems(sandbox: SandboxConfig) -> list[tuple[str, str]]:
-    """reward.sandbox: serviceUrl only with mode service; the sandbox pods' settings only
-    where the operator runs those pods (mode service, no serviceUrl). Mode service with
-    neither a serviceUrl nor a cluster (`gspo train`) is the learner's preflight's to refuse:
-    on a cluster the operator points the learner at the pods it runs."""
+    """GPUs named for the sandbox pods (no CEL rule says it: the operator refuses them).
+    Mode service with neither a serviceUrl nor a cluster (`gspo train`) is the learner's
+    preflight's to refuse: on a cluster the operator points the learner at the pods it runs."""
     out: list[tuple[str, str]] = []
-    if sandbox.mode == "local" and sandbox.service_url is not None:
-        out.append(("reward.sandbox.serviceUrl", SANDBOX_ONLY_IN_SERVICE))
-    for name in SANDBOX_POD_FIELDS:
-        if getattr(sandbox, to_snake(name)) is None:
-            continue
-        if sandbox.mode == "local":
-            why = SANDBOX_POD_FIELD_LOCAL
-        elif sandbox.service_url is not None:
-            why = SANDBOX_POD_FIELD_OWN_SERVICE
-        else:
-            continue
-        out.append((f"reward.sandbox.{name}", why))
-    if (
-        sandbox.mode == "service"
-        and sandbox.service_url is None
-        and sandbox.isolation == "namespaces"
-        and sandbox.runtime_class_name is None
-    ):
-        out.append(("reward.sandbox.runtimeClassName", NAMESPACES_NEED_A_RUNTIME))
     for section, values in (sandbox.resources.model_dump() if sandbox.resources else {}).items():
         for name in values:
             if name.endswith("/gpu"):  # render_resources writes GPUs from gpusPerReplica only

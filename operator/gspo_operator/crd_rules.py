@@ -41,7 +41,6 @@ from typing import Any
 from gspo_api.rules import FORBIDDEN, INVALID, RULES, Rule, lit, prop
 from gspo_api.spec import VOLUME_SOURCES
 from gspo_api.validation import (
-    NAMESPACES_NEED_A_RUNTIME,
     RESERVED_MOUNT_PATHS,
     RESERVED_VOLUMES,
     REWARD_CONVENTION_PER_ENTRY,
@@ -50,10 +49,6 @@ from gspo_api.validation import (
     REWARD_NAMES_UNIQUE,
     REWARD_PYTHON_NEEDS,
     REWARD_TARGET_FIX,
-    SANDBOX_ONLY_IN_SERVICE,
-    SANDBOX_POD_FIELD_LOCAL,
-    SANDBOX_POD_FIELD_OWN_SERVICE,
-    SANDBOX_POD_FIELDS,
 )
 from gspo_operator import names
 from gspo_operator.status import MUTABLE_FIELDS
@@ -94,7 +89,6 @@ def add_rules(root: Node) -> None:
     _attach(functions, _reward_functions_rules())
     _attach(functions["items"], _reward_function_rules())
     _attach(spec, _reward_target_rules())
-    _attach(sections["reward"]["properties"]["sandbox"], _sandbox_rules())
     for role in ("learner", "rollout"):
         pods = sections[role]
         _attach(pods, _pod_rules(role))
@@ -293,46 +287,6 @@ def _reward_rules() -> list[Validation]:
             reason=FORBIDDEN,
         ),
     ]
-
-
-def _sandbox_rules() -> list[Validation]:
-    """On reward.sandbox (validation._sandbox_problems): the sandbox pods' settings only where
-    the operator runs them, and a RuntimeClass for their namespaces."""
-    local = "(!has(self.mode) || self.mode == 'local')"
-    pods = "(has(self.mode) && self.mode == 'service' && !has(self.serviceUrl))"
-    out = [
-        rule(
-            f"!{pods} || has(self.runtimeClassName) || "
-            "(has(self.isolation) && self.isolation == 'none')",
-            NAMESPACES_NEED_A_RUNTIME,
-            field_path=".runtimeClassName",
-        ),
-        rule(
-            f"!has(self.serviceUrl) || !{local}",
-            SANDBOX_ONLY_IN_SERVICE,
-            field_path=".serviceUrl",
-            reason=FORBIDDEN,
-        ),
-    ]
-    for name in SANDBOX_POD_FIELDS:
-        field = f"self.{prop(name)}"
-        out.append(
-            rule(
-                f"!has({field}) || !{local}",
-                SANDBOX_POD_FIELD_LOCAL,
-                field_path=f".{name}",
-                reason=FORBIDDEN,
-            )
-        )
-        out.append(
-            rule(
-                f"!has({field}) || !has(self.serviceUrl)",
-                SANDBOX_POD_FIELD_OWN_SERVICE,
-                field_path=f".{name}",
-                reason=FORBIDDEN,
-            )
-        )
-    return out
 
 
 def _reward_functions_rules() -> list[Validation]:
