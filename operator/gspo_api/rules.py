@@ -411,4 +411,155 @@ SANDBOX_RULES = (
     *(rule for name in SANDBOX_POD_FIELDS for rule in _sandbox_pod_field_rules(name)),
 )
 
-RULES: tuple[Rule, ...] = (*SHAPE_RULES, *CHECKPOINT_RULES, *POD_RULES, *SANDBOX_RULES)
+
+# --- reward: reward.kind and reward.function, or reward.functions (never both) ------------
+
+REWARD_EXCLUSIVE = "reward.functions replaces reward.kind and reward.function"
+REWARD_EXCLUSIVE_FIX = (
+    "remove reward.kind and reward.function, or make them an entry of reward.functions "
+    "({name, kind, function, weight})"
+)
+REWARD_CONVENTION_PER_ENTRY = (
+    "is only read with reward.function; with reward.functions give each python entry its own "
+    "convention"
+)
+REWARD_NAMES_UNIQUE = "each reward.functions entry needs a name of its own; rename one"
+REWARD_PYTHON_NEEDS = "must be 'module:function' when kind is python"
+REWARD_TARGET_FIX = (
+    "lower targetTokens below algorithm.maxResponseTokens, or the penalty never applies"
+)
+_CEL_FUNCTION, _CEL_MANY = f"self.{prop('function')}", "has(self.functions)"
+_CEL_MODULE_FUNCTION = "matches('(?s)^[^:]+:.+$')"  # as module_function: text, ':', text
+_CEL_PYTHON = "(has(self.kind) && self.kind == 'python')"
+_CEL_KIND_SAID = "(has(self.kind) ? self.kind : 'math')"
+
+
+def module_function(path: str | None) -> bool:
+    """'module:function' (a python reward's import path): text, a colon, text."""
+    module, _, attr = (path or "").partition(":")
+    return bool(module and attr)
+
+
+def _one_reward(spec: GSPOJobSpec) -> bool:
+    """reward.kind/function in use (reward.functions not given)."""
+    return spec.reward.functions is None
+
+
+def _repeated_names(spec: GSPOJobSpec) -> list[str]:
+    """reward.functions names given to more than one entry, in order."""
+    names = [f.name for f in spec.reward.functions or ()]
+    return list(dict.fromkeys(n for i, n in enumerate(names) if n in names[:i]))
+
+
+def _targets_too_long(spec: GSPOJobSpec) -> list[str]:
+    """'name: targetTokens N' of the length components whose target a response cannot reach."""
+    limit = spec.algorithm.max_response_tokens
+    return [
+        f"{f.name}: targetTokens {f.target_tokens}"
+        for f in spec.reward.functions or ()
+        if f.target_tokens is not None and f.target_tokens >= limit
+    ]
+
+
+REWARD_RULES = (
+    Rule(
+        at="reward",
+        field="function",
+        cel=f"{_CEL_MANY} || !has(self.kind) || self.kind != 'python' || "
+        f"(has({_CEL_FUNCTION}) && {_CEL_FUNCTION}.{_CEL_MODULE_FUNCTION})",
+        check=lambda s: (
+            not _one_reward(s) or s.reward.kind != "python" or module_function(s.reward.function)
+        ),
+        message="must be 'module:function' when reward.kind is python",
+        said=lambda s, m: f"{s.reward.function or ''!r} {m}",
+        message_expression=(
+            f"\"'\" + (has({_CEL_FUNCTION}) ? {_CEL_FUNCTION} : '') + \"' must be "
+            "'module:function' when reward.kind is python\""
+        ),
+    ),
+    Rule(
+        at="reward",
+        field="function",
+        cel=f"{_CEL_MANY} || {_CEL_PYTHON} || !has({_CEL_FUNCTION})",
+        check=lambda s: (
+            not _one_reward(s) or s.reward.kind == "python" or s.reward.function is None
+        ),
+        message="is only read when reward.kind is python",
+        said=lambda s, m: f"{m} (it is {s.reward.kind})",
+        message_expression=(
+            f"'is only read when reward.kind is python (it is ' + {_CEL_KIND_SAID} + ')'"
+        ),
+        reason=FORBIDDEN,
+    ),
+    Rule(
+        at="reward",
+        field="kind",
+        cel=f"!{_CEL_MANY} || !has(self.kind)",
+        check=lambda s: _one_reward(s) or s.reward.kind is None,
+        message=f"{REWARD_EXCLUSIVE}; {REWARD_EXCLUSIVE_FIX}",
+        reason=FORBIDDEN,
+    ),
+    Rule(
+        at="reward",
+        field="function",
+        cel=f"!{_CEL_MANY} || !has({_CEL_FUNCTION})",
+        check=lambda s: _one_reward(s) or s.reward.function is None,
+        message=f"{REWARD_EXCLUSIVE}; {REWARD_EXCLUSIVE_FIX}",
+        reason=FORBIDDEN,
+    ),
+    Rule(
+        at="reward",
+        field="convention",
+        cel=f"{_CEL_MANY} || {_CEL_PYTHON} || !has(self.convention) || self.convention == 'gspo'",
+        check=lambda s: (
+            not _one_reward(s) or s.reward.kind == "python" or s.reward.convention == "gspo"
+        ),
+        message="is only read when reward.kind is python; remove it",
+        said=lambda s, _: (
+            f"is only read when reward.kind is python (it is {s.reward.kind}); remove it"
+        ),
+        message_expression=(
+            f"'is only read when reward.kind is python (it is ' + {_CEL_KIND_SAID} + '); remove it'"
+        ),
+        reason=FORBIDDEN,
+    ),
+    Rule(
+        at="reward",
+        field="convention",
+        cel=f"!{_CEL_MANY} || !has(self.convention) || self.convention == 'gspo'",
+        check=lambda s: _one_reward(s) or s.reward.convention == "gspo",
+        message=REWARD_CONVENTION_PER_ENTRY,
+        reason=FORBIDDEN,
+    ),
+    Rule(
+        at="reward.functions",
+        field="",
+        cel="self.all(f, self.exists_one(g, g.name == f.name))",
+        check=lambda s: not _repeated_names(s),
+        message=REWARD_NAMES_UNIQUE,
+        said=lambda s, m: (
+            f"{', '.join(map(repr, _repeated_names(s)))} "
+            f"{'is' if len(_repeated_names(s)) == 1 else 'are'} used twice: {m}"
+        ),
+    ),
+    Rule(
+        at="",
+        field="reward.functions",
+        cel="!has(self.reward) || !has(self.reward.functions) || self.reward.functions.all(f, "
+        "!has(f.targetTokens) || f.targetTokens < self.algorithm.maxResponseTokens)",
+        check=lambda s: not _targets_too_long(s),
+        message=REWARD_TARGET_FIX,
+        said=lambda s, m: (
+            f"{', '.join(_targets_too_long(s))} {'is' if len(_targets_too_long(s)) == 1 else 'are'}"
+            f" not below algorithm.maxResponseTokens ({s.algorithm.max_response_tokens}); {m}"
+        ),
+    ),
+)
+
+RULES: tuple[Rule, ...] = (
+    *SHAPE_RULES,
+    *CHECKPOINT_RULES,
+    *POD_RULES,
+    *SANDBOX_RULES,
+    *REWARD_RULES,
+)

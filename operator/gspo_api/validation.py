@@ -17,7 +17,7 @@ from pydantic.alias_generators import to_snake
 
 from gspo_api.engine_args import engine_arg_problems
 from gspo_api.model_shape import TINY_KINDS
-from gspo_api.rules import RULES
+from gspo_api.rules import REWARD_PYTHON_NEEDS, RULES, module_function
 from gspo_api.spec import GSPOJobSpec, PodSettings, SandboxConfig
 from gspo_api.tasks import BUILTIN_TASKS
 
@@ -389,11 +389,6 @@ def check_pod_settings(pods: PodSettings, path: str) -> list[Problem]:
     return out
 
 
-def _module_function(path: str | None) -> bool:
-    module, _, attr = (path or "").partition(":")
-    return bool(module and attr)
-
-
 def _sandbox_problems(sandbox: SandboxConfig) -> list[tuple[str, str]]:
     """GPUs named for the sandbox pods (no CEL rule says it: the operator refuses them).
     Mode service with neither a serviceUrl nor a cluster (`gspo train`) is the learner's
@@ -415,30 +410,10 @@ def _reward_problems(spec: GSPOJobSpec) -> list[tuple[str, str]]:
         why = "is only read when a code reward is scored (reward.kind code or a code component)"
         out.append(("reward.sandbox.mode", f"{why}; remove it"))
     if reward.functions is None:
-        fn = reward.function
-        if reward.kind == "python" and not _module_function(fn):
-            message = f"{fn or ''!r} must be 'module:function' when reward.kind is python"
-            out.append(("reward.function", message))
-        elif reward.kind != "python" and fn is not None:
-            message = f"is only read when reward.kind is python (it is {reward.kind})"
-            out.append(("reward.function", message))
-        if reward.kind != "python" and reward.convention != "gspo":
-            message = f"is only read when reward.kind is python (it is {reward.kind}); remove it"
-            out.append(("reward.convention", message))
         return out
-    for name in ("kind", "function"):
-        if getattr(reward, name) is not None:
-            out.append((f"reward.{name}", f"{REWARD_EXCLUSIVE}; {REWARD_EXCLUSIVE_FIX}"))
-    if reward.convention != "gspo":
-        out.append(("reward.convention", REWARD_CONVENTION_PER_ENTRY))
-    seen: set[str] = set()
-    max_tokens = spec.algorithm.max_response_tokens
     for i, f in enumerate(reward.functions):
         at = f"reward.functions[{i}]"
-        if f.name in seen:  # at the list, as the CEL rule (which cannot name an index)
-            out.append(("reward.functions", f"{f.name!r} is used twice: {REWARD_NAMES_UNIQUE}"))
-        seen.add(f.name)
-        if f.kind == "python" and not _module_function(f.function):
+        if f.kind == "python" and not module_function(f.function):
             out.append((f"{at}.function", f"{f.function or ''!r}: {REWARD_PYTHON_NEEDS}"))
         if f.kind != "python" and f.convention != "gspo":
             message = f"is only read when kind is python; remove it (kind is {f.kind})"
@@ -454,27 +429,4 @@ def _reward_problems(spec: GSPOJobSpec) -> list[tuple[str, str]]:
         if f.kind == "code" and any(g.kind == "code" for g in reward.functions[:i]):
             message = "a second code component: reward.code and reward.sandbox serve one; remove it"
             out.append((f"{at}.kind", message))
-        if f.target_tokens is not None and f.target_tokens >= max_tokens:
-            message = (
-                f"{f.name}: targetTokens {f.target_tokens} is not below "
-                f"algorithm.maxResponseTokens ({max_tokens}); {REWARD_TARGET_FIX}"
-            )
-            out.append(("reward.functions", message))
     return out
-
-
-# Said alike by validate and the CRD's CEL rules (gspo_operator.crd_rules).
-REWARD_EXCLUSIVE = "reward.functions replaces reward.kind and reward.function"
-REWARD_EXCLUSIVE_FIX = (
-    "remove reward.kind and reward.function, or make them an entry of reward.functions "
-    "({name, kind, function, weight})"
-)
-REWARD_CONVENTION_PER_ENTRY = (
-    "is only read with reward.function; with reward.functions give each python entry its own "
-    "convention"
-)
-REWARD_NAMES_UNIQUE = "each reward.functions entry needs a name of its own; rename one"
-REWARD_PYTHON_NEEDS = "must be 'module:function' when kind is python"
-REWARD_TARGET_FIX = (
-    "lower targetTokens below algorithm.maxResponseTokens, or the penalty never applies"
-)

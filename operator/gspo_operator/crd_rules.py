@@ -38,17 +38,11 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from gspo_api.rules import FORBIDDEN, INVALID, RULES, Rule, lit, prop
+from gspo_api.rules import FORBIDDEN, INVALID, REWARD_PYTHON_NEEDS, RULES, Rule, lit, prop
 from gspo_api.spec import VOLUME_SOURCES
 from gspo_api.validation import (
     RESERVED_MOUNT_PATHS,
     RESERVED_VOLUMES,
-    REWARD_CONVENTION_PER_ENTRY,
-    REWARD_EXCLUSIVE,
-    REWARD_EXCLUSIVE_FIX,
-    REWARD_NAMES_UNIQUE,
-    REWARD_PYTHON_NEEDS,
-    REWARD_TARGET_FIX,
 )
 from gspo_operator import names
 from gspo_operator.status import MUTABLE_FIELDS
@@ -84,11 +78,8 @@ def add_rules(root: Node) -> None:
     _attach(root, [*_name_rules(), *_immutable_rules(spec)])
     for declared in RULES:
         _attach(_node(spec, declared.at), [_from_table(declared)])
-    _attach(sections["reward"], _reward_rules())
     functions = sections["reward"]["properties"]["functions"]
-    _attach(functions, _reward_functions_rules())
     _attach(functions["items"], _reward_function_rules())
-    _attach(spec, _reward_target_rules())
     for role in ("learner", "rollout"):
         pods = sections[role]
         _attach(pods, _pod_rules(role))
@@ -243,57 +234,6 @@ def _nullable_below(node: Node) -> bool:
 # --- check_spec ----------------------------------------------------------------------------
 
 
-def _reward_rules() -> list[Validation]:
-    fn, many = f"self.{prop('function')}", "has(self.functions)"
-    exclusive = f"{REWARD_EXCLUSIVE}; {REWARD_EXCLUSIVE_FIX}"
-    return [
-        rule(
-            f"{many} || !has(self.kind) || self.kind != 'python' || "
-            f"(has({fn}) && {fn}.matches('(?s)^[^:]+:.+$'))",
-            "must be 'module:function' when reward.kind is python",
-            message_expression=(
-                f"\"'\" + (has({fn}) ? {fn} : '') + \"' must be 'module:function' when "
-                'reward.kind is python"'
-            ),
-            field_path=".function",
-        ),
-        rule(
-            f"{many} || (has(self.kind) && self.kind == 'python') || !has({fn})",
-            "is only read when reward.kind is python",
-            message_expression=(
-                "'is only read when reward.kind is python (it is ' + "
-                "(has(self.kind) ? self.kind : 'math') + ')'"
-            ),
-            field_path=".function",
-            reason=FORBIDDEN,
-        ),
-        rule(f"!{many} || !has(self.kind)", exclusive, field_path=".kind", reason=FORBIDDEN),
-        rule(f"!{many} || !has({fn})", exclusive, field_path=".function", reason=FORBIDDEN),
-        rule(
-            f"{many} || (has(self.kind) && self.kind == 'python') || "
-            "!has(self.convention) || self.convention == 'gspo'",
-            "is only read when reward.kind is python; remove it",
-            message_expression=(
-                "'is only read when reward.kind is python (it is ' + "
-                "(has(self.kind) ? self.kind : 'math') + '); remove it'"
-            ),
-            field_path=".convention",
-            reason=FORBIDDEN,
-        ),
-        rule(
-            f"!{many} || !has(self.convention) || self.convention == 'gspo'",
-            REWARD_CONVENTION_PER_ENTRY,
-            field_path=".convention",
-            reason=FORBIDDEN,
-        ),
-    ]
-
-
-def _reward_functions_rules() -> list[Validation]:
-    """On reward.functions: names are unique."""
-    return [rule("self.all(f, self.exists_one(g, g.name == f.name))", REWARD_NAMES_UNIQUE)]
-
-
 def _reward_function_rules() -> list[Validation]:
     """On each reward.functions entry: what its kind reads, and only that."""
     fn = f"self.{prop('function')}"
@@ -322,18 +262,6 @@ def _reward_function_rules() -> list[Validation]:
             )
         )
     return out
-
-
-def _reward_target_rules() -> list[Validation]:
-    """At the spec: a length component's targetTokens below algorithm.maxResponseTokens."""
-    return [
-        rule(
-            "!has(self.reward) || !has(self.reward.functions) || self.reward.functions.all(f, "
-            "!has(f.targetTokens) || f.targetTokens < self.algorithm.maxResponseTokens)",
-            REWARD_TARGET_FIX,
-            field_path=".reward.functions",
-        )
-    ]
 
 
 # --- check_pod_settings, per role ----------------------------------------------------------

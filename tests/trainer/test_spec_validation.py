@@ -170,6 +170,20 @@ def test_all_problems_are_reported_at_once() -> None:
     assert {"spec.algorithm.groupSize", "spec.algorithm.clipLow", "spec.metrics.port"} <= set(found)
 
 
+def test_a_rule_on_the_whole_list_names_every_entry_that_breaks_it_once() -> None:
+    """reward.functions' names and length targets are judged on the list, as the CRD's rules
+    judge them: one problem each, naming every entry at fault."""
+    length = {"kind": "length", "targetTokens": 9000}
+    entries = [{"name": n, **length} for n in ("a", "a", "b", "b", "c")]
+    with pytest.raises(SpecError) as info:
+        parse_spec(minimal(reward={"functions": entries}))
+    said = [p.message for p in info.value.problems if p.path == "spec.reward.functions"]
+    assert said[0].startswith("'a', 'b' are used twice: ")
+    assert said[1].startswith("a: targetTokens 9000, a: targetTokens 9000, b: targetTokens")
+    assert "c: targetTokens 9000 are not below algorithm.maxResponseTokens (8192)" in said[1]
+    assert len(said) == 2
+
+
 def test_spec_that_is_not_a_mapping() -> None:
     assert problems([1, 2]) == {"spec": "must be a mapping, got list"}  # type: ignore[arg-type]
 
