@@ -3,10 +3,11 @@
 x-kubernetes-validations, gspo_operator.crd_rules), and tests/contract/test_crd_cel.py keeps
 the two in agreement on hand-written and generated specs.
 
-A rule sits on one object of the spec (`at`, "" for the spec itself): its CEL reads that
-object as `self`, its `check` reads the whole validated spec. It refuses `field` (below
-`at`) with `message`, which names the problem and ends with the fix; where validate can
-print the values it judged, `said` words the message with them. The CEL is written for
+A `Rule` sits on one object of the spec (`at`, "" for the spec itself): its CEL reads that
+object as `self`, its `check` reads the whole validated spec. An `ItemRule` sits on each item
+of a list (`at` ends in `[]`): its CEL and its `check` both read one item. Either refuses
+`field` (below `at`) with `message`, which names the problem and ends with the fix; where
+validate can print the values it judged, `said` words the message with them. The CEL is written for
 Kubernetes 1.30+ with the standard library and macros only (crd_rules' docstring says why,
 and what else it relies on).
 
@@ -17,14 +18,27 @@ why, beside each), and the CRD's own (object names, what may change in flight: c
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from pydantic.alias_generators import to_snake
 
 from gspo_api.ports import RESERVED_PORTS
-from gspo_api.spec import BUILTIN_MODELS, GSPOJobSpec, LearnerConfig, RolloutConfig
+from gspo_api.spec import (
+    BUILTIN_MODELS,
+    VOLUME_SOURCES,
+    EnvVar,
+    GSPOJobSpec,
+    LearnerConfig,
+    RewardFunctionConfig,
+    RolloutConfig,
+    Volume,
+    VolumeMount,
+)
 
+T = TypeVar("T")
 # The API server's reasons (field.ErrorType); a rule's `reason` says which one it refuses with.
 INVALID, FORBIDDEN = "FieldValueInvalid", "FieldValueForbidden"
 # Kubernetes escapes a property named like one of these (apiserver/pkg/cel/escaping.go).
@@ -61,16 +75,40 @@ class Rule:
     message_expression: str | None = None  # CEL saying validate's very words, where it can
     reason: str = INVALID
 
-    @property
-    def path(self) -> str:
-        """The refused field's path below `spec`, as validate names it."""
-        return ".".join(p for p in (self.at, self.field) if p)
-
-    def refusal(self, spec: GSPOJobSpec) -> str | None:
-        """validate's message when `spec` breaks this rule, else None."""
+    def refusals(self, spec: GSPOJobSpec) -> list[tuple[str, str]]:
+        """(path below `spec`, validate's message) when `spec` breaks this rule."""
         if self.check(spec):
-            return None
-        return self.said(spec, self.message) if self.said else self.message
+            return []
+        path = ".".join(p for p in (self.at, self.field) if p)
+        return [(path, self.said(spec, self.message) if self.said else self.message)]
+
+
+@dataclass(frozen=True)
+class ItemRule(Generic[T]):
+    """A rule on each item of a list (`at` ends in `[]`): its CEL and its `check` both read
+    one item; validate names the item by its index (`learner.volumes[2].name`)."""
+
+    at: str  # the list's items, from the spec: "reward.functions[]"
+    field: str  # the item's field refused ("" for the item itself)
+    cel: str  # the rule for the API server, reading one item as `self`
+    items: Callable[[GSPOJobSpec], Sequence[T]]  # the list, read off the validated spec
+    check: Callable[[T], bool]  # the same rule in Python, on one item: True when it holds
+    message: str
+    said: Callable[[T, str], str] | None = None  # validate's words, given the item
+    message_expression: str | None = None
+    reason: str = INVALID
+
+    def refusals(self, spec: GSPOJobSpec) -> list[tuple[str, str]]:
+        """(path below `spec`, validate's message) for each item that breaks this rule."""
+        listed = self.at.removesuffix("[]")
+        return [
+            (
+                ".".join(p for p in (f"{listed}[{i}]", self.field) if p),
+                self.said(item, self.message) if self.said else self.message,
+            )
+            for i, item in enumerate(self.items(spec))
+            if not self.check(item)
+        ]
 
 
 def _responses(spec: GSPOJobSpec) -> int:
@@ -556,10 +594,129 @@ REWARD_RULES = (
     ),
 )
 
-RULES: tuple[Rule, ...] = (
+
+def _entries(spec: GSPOJobSpec) -> Sequence[RewardFunctionConfig]:
+    return spec.reward.functions or ()
+
+
+def _read_by(field: str, kind: str) -> ItemRule[RewardFunctionConfig]:
+    """A reward.functions entry's field that only one kind of component reads."""
+    return ItemRule(
+        at="reward.functions[]",
+        field=field,
+        cel=f"self.kind == '{kind}' || !has(self.{prop(field)})",
+        items=_entries,
+        check=lambda f: f.kind == kind or getattr(f, to_snake(field)) is None,
+        message=f"is only read when kind is {kind}; remove it",
+        said=lambda f, m: f"{m} (kind is {f.kind})",
+        reason=FORBIDDEN,
+    )
+
+
+REWARD_ENTRY_RULES: tuple[ItemRule[RewardFunctionConfig], ...] = (
+    ItemRule(
+        at="reward.functions[]",
+        field="function",
+        cel=f"self.kind != 'python' || (has({_CEL_FUNCTION}) && "
+        f"{_CEL_FUNCTION}.{_CEL_MODULE_FUNCTION})",
+        items=_entries,
+        check=lambda f: f.kind != "python" or module_function(f.function),
+        message=REWARD_PYTHON_NEEDS,
+        said=lambda f, m: f"{f.function or ''!r}: {m}",
+    ),
+    ItemRule(
+        at="reward.functions[]",
+        field="convention",
+        cel="self.kind == 'python' || !has(self.convention) || self.convention == 'gspo'",
+        items=_entries,
+        check=lambda f: f.kind == "python" or f.convention == "gspo",
+        message="is only read when kind is python; remove it",
+        said=lambda f, m: f"{m} (kind is {f.kind})",
+        reason=FORBIDDEN,
+    ),
+    _read_by("function", "python"),
+    _read_by("pattern", "format"),
+    _read_by("targetTokens", "length"),
+)
+
+
+# --- the pods' volumes, mounts and env, each item alone ------------------------------------
+
+# Volumes and mount paths of the pod contract (render.py); user volumes may not reuse them.
+RESERVED_VOLUMES = ("config", "checkpoints", "dshm", "home", "tmp", "model-cache")
+RESERVED_MOUNT_PATHS = ("/etc/gspo", "/checkpoints", "/dev/shm", "/home/gspo", "/tmp")
+_ALLOWED_SOURCES = ", ".join(VOLUME_SOURCES)
+_CEL_SOURCES = " + ".join(f"(has(self.{s}) ? 1 : 0)" for s in VOLUME_SOURCES)
+# ", ".join(the sources set) or "none", as validate words it.
+_CEL_SOURCES_SET = " + ".join(
+    f"(has(self.{source}) ? "
+    f"({' || '.join(f'has(self.{s})' for s in VOLUME_SOURCES[:i]) or 'false'} ? "
+    f"{lit(', ' + source)} : {lit(source)}) : '')"
+    for i, source in enumerate(VOLUME_SOURCES)
+)
+_CEL_RESERVED_MOUNT = "|".join(re.escape(p) for p in RESERVED_MOUNT_PATHS)
+
+
+def mount_point(mount: VolumeMount) -> str:
+    """A mountPath without its trailing slashes (`/data/` and `/data` name one mount point)."""
+    return mount.mount_path.rstrip("/") or "/"
+
+
+def _role_item_rules(role: str) -> tuple[ItemRule[Any], ...]:
+    volumes: ItemRule[Volume] = ItemRule(
+        at=f"{role}.volumes[]",
+        field="",
+        cel=f"{_CEL_SOURCES} == 1",
+        items=lambda s: _pods(s, role).volumes,
+        check=lambda v: len(v.sources()) == 1,
+        message=f"needs exactly one volume source; allowed: {_ALLOWED_SOURCES}",
+        said=lambda v, _: (
+            f"needs exactly one volume source (got {', '.join(v.sources()) or 'none'}); "
+            f"allowed: {_ALLOWED_SOURCES}"
+        ),
+        message_expression=(
+            f"'needs exactly one volume source (got ' + ({_CEL_SOURCES} == 0 ? 'none' : "
+            f"{_CEL_SOURCES_SET}) + '); allowed: {_ALLOWED_SOURCES}'"
+        ),
+    )
+    names: ItemRule[Volume] = ItemRule(
+        at=f"{role}.volumes[]",
+        field="name",
+        cel=f"!(self.name in [{', '.join(lit(v) for v in RESERVED_VOLUMES)}])",
+        items=lambda s: _pods(s, role).volumes,
+        check=lambda v: v.name not in RESERVED_VOLUMES,
+        message="is a volume the operator adds; rename it",
+        said=lambda v, m: f"{v.name!r} {m}",
+        message_expression='"\'" + self.name + "\' is a volume the operator adds; rename it"',
+    )
+    mounts: ItemRule[VolumeMount] = ItemRule(
+        at=f"{role}.volumeMounts[]",
+        field="mountPath",
+        cel=f"!self.mountPath.matches({lit(f'^({_CEL_RESERVED_MOUNT})/*$')})",
+        items=lambda s: _pods(s, role).volume_mounts,
+        check=lambda m: mount_point(m) not in RESERVED_MOUNT_PATHS,
+        message="is mounted by the operator; mount somewhere else",
+        said=lambda mount, m: f"{mount_point(mount)} {m}",
+    )
+    env: ItemRule[EnvVar] = ItemRule(
+        at=f"{role}.env[]",
+        field="",
+        cel="!(has(self.value) && has(self.valueFrom))",
+        items=lambda s: _pods(s, role).env,
+        check=lambda e: e.value is None or e.value_from is None,
+        message="sets both value and valueFrom; keep one",
+    )
+    return volumes, names, mounts, env
+
+
+POD_ITEM_RULES = tuple(rule for role in ROLES for rule in _role_item_rules(role))
+
+RULES: tuple[Rule | ItemRule[Any], ...] = (
     *SHAPE_RULES,
     *CHECKPOINT_RULES,
     *POD_RULES,
+    *POD_ITEM_RULES,
     *SANDBOX_RULES,
     *REWARD_RULES,
+    *REWARD_ENTRY_RULES,
 )

@@ -13,11 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
-from pydantic.alias_generators import to_snake
 
 from gspo_api.engine_args import engine_arg_problems
 from gspo_api.model_shape import TINY_KINDS
-from gspo_api.rules import REWARD_PYTHON_NEEDS, RULES, module_function
+from gspo_api.rules import RESERVED_MOUNT_PATHS, RULES, mount_point
 from gspo_api.spec import GSPOJobSpec, PodSettings, SandboxConfig
 from gspo_api.tasks import BUILTIN_TASKS
 
@@ -253,9 +252,9 @@ def check_spec(spec: GSPOJobSpec, *, prefix: str = "spec") -> list[Problem]:
         out.append(Problem(f"{prefix}.{path}", message))
 
     out.extend(
-        Problem(f"{prefix}.{rule.path}", said)
+        Problem(f"{prefix}.{path}", message)
         for rule in RULES
-        if (said := rule.refusal(spec)) is not None
+        for path, message in rule.refusals(spec)
     )
     learner, rollout = spec.learner, spec.rollout
     # What the API server cannot see: the built-in models' shapes and the tasks' lengths.
@@ -311,37 +310,24 @@ def _int_or_none(value: Any) -> int | None:
 
 
 # Volumes and mount paths of the pod contract (render.py); user volumes may not reuse them.
-RESERVED_VOLUMES = ("config", "checkpoints", "dshm", "home", "tmp", "model-cache")
-RESERVED_MOUNT_PATHS = ("/etc/gspo", "/checkpoints", "/dev/shm", "/home/gspo", "/tmp")
 ENV_SOURCES = ("secretKeyRef", "configMapKeyRef", "fieldRef", "resourceFieldRef")
 
 
 def check_pod_settings(pods: PodSettings, path: str) -> list[Problem]:
-    """Volumes, mounts and env of one role's pods, as the API server would check the pod."""
+    """What the rules' table cannot say of one role's pods: where a CEL rule on one item
+    cannot see its siblings, the CRD's rule sits on the list (crd_rules) and validate names
+    the item; env valueFrom and envFrom contents are invisible to CEL (preserved unknown
+    fields)."""
     out: list[Problem] = []
     names = [v.name for v in pods.volumes]
     for i, volume in enumerate(pods.volumes):
-        where = f"{path}.volumes[{i}]"
-        sources = volume.sources()
-        if len(sources) != 1:
-            got = ", ".join(sources) or "none"
-            out.append(
-                Problem(
-                    where,
-                    f"needs exactly one volume source (got {got}); allowed: "
-                    "persistentVolumeClaim, configMap, secret, emptyDir, csi, "
-                    "nfs, projected, ephemeral, hostPath",
-                )
-            )
-        if volume.name in RESERVED_VOLUMES:
-            out.append(
-                Problem(
-                    f"{where}.name", f"{volume.name!r} is a volume the operator adds; rename it"
-                )
-            )
         if names.count(volume.name) > 1 and names.index(volume.name) != i:
-            out.append(Problem(f"{where}.name", f"{volume.name!r} is used twice; names are unique"))
-    paths = [m.mount_path.rstrip("/") or "/" for m in pods.volume_mounts]
+            out.append(
+                Problem(
+                    f"{path}.volumes[{i}].name", f"{volume.name!r} is used twice; names are unique"
+                )
+            )
+    points = [mount_point(m) for m in pods.volume_mounts]
     for i, mount in enumerate(pods.volume_mounts):
         where = f"{path}.volumeMounts[{i}]"
         if mount.name not in names:
@@ -353,26 +339,16 @@ def check_pod_settings(pods: PodSettings, path: str) -> list[Problem]:
                     f"({known}); declare the volume there",
                 )
             )
-        mount_path = paths[i]
-        if mount_path in RESERVED_MOUNT_PATHS:
-            out.append(
-                Problem(
-                    f"{where}.mountPath",
-                    f"{mount_path} is mounted by the operator; mount somewhere else",
-                )
-            )
-        elif paths.index(mount_path) != i:
-            out.append(Problem(f"{where}.mountPath", f"{mount_path} is mounted twice"))
+        # A mount point of the operator's is refused by the table's rule already.
+        if points[i] not in RESERVED_MOUNT_PATHS and points.index(points[i]) != i:
+            out.append(Problem(f"{where}.mountPath", f"{points[i]} is mounted twice"))
     for i, env in enumerate(pods.env):
-        where = f"{path}.env[{i}]"
-        if env.value is not None and env.value_from is not None:
-            out.append(Problem(where, "sets both value and valueFrom; keep one"))
         if env.value_from is not None:
             keys = [k for k in env.value_from if k in ENV_SOURCES]
             if len(keys) != 1 or len(env.value_from) != 1:
                 out.append(
                     Problem(
-                        f"{where}.valueFrom",
+                        f"{path}.env[{i}].valueFrom",
                         "needs exactly one of "
                         f"{', '.join(ENV_SOURCES)} (got {sorted(env.value_from)})",
                     )
@@ -412,21 +388,8 @@ def _reward_problems(spec: GSPOJobSpec) -> list[tuple[str, str]]:
     if reward.functions is None:
         return out
     for i, f in enumerate(reward.functions):
-        at = f"reward.functions[{i}]"
-        if f.kind == "python" and not module_function(f.function):
-            out.append((f"{at}.function", f"{f.function or ''!r}: {REWARD_PYTHON_NEEDS}"))
-        if f.kind != "python" and f.convention != "gspo":
-            message = f"is only read when kind is python; remove it (kind is {f.kind})"
-            out.append((f"{at}.convention", message))
-        for field, kind in (
-            ("function", "python"),
-            ("pattern", "format"),
-            ("targetTokens", "length"),
-        ):
-            if f.kind != kind and getattr(f, to_snake(field)) is not None:
-                message = f"is only read when kind is {kind}; remove it (kind is {f.kind})"
-                out.append((f"{at}.{field}", message))
+        # One code component at most: validate's alone (no CEL rule counts them).
         if f.kind == "code" and any(g.kind == "code" for g in reward.functions[:i]):
             message = "a second code component: reward.code and reward.sandbox serve one; remove it"
-            out.append((f"{at}.kind", message))
+            out.append((f"reward.functions[{i}].kind", message))
     return out

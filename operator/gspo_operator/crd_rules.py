@@ -38,12 +38,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from gspo_api.rules import FORBIDDEN, INVALID, REWARD_PYTHON_NEEDS, RULES, Rule, lit, prop
-from gspo_api.spec import VOLUME_SOURCES
-from gspo_api.validation import (
-    RESERVED_MOUNT_PATHS,
-    RESERVED_VOLUMES,
-)
+from gspo_api.rules import INVALID, ROLES, RULES, ItemRule, Rule, lit, prop
 from gspo_operator import names
 from gspo_operator.status import MUTABLE_FIELDS
 
@@ -78,14 +73,8 @@ def add_rules(root: Node) -> None:
     _attach(root, [*_name_rules(), *_immutable_rules(spec)])
     for declared in RULES:
         _attach(_node(spec, declared.at), [_from_table(declared)])
-    functions = sections["reward"]["properties"]["functions"]
-    _attach(functions["items"], _reward_function_rules())
-    for role in ("learner", "rollout"):
-        pods = sections[role]
-        _attach(pods, _pod_rules(role))
-        _attach(pods["properties"]["volumes"]["items"], _volume_rules())
-        _attach(pods["properties"]["volumeMounts"]["items"], _mount_rules())
-        _attach(pods["properties"]["env"]["items"], _env_rules())
+    for role in ROLES:
+        _attach(sections[role], _pod_rules(role))
 
 
 def _attach(node: Node, validations: Iterable[Validation]) -> None:
@@ -102,7 +91,7 @@ def _node(spec: Node, at: str) -> Node:
     return node
 
 
-def _from_table(declared: Rule) -> Validation:
+def _from_table(declared: Rule | ItemRule[Any]) -> Validation:
     """A rule of gspo_api.rules as the API server reads it: its fieldPath is the refused
     field below the node, with map keys quoted (`requests['nvidia.com/gpu']`)."""
     field_path = re.sub(r"\[([^\]]+)\]", r"['\1']", f".{declared.field}")
@@ -234,36 +223,6 @@ def _nullable_below(node: Node) -> bool:
 # --- check_spec ----------------------------------------------------------------------------
 
 
-def _reward_function_rules() -> list[Validation]:
-    """On each reward.functions entry: what its kind reads, and only that."""
-    fn = f"self.{prop('function')}"
-    out = [
-        rule(
-            f"self.kind != 'python' || (has({fn}) && {fn}.matches('(?s)^[^:]+:.+$'))",
-            REWARD_PYTHON_NEEDS,
-            field_path=".function",
-        )
-    ]
-    out.append(
-        rule(
-            "self.kind == 'python' || !has(self.convention) || self.convention == 'gspo'",
-            "is only read when kind is python; remove it",
-            field_path=".convention",
-            reason=FORBIDDEN,
-        )
-    )
-    for field, kind in (("function", "python"), ("pattern", "format"), ("targetTokens", "length")):
-        out.append(
-            rule(
-                f"self.kind == '{kind}' || !has(self.{prop(field)})",
-                f"is only read when kind is {kind}; remove it",
-                field_path=f".{field}",
-                reason=FORBIDDEN,
-            )
-        )
-    return out
-
-
 # --- check_pod_settings, per role ----------------------------------------------------------
 
 
@@ -292,51 +251,4 @@ def _pod_rules(role: str) -> list[Validation]:
         ),
         rule(exact, "a mountPath is mounted twice", field_path=".volumeMounts"),
         rule(slashed, "a mountPath is mounted twice", field_path=".volumeMounts"),
-    ]
-
-
-def _volume_rules() -> list[Validation]:
-    allowed = ", ".join(VOLUME_SOURCES)
-    count = " + ".join(f"(has(self.{s}) ? 1 : 0)" for s in VOLUME_SOURCES)
-    # ", ".join(the sources set) or "none", as validate words it.
-    got = []
-    for i, source in enumerate(VOLUME_SOURCES):
-        before = " || ".join(f"has(self.{s})" for s in VOLUME_SOURCES[:i]) or "false"
-        got.append(f"(has(self.{source}) ? ({before} ? {lit(', ' + source)} : {lit(source)}) : '')")
-    reserved = ", ".join(lit(v) for v in RESERVED_VOLUMES)
-    return [
-        rule(
-            f"{count} == 1",
-            f"needs exactly one volume source; allowed: {allowed}",
-            message_expression=(
-                f"'needs exactly one volume source (got ' + ({count} == 0 ? 'none' : "
-                f"{' + '.join(got)}) + '); allowed: {allowed}'"
-            ),
-        ),
-        rule(
-            f"!(self.name in [{reserved}])",
-            "is a volume the operator adds; rename it",
-            message_expression='"\'" + self.name + "\' is a volume the operator adds; rename it"',
-            field_path=".name",
-        ),
-    ]
-
-
-def _mount_rules() -> list[Validation]:
-    reserved = "|".join(re.escape(p) for p in RESERVED_MOUNT_PATHS)
-    return [
-        rule(
-            f"!self.mountPath.matches({lit(f'^({reserved})/*$')})",
-            "is mounted by the operator; mount somewhere else",
-            field_path=".mountPath",
-        )
-    ]
-
-
-def _env_rules() -> list[Validation]:
-    return [
-        rule(
-            "!(has(self.value) && has(self.valueFrom))",
-            "sets both value and valueFrom; keep one",
-        )
     ]
