@@ -245,33 +245,24 @@ def builtin_task_problems(spec: GSPOJobSpec) -> list[tuple[str, str]]:
 
 
 def check_spec(spec: GSPOJobSpec, *, prefix: str = "spec") -> list[Problem]:
-    """Cross-field rules that no single field can express. Pure; returns every problem."""
-    out: list[Problem] = []
-
-    def bad(path: str, message: str) -> None:
-        out.append(Problem(f"{prefix}.{path}", message))
-
-    out.extend(
-        Problem(f"{prefix}.{path}", message)
-        for rule in RULES
-        for path, message in rule.refusals(spec)
-    )
-    learner, rollout = spec.learner, spec.rollout
-    # What the API server cannot see: the built-in models' shapes and the tasks' lengths.
-    for path, message in _routing_replay_problems(spec):
-        bad(path, message)
-    out.extend(Problem(f"{prefix}.{path}", m) for path, m in builtin_task_problems(spec))
-
-    for path, message in _reward_problems(spec):
-        bad(path, message)
-
-    for role, pods in (("learner", learner), ("rollout", rollout)):
+    """Cross-field rules that no single field can express: the rules' table (gspo_api.rules,
+    whose CEL the CRD carries), then what only validate checks. Pure; returns every problem."""
+    rollout = spec.rollout
+    found = [refusal for rule in RULES for refusal in rule.refusals(spec)]
+    # No CEL rule for these: they read the built-in models' and tasks' tables, or every
+    # reward component at once (each function's docstring says what it checks).
+    found += _routing_replay_problems(spec)
+    found += builtin_task_problems(spec)
+    found += _reward_problems(spec)
+    out = [Problem(f"{prefix}.{path}", message) for path, message in found]
+    for role, pods in (("learner", spec.learner), ("rollout", rollout)):
         out.extend(check_pod_settings(pods, f"{prefix}.{role}"))
-    for key, message in engine_arg_problems(rollout.engine_args):
-        bad(f"rollout.engineArgs.{key}", message)
+    # engineArgs is a map of preserved unknown fields, checked against vLLM's flag table:
+    # invisible to CEL.
+    engine = [(f"rollout.engineArgs.{k}", m) for k, m in engine_arg_problems(rollout.engine_args)]
     if rollout.gpus_per_replica == 0:
-        for path, message in _cpu_engine_problems(rollout.engine_args, spec.model.max_model_len):
-            bad(path, message)
+        engine += _cpu_engine_problems(rollout.engine_args, spec.model.max_model_len)
+    out.extend(Problem(f"{prefix}.{path}", message) for path, message in engine)
     return out
 
 
@@ -379,7 +370,8 @@ def _sandbox_problems(sandbox: SandboxConfig) -> list[tuple[str, str]]:
 
 
 def _reward_problems(spec: GSPOJobSpec) -> list[tuple[str, str]]:
-    """reward.kind/function, or reward.functions (never both): (field, problem) pairs."""
+    """What validate alone says of the reward (the table has the rest): GPUs for the sandbox
+    pods, a sandbox with no code reward to score, a second code component. (field, problem)."""
     reward, out = spec.reward, []
     out += _sandbox_problems(reward.sandbox)
     if reward.sandbox.mode == "service" and not reward.scores_code():
@@ -388,7 +380,6 @@ def _reward_problems(spec: GSPOJobSpec) -> list[tuple[str, str]]:
     if reward.functions is None:
         return out
     for i, f in enumerate(reward.functions):
-        # One code component at most: validate's alone (no CEL rule counts them).
         if f.kind == "code" and any(g.kind == "code" for g in reward.functions[:i]):
             message = "a second code component: reward.code and reward.sandbox serve one; remove it"
             out.append((f"reward.functions[{i}].kind", message))
