@@ -1,5 +1,5 @@
-"""The rules on the reward: reward.kind and reward.function or reward.functions (never
-both), each reward.functions entry, and reward.sandbox (where model-written programs run)."""
+"""The rules on the reward: reward.sandbox (where model-written programs run), reward.kind
+and reward.function or reward.functions (never both), and each reward.functions entry."""
 
 from __future__ import annotations
 
