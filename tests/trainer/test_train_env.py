@@ -191,6 +191,6 @@ def record_spawns(monkeypatch: pytest.MonkeyPatch, gpus: int) -> list:  # type: 
     monkeypatch.setattr(train, "_has_cuda", lambda: True)
     monkeypatch.setattr(train, "_gpu_count", lambda: gpus)
     monkeypatch.setattr(train, "spawn", fake_spawn)
-    monkeypatch.setattr(train, "wait_healthy", lambda servers, timeout_s: None)
+    monkeypatch.setattr(train, "wait_healthy", lambda servers, timeout_s, learner=None: None)
     monkeypatch.setattr("gspo_trainer.tiny.materialize", lambda name, cache, seed=0: cache / "m")
     return started

@@ -2,7 +2,8 @@
 build) given an engine argument its engine core refuses at start-up (`block_size` 3: vLLM's
 argument parser accepts it, the engine core's initialisation fails). The run must end
 quickly, with exit status 1, naming the server that exited and showing vLLM's own reason from
-its log, before any learner starts and without a traceback of ours."""
+its log, without a traceback of ours; the learner, started beside the server as a job's pods
+start, is stopped before it trains."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def test_a_rollout_server_that_never_starts_ends_the_run_with_vllms_reason(
     assert "Engine core initialization failed" in done.stderr  # vLLM's words, from its log
     assert "Traceback" not in done.stderr.split("exited while starting")[0]  # none of ours
     assert "Learner started" not in done.stdout
-    assert not (out / "logs" / "learner.log").exists()
+    assert (out / "logs" / "learner.log").is_file()  # it started beside the server
+    assert not (out / "checkpoints" / "history.jsonl").exists()  # and was stopped untrained
     assert (out / "logs" / "rollout-0.log").is_file()
     assert took_s < 240  # it did not wait out the start-up timeout

@@ -307,10 +307,16 @@ class Learner:
                     f"no rollout server could serve policy version {self.state.policy_version} "
                     f"for {waited_s:.0f} s"
                 )
-            if waited_s == 0:
-                log.warning("No rollout server can serve yet; waiting up to %.0f s", limit_s)
+            if waited_s == 0:  # at the start, the servers are still loading: expected
+                log.log(
+                    logging.INFO if starting else logging.WARNING,
+                    "No rollout server can serve yet; waiting up to %.0f s",
+                    limit_s,
+                )
             await asyncio.sleep(delay_s)
-            waited_s, delay_s = waited_s + delay_s, min(delay_s * 2, 10.0)
+            # Starting, a probe every 2 s at most: the first step waits on the servers' load,
+            # not on the back-off (a refused connection costs nothing).
+            waited_s, delay_s = waited_s + delay_s, min(delay_s * 2, 2.0 if starting else 10.0)
 
     async def _discovered(self) -> bool:
         """Rank 0 re-resolves the fleet; True on every rank when servers were added."""

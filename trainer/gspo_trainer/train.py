@@ -304,10 +304,16 @@ def place_on_gpus(spec: GSPOJobSpec, gpus: int | Sequence[str], n_servers: int) 
     return GpuPlacement(",".join(ids[:learner]), servers)
 
 
-def wait_healthy(servers: list[tuple[Proc, str]], timeout_s: float) -> None:
+def wait_healthy(
+    servers: list[tuple[Proc, str]], timeout_s: float, learner: Proc | None = None
+) -> None:
+    """Until every server answers /health. A server that exits first raises with its log's
+    tail; a learner that exits first ends the wait (the caller reports its exit)."""
     deadline = time.monotonic() + timeout_s
     pending = list(servers)
     while pending:
+        if learner is not None and learner.popen.poll() is not None:
+            return
         for proc, url in list(pending):
             if proc.popen.poll() is not None:
                 raise RuntimeError(f"{proc.name} exited while starting:\n{proc.tail()}")
@@ -726,16 +732,6 @@ def run(
             ], server_env(base_env, gpus or placement, i),
                out / "logs" / f"rollout-{i}.log", keep_fds=lock_fds)  # fmt: skip
             servers.append((proc, f"http://127.0.0.1:{port}"))
-        wait_healthy(servers, SERVER_START_TIMEOUT_S)
-        # The servers answer anyone with the run's token, OpenAI's API included: leave it
-        # where its owner (only) can read it, to talk to the policy while it trains.
-        token_file = out / ROLLOUT_TOKEN_FILE
-        write_token_file(token_file, token)
-        print(
-            f"Rollout servers (vLLM's OpenAI API, token in {token_file}): "
-            f"{', '.join(url for _, url in servers)}",
-            flush=True,
-        )
         learner_env = {
             **base_env,
             ports.ENV_ROLLOUT_URLS: ",".join(url for _, url in servers),
@@ -760,11 +756,24 @@ def run(
             "--tracker-dir", str(out),  # metrics.reportTo: out/tensorboard, out/wandb, out/mlruns
         ], learner_env, out / "logs" / "learner.log",
            placement.learner if placement else None, lock_fds)  # fmt: skip
-        print(
-            f"Learner started; metrics at http://127.0.0.1:{metrics_port}/metrics "
-            f"(progress at /progress); logs in {out / 'logs'}",
-            flush=True,
-        )
+        # The learner starts beside its servers, as a job's pods do: it imports and builds its
+        # engine while vLLM loads, then waits for the fleet itself (Learner._await_fleet).
+        wait_healthy(servers, SERVER_START_TIMEOUT_S, learner)
+        if learner.popen.poll() is None:  # else follow_learner reports how it ended
+            # The servers answer anyone with the run's token, OpenAI's API included: leave it
+            # where its owner (only) can read it, to talk to the policy while it trains.
+            token_file = out / ROLLOUT_TOKEN_FILE
+            write_token_file(token_file, token)
+            print(
+                f"Rollout servers (vLLM's OpenAI API, token in {token_file}): "
+                f"{', '.join(url for _, url in servers)}",
+                flush=True,
+            )
+            print(
+                f"Learner started; metrics at http://127.0.0.1:{metrics_port}/metrics "
+                f"(progress at /progress); logs in {out / 'logs'}",
+                flush=True,
+            )
         view = ProgressView(
             out / "checkpoints" / "history.jsonl",
             spec.algorithm.max_steps,
