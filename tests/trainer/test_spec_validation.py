@@ -170,6 +170,15 @@ def test_all_problems_are_reported_at_once() -> None:
     assert {"spec.algorithm.groupSize", "spec.algorithm.clipLow", "spec.metrics.port"} <= set(found)
 
 
+def test_a_sandbox_pod_setting_in_mode_local_is_refused_once_with_a_fix_that_works() -> None:
+    """In mode local no sandbox pods run with or without serviceUrl: the setting is refused
+    as read in mode service only, not again with 'remove serviceUrl to have them run'."""
+    sandbox = {"mode": "local", "serviceUrl": "http://s:1", "replicas": 2}
+    found = problems(minimal(reward={"kind": "code", "sandbox": sandbox}))
+    assert sorted(found) == ["spec.reward.sandbox.replicas", "spec.reward.sandbox.serviceUrl"]
+    assert found["spec.reward.sandbox.replicas"].endswith("remove it or set mode: service")
+
+
 def test_a_rule_on_the_whole_list_names_every_entry_that_breaks_it_once() -> None:
     """reward.functions' names and length targets are judged on the list, as the CRD's rules
     judge them: one problem each, naming every entry at fault."""

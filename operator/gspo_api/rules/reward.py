@@ -50,7 +50,9 @@ def _sandbox_pod_field_set(spec: GSPOJobSpec, name: str) -> bool:
 
 
 def _sandbox_pod_field_rules(name: str) -> tuple[Rule, Rule]:
-    """A setting of the sandbox pods is read only where the operator runs them."""
+    """A setting of the sandbox pods is read only where the operator runs them: in mode
+    service, and there only with no serviceUrl (in mode local the first rule alone speaks:
+    removing serviceUrl would not run the pods)."""
     field = f"self.{prop(name)}"
     return (
         Rule(
@@ -64,9 +66,11 @@ def _sandbox_pod_field_rules(name: str) -> tuple[Rule, Rule]:
         Rule(
             at="reward.sandbox",
             field=name,
-            cel=f"!has({field}) || !has(self.serviceUrl)",
+            cel=f"!has({field}) || !has(self.serviceUrl) || {_CEL_LOCAL}",
             check=lambda s: (
-                not _sandbox_pod_field_set(s, name) or s.reward.sandbox.service_url is None
+                not _sandbox_pod_field_set(s, name)
+                or s.reward.sandbox.service_url is None
+                or s.reward.sandbox.mode == "local"
             ),
             message=SANDBOX_POD_FIELD_OWN_SERVICE,
             reason=FORBIDDEN,
