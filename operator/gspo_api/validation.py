@@ -249,11 +249,11 @@ def check_spec(spec: GSPOJobSpec, *, prefix: str = "spec") -> list[Problem]:
     whose CEL the CRD carries), then what only validate checks. Pure; returns every problem."""
     rollout = spec.rollout
     found = [refusal for rule in RULES for refusal in rule.refusals(spec)]
-    # No CEL rule for these: they read the built-in models' and tasks' tables, or every
-    # reward component at once (each function's docstring says what it checks).
+    # No CEL rule for these: they read the built-in models' and tasks' tables, or (a
+    # sandbox's GPUs) are the operator's to refuse; each function's docstring says what.
     found += _routing_replay_problems(spec)
     found += builtin_task_problems(spec)
-    found += _reward_problems(spec)
+    found += _sandbox_problems(spec.reward.sandbox)
     out = [Problem(f"{prefix}.{path}", message) for path, message in found]
     for role, pods in (("learner", spec.learner), ("rollout", rollout)):
         out.extend(check_pod_settings(pods, f"{prefix}.{role}"))
@@ -366,21 +366,4 @@ def _sandbox_problems(sandbox: SandboxConfig) -> list[tuple[str, str]]:
             if name.endswith("/gpu"):  # render_resources writes GPUs from gpusPerReplica only
                 why = "sandbox pods run programs on CPUs and get no GPU; remove it"
                 out.append((f"reward.sandbox.resources.{section}[{name}]", why))
-    return out
-
-
-def _reward_problems(spec: GSPOJobSpec) -> list[tuple[str, str]]:
-    """What validate alone says of the reward (the table has the rest): GPUs for the sandbox
-    pods, a sandbox with no code reward to score, a second code component. (field, problem)."""
-    reward, out = spec.reward, []
-    out += _sandbox_problems(reward.sandbox)
-    if reward.sandbox.mode == "service" and not reward.scores_code():
-        why = "is only read when a code reward is scored (reward.kind code or a code component)"
-        out.append(("reward.sandbox.mode", f"{why}; remove it"))
-    if reward.functions is None:
-        return out
-    for i, f in enumerate(reward.functions):
-        if f.kind == "code" and any(g.kind == "code" for g in reward.functions[:i]):
-            message = "a second code component: reward.code and reward.sandbox serve one; remove it"
-            out.append((f"reward.functions[{i}].kind", message))
     return out

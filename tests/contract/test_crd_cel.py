@@ -309,6 +309,16 @@ def test_a_sandbox_pod_setting_beside_a_local_service_url_is_refused_once_alike(
     assert not any("remove serviceUrl" in f.message for f in found), [str(f) for f in found]
 
 
+def test_a_sandbox_without_a_code_reward_is_refused_alike_with_one_fix() -> None:
+    """No code reward, mode service: both sides say remove mode, and neither asks for the
+    runtimeClassName of sandbox pods that never run (the API server would otherwise admit the
+    job once it is given, for the operator to fail it)."""
+    for reward in ({"kind": "math"}, {"functions": [{"name": "f", "kind": "format"}]}):
+        doc = job(SPEC_CASES.minimal(reward={**reward, "sandbox": {"mode": "service"}}))
+        found = assert_cel_agrees(doc)
+        assert [f.field for f in found] == ["spec.reward.sandbox.mode"], [str(f) for f in found]
+
+
 def test_what_only_the_operator_can_check_is_left_to_it() -> None:
     for learner in (
         {

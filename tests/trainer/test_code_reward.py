@@ -147,10 +147,13 @@ def test_a_code_component_adds_its_counts_to_the_step(tmp_path) -> None:
 
 
 def test_two_code_components_are_refused_by_name() -> None:
-    spec = {"model": {"name": "builtin:tiny-qwen3"}, "data": {"source": "builtin:addition"},
-            "reward": {"functions": [{"name": "a", "kind": "code"},
-                                     {"name": "b", "kind": "code"}]}}  # fmt: skip
-    with pytest.raises(SpecError, match=r"reward\.functions\[1\]\.kind"):
+    code = [{"name": "a", "kind": "code"}, {"name": "b", "kind": "code"}]
+    spec = {
+        "model": {"name": "builtin:tiny-qwen3"},
+        "data": {"source": "builtin:addition"},
+        "reward": {"functions": code},
+    }
+    with pytest.raises(SpecError, match=r"reward\.functions: 'a', 'b' are of kind code"):
         parse_spec(spec)
 
 

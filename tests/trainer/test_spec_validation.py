@@ -155,6 +155,16 @@ CROSS_FIELD_CASES = [
         "remove one",
     ),
     ({"metrics": {"port": 8000}}, "spec.metrics.port", "rollout"),
+    (
+        {"reward": {"kind": "math", "sandbox": {"mode": "service"}}},
+        "spec.reward.sandbox.mode",
+        "only read when a code reward is scored",
+    ),
+    (
+        {"reward": {"functions": [{"name": "a", "kind": "code"}, {"name": "b", "kind": "code"}]}},
+        "spec.reward.functions",
+        "reward.code and reward.sandbox serve one",
+    ),
 ]
 
 
@@ -179,6 +189,14 @@ def test_a_sandbox_pod_setting_in_mode_local_is_refused_once_with_a_fix_that_wor
     assert found["spec.reward.sandbox.replicas"].endswith("remove it or set mode: service")
 
 
+def test_a_sandbox_without_a_code_reward_is_refused_once() -> None:
+    """With no code reward no sandbox pods run: mode service is refused ('remove it'), and
+    not also for a runtimeClassName the pods that never run would need."""
+    found = problems(minimal(reward={"kind": "math", "sandbox": {"mode": "service"}}))
+    assert list(found) == ["spec.reward.sandbox.mode"]
+    assert found["spec.reward.sandbox.mode"].endswith("; remove it")
+
+
 def test_a_rule_on_the_whole_list_names_every_entry_that_breaks_it_once() -> None:
     """reward.functions' names and length targets are judged on the list, as the CRD's rules
     judge them: one problem each, naming every entry at fault."""
@@ -191,6 +209,12 @@ def test_a_rule_on_the_whole_list_names_every_entry_that_breaks_it_once() -> Non
     assert said[1].startswith("a: targetTokens 9000, a: targetTokens 9000, b: targetTokens")
     assert "c: targetTokens 9000 are not below algorithm.maxResponseTokens (8192)" in said[1]
     assert len(said) == 2
+    code = [{"name": n, "kind": "code"} for n in ("a", "b", "c")]
+    found = problems(minimal(reward={"functions": [{"name": "f", "kind": "format"}, *code]}))
+    assert found == {
+        "spec.reward.functions": "'a', 'b', 'c' are of kind code, and reward.code and "
+        "reward.sandbox serve one; keep one of them"
+    }
 
 
 def test_spec_that_is_not_a_mapping() -> None:

@@ -11,8 +11,12 @@ from gspo_api.rules.rule import FORBIDDEN, ItemRule, Rule, prop
 from gspo_api.spec import GSPOJobSpec, RewardFunctionConfig
 
 # --- reward.sandbox: where model-written programs run ------------------------------------
+# The rules that also read what the reward scores sit on reward, the rest on reward.sandbox.
 
 SANDBOX_POD_FIELDS = ("replicas", "runtimeClassName", "resources")
+SANDBOX_NEEDS_CODE = (
+    "is only read when a code reward is scored (reward.kind code or a code component); remove it"
+)
 SANDBOX_ONLY_IN_SERVICE = (
     "is only read when reward.sandbox.mode is service; remove it or set mode: service"
 )
@@ -35,14 +39,21 @@ NAMESPACES_NEED_A_RUNTIME = (
     "or set reward.sandbox.isolation: none explicitly (programs then share the sandbox pod, "
     "apart from the job, under process limits only)"
 )
-_CEL_LOCAL = "(!has(self.mode) || self.mode == 'local')"
-# The operator runs the sandbox pods: mode service, and no sandbox service of the author's.
-_CEL_OPERATOR_PODS = "(has(self.mode) && self.mode == 'service' && !has(self.serviceUrl))"
+_CEL_LOCAL = "(!has(self.mode) || self.mode == 'local')"  # on reward.sandbox
+# On reward: a code reward is scored (RewardConfig.scores_code); mode service.
+_CEL_SCORES_CODE = (
+    "((has(self.kind) && self.kind == 'code') || "
+    "(has(self.functions) && self.functions.exists(f, f.kind == 'code')))"
+)
+_CEL_SERVICE = "(has(self.sandbox) && has(self.sandbox.mode) && self.sandbox.mode == 'service')"
+# On reward: the operator runs the sandbox pods (render.runs_sandbox_pods): a code reward,
+# scored in mode service, and no sandbox service of the author's.
+_CEL_OPERATOR_PODS = f"({_CEL_SCORES_CODE} && {_CEL_SERVICE} && !has(self.sandbox.serviceUrl))"
 
 
 def _operator_runs_sandbox_pods(spec: GSPOJobSpec) -> bool:
     sandbox = spec.reward.sandbox
-    return sandbox.mode == "service" and sandbox.service_url is None
+    return spec.reward.scores_code() and sandbox.mode == "service" and sandbox.service_url is None
 
 
 def _sandbox_pod_field_set(spec: GSPOJobSpec, name: str) -> bool:
@@ -80,10 +91,18 @@ def _sandbox_pod_field_rules(name: str) -> tuple[Rule, Rule]:
 
 SANDBOX_RULES = (
     Rule(
-        at="reward.sandbox",
-        field="runtimeClassName",
-        cel=f"!{_CEL_OPERATOR_PODS} || has(self.runtimeClassName) || "
-        "(has(self.isolation) && self.isolation == 'none')",
+        at="reward",
+        field="sandbox.mode",
+        cel=f"{_CEL_SCORES_CODE} || !{_CEL_SERVICE}",
+        check=lambda s: s.reward.scores_code() or s.reward.sandbox.mode != "service",
+        message=SANDBOX_NEEDS_CODE,
+        reason=FORBIDDEN,
+    ),
+    Rule(  # not where no code reward is scored: the rule above says remove mode
+        at="reward",
+        field="sandbox.runtimeClassName",
+        cel=f"!{_CEL_OPERATOR_PODS} || has(self.sandbox.runtimeClassName) || "
+        "(has(self.sandbox.isolation) && self.sandbox.isolation == 'none')",
         check=lambda s: (
             not _operator_runs_sandbox_pods(s)
             or s.reward.sandbox.runtime_class_name is not None
@@ -115,6 +134,7 @@ REWARD_CONVENTION_PER_ENTRY = (
     "convention"
 )
 REWARD_NAMES_UNIQUE = "each reward.functions entry needs a name of its own; rename one"
+REWARD_ONE_CODE = "reward.code and reward.sandbox serve one; keep one of them"
 REWARD_PYTHON_NEEDS = "must be 'module:function' when kind is python"
 REWARD_TARGET_FIX = (
     "lower targetTokens below algorithm.maxResponseTokens, or the penalty never applies"
@@ -140,6 +160,11 @@ def _repeated_names(spec: GSPOJobSpec) -> list[str]:
     """reward.functions names given to more than one entry, in order."""
     names = [f.name for f in spec.reward.functions or ()]
     return list(dict.fromkeys(n for i, n in enumerate(names) if n in names[:i]))
+
+
+def _code_components(spec: GSPOJobSpec) -> list[str]:
+    """The names of the reward.functions entries of kind code, in order."""
+    return [f.name for f in spec.reward.functions or () if f.kind == "code"]
 
 
 def _targets_too_long(spec: GSPOJobSpec) -> list[str]:
@@ -231,6 +256,16 @@ REWARD_RULES = (
         said=lambda s, m: (
             f"{', '.join(map(repr, _repeated_names(s)))} "
             f"{'is' if len(_repeated_names(s)) == 1 else 'are'} used twice: {m}"
+        ),
+    ),
+    Rule(
+        at="reward.functions",
+        field="",
+        cel="self.filter(f, f.kind == 'code').size() <= 1",
+        check=lambda s: len(_code_components(s)) <= 1,
+        message=f"more than one entry is of kind code, and {REWARD_ONE_CODE}",
+        said=lambda s, _: (
+            f"{', '.join(map(repr, _code_components(s)))} are of kind code, and {REWARD_ONE_CODE}"
         ),
     ),
     Rule(
