@@ -220,9 +220,6 @@ def _nullable_below(node: Node) -> bool:
     return any(s.get("nullable") or _nullable_below(s) for s in subs)
 
 
-# --- check_spec ----------------------------------------------------------------------------
-
-
 # --- check_pod_settings, per role ----------------------------------------------------------
 
 

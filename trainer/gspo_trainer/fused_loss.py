@@ -104,9 +104,9 @@ def policy_loss_from_hidden(
 
     hidden (B, T, H) with row [b, t] predicting tokens[b, t]; lm_head_weight (V, H); the rest
     as in `policy_loss` (behaviour_logprobs with options.is_cap: its decoupled, off-policy
-    form, each response's weight its own). Returns (loss, stats, detached TokenScores) where
-    the scores (log-probs and, by default, entropy) are what the learner logs. Gradients
-    reach hidden and the weight.
+    form, weighted per token where the advantages are per token, else per response). Returns
+    (loss, stats, detached TokenScores) where the scores (log-probs and, by default, entropy)
+    are what the learner logs. Gradients reach hidden and the weight.
 
     With options.entropy_coef > 0 the loss is that minus entropy_coef x the mean over
     responses of each response's mean token entropy (GSPO's own averaging, so a long response

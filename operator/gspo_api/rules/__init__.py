@@ -11,9 +11,13 @@ where validate can print the values it judged, `said` words the message with the
 is written for Kubernetes 1.30+ with the standard library and macros only (crd_rules'
 docstring says why, and what else it relies on).
 
-Rules that are not here: those the API server cannot see, and those across a list's items,
-which the CRD judges on the list and validate item by item (validation.py says which, and
-why, beside each); and the CRD's own (object names, what may change in flight: crd_rules).
+Rules across a list's items are here where both sides name the list: reward.functions'
+unique names and its one code component (a `Rule` on the list) and its length targets (one
+on the spec, which also reads algorithm.maxResponseTokens). Rules that are not here: those
+the API server cannot see; those across a list's items where validate names the item and the
+CRD can only name the list (the pods' volume names and mounts: validation.check_pod_settings,
+crd_rules._pod_rules); and the CRD's own (object names, what may change in flight:
+crd_rules).
 
 The table by what its rules judge: `shape` (the algorithm's batches, the model, ZeRO, tensor
 parallelism, the checkpoint claim), `pods` (GPUs, the status port, volumes, mounts, env),
