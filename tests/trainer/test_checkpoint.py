@@ -53,6 +53,23 @@ def test_stopped_and_resumed_equals_straight_through(cache: Path, tmp_path: Path
         assert torch.equal(got[name], value), name
 
 
+def test_a_stop_before_the_first_step_writes_no_checkpoint(cache: Path, tmp_path: Path) -> None:
+    """Stopped while starting (a server that failed to load, Ctrl-C while vLLM loads): the
+    model, or the checkpoint resumed from, already is the state; no save of it is taken."""
+    fresh = make_learner(cache, tmp_path, manifest_for(4, 2))
+    fresh.state.stop_requested = True  # as SIGTERM sets it, before any step
+    assert run(fresh) == 0
+    assert fresh.state.step == 0 and fresh.state.phase == "Suspending"
+    assert ckpt.latest(tmp_path) is None
+
+    assert run(make_learner(cache, tmp_path, manifest_for(2, 2))) == 0  # step-000002
+    resumed = make_learner(cache, tmp_path, manifest_for(4, 2))
+    resumed.state.stop_requested = True
+    assert run(resumed) == 0
+    assert resumed.state.step == 2 and resumed.state.phase == "Suspending"
+    assert [s for s, _ in ckpt.list_complete(tmp_path)] == [2]
+
+
 def test_manifest_lists_every_file_with_its_checksum(cache: Path, tmp_path: Path) -> None:
     learner = make_learner(cache, tmp_path, manifest_for(3, 1, keep=2))
     assert run(learner) == 0

@@ -138,3 +138,13 @@ def test_the_summary_names_the_trackers_output(tmp_path) -> None:  # type: ignor
     text = summary(tmp_path, [], 1.0, 0)
     assert f"tensorboard  {tmp_path / 'tensorboard'}" in text
     assert f"mlflow       {tmp_path / 'mlruns'}" in text and "wandb" not in text
+
+
+def test_the_summary_says_how_the_run_ended(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Finished, stopped by Ctrl-C (exit 0: it resumes), or failed: the first line says which."""
+    assert summary(tmp_path, [], 1.0, 0).startswith("Run finished in 1s")
+    stopped = summary(tmp_path, [], 1.0, 0, interrupted=True)
+    assert stopped.startswith("Run stopped as asked (the same command resumes it) in 1s")
+    assert summary(tmp_path, [], 1.0, 143, interrupted=True).startswith(
+        "Run ended with exit code 143"
+    )

@@ -194,3 +194,47 @@ def record_spawns(monkeypatch: pytest.MonkeyPatch, gpus: int) -> list:  # type: 
     monkeypatch.setattr(train, "wait_healthy", lambda servers, timeout_s, learner=None: None)
     monkeypatch.setattr("gspo_trainer.tiny.materialize", lambda name, cache, seed=0: cache / "m")
     return started
+
+
+def test_the_run_starts_on_the_first_server_up_and_a_server_lost_before_any_ends_it(
+    tmp_path: Path,
+) -> None:
+    """`gspo train` waits for one server, as the learner does (the others join as they load);
+    a server that exits before any answers ends the wait with its log's tail."""
+    import http.server
+    import subprocess
+    import sys
+    import threading
+
+    from gspo_trainer.train import Proc, wait_healthy
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    up = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=up.serve_forever, daemon=True).start()
+    loading = http.server.HTTPServer(("127.0.0.1", 0), Health)  # bound, never answering
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    procs = [Proc(f"rollout-{i}", subprocess.Popen(sleeper), tmp_path / f"{i}.log") for i in (0, 1)]
+    try:
+        servers = [
+            (procs[0], f"http://127.0.0.1:{loading.server_port}"),
+            (procs[1], f"http://127.0.0.1:{up.server_port}"),
+        ]
+        wait_healthy(servers, timeout_s=10)  # returns on the second alone
+        (tmp_path / "0.log").write_text("ValueError: bad block_size\n")
+        procs[0].popen.kill()
+        procs[0].popen.wait()
+        with pytest.raises(RuntimeError, match="rollout-0 exited while starting"):
+            wait_healthy(servers[:1], timeout_s=10)
+    finally:
+        up.shutdown()
+        loading.server_close()
+        for proc in procs:
+            proc.popen.kill()
+            proc.popen.wait()

@@ -36,6 +36,7 @@ def test_a_rollout_server_that_never_starts_ends_the_run_with_vllms_reason(
     assert "Traceback" not in done.stderr.split("exited while starting")[0]  # none of ours
     assert "Learner started" not in done.stdout
     assert (out / "logs" / "learner.log").is_file()  # it started beside the server
-    assert not (out / "checkpoints" / "history.jsonl").exists()  # and was stopped untrained
+    assert not (out / "checkpoints" / "history.jsonl").exists()  # and was stopped untrained,
+    assert not list((out / "checkpoints").glob("step-*"))  # with no checkpoint of nothing
     assert (out / "logs" / "rollout-0.log").is_file()
     assert took_s < 240  # it did not wait out the start-up timeout

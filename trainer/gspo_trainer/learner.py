@@ -233,7 +233,7 @@ class Learner:
 
     async def _run(self) -> int:
         alg = self.spec.algorithm
-        self.resume()
+        started_at = self.resume()
         self.state.phase = "Running"
         try:
             await self._await_fleet(starting=True)  # servers load the model meanwhile
@@ -249,6 +249,11 @@ class Learner:
         except _Stopping:
             await self.run_ahead.cancel()  # collected again on resume
             self.state.phase = "Suspending"
+            if self.state.step == started_at:
+                # Stopped while starting: the checkpoint it resumed from (or the model) holds
+                # this state, and a full save of it can outlast the stop's grace period.
+                log.info("Stopped at step %d before training a step", self.state.step)
+                return 0
             self.checkpointer.checkpoint(final=True)
             log.info("Stopped at step %d after a final checkpoint", self.state.step)
             return 0

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from gspo_api.spec import GSPOJobSpec
 
 SERVER_START_TIMEOUT_S = 300.0
+LEARNER_STOP_TIMEOUT_S = 300.0  # its final checkpoint, before SIGKILL
 
 
 def at_least_one(text: str) -> int:
@@ -307,11 +308,13 @@ def place_on_gpus(spec: GSPOJobSpec, gpus: int | Sequence[str], n_servers: int) 
 def wait_healthy(
     servers: list[tuple[Proc, str]], timeout_s: float, learner: Proc | None = None
 ) -> None:
-    """Until every server answers /health. A server that exits first raises with its log's
-    tail; a learner that exits first ends the wait (the caller reports its exit)."""
+    """Until one server answers /health: the learner starts training on the first, as it does
+    on a cluster, and the rest join as they load (follow_learner names one that exits). A
+    server that exits before any answers raises with its log's tail; a learner that exits
+    first ends the wait (the caller reports its exit)."""
     deadline = time.monotonic() + timeout_s
     pending = list(servers)
-    while pending:
+    while len(pending) == len(servers):
         if learner is not None and learner.popen.poll() is not None:
             return
         for proc, url in list(pending):
@@ -324,7 +327,7 @@ def wait_healthy(
             except OSError:
                 pass
         if time.monotonic() > deadline:
-            raise TimeoutError(f"rollout servers not up after {timeout_s:.0f}s: see their logs")
+            raise TimeoutError(f"no rollout server up after {timeout_s:.0f}s: see their logs")
         time.sleep(0.5)
 
 
@@ -333,7 +336,7 @@ def follow_learner(
     servers: Sequence[tuple[Proc, str]],
     poll: Callable[[], None],
     period_s: float = 1.0,
-    stop_timeout_s: float = 300,
+    stop_timeout_s: float = LEARNER_STOP_TIMEOUT_S,
 ) -> str | None:
     """Wait for the learner's exit, calling `poll` every period. A rollout server that exits
     is named with the error its log gives (the learner moves its prompts to the others). Once
@@ -472,15 +475,24 @@ class ProgressView:
 
 
 def summary(
-    out: Path, records: list[dict[str, float]], wall_s: float, code: int, eval_every: int = 0
+    out: Path,
+    records: list[dict[str, float]],
+    wall_s: float,
+    code: int,
+    eval_every: int = 0,
+    interrupted: bool = False,
 ) -> str:
     """The run in a few lines; the last one ends with the final evaluation accuracy, the
     number the run is judged by (the training reward of a 16-prompt step is noisy)."""
     from gspo_trainer import checkpoint as ckpt
 
-    lines = [
-        f"Run {'finished' if code == 0 else f'ended with exit code {code}'} in {wall_s:.0f}s: {out}"
-    ]
+    if code != 0:
+        ended = f"ended with exit code {code}"
+    elif interrupted:
+        ended = "stopped as asked (the same command resumes it)"
+    else:
+        ended = "finished"
+    lines = [f"Run {ended} in {wall_s:.0f}s: {out}"]
     evals = [r for r in records if "eval_accuracy" in r]
     if records:
         rewards = [r["reward_mean"] for r in records]
@@ -759,7 +771,7 @@ def run(
         # The learner starts beside its servers, as a job's pods do: it imports and builds its
         # engine while vLLM loads, then waits for the fleet itself (Learner._await_fleet).
         wait_healthy(servers, SERVER_START_TIMEOUT_S, learner)
-        if learner.popen.poll() is None:  # else follow_learner reports how it ended
+        if learner.popen.poll() is None and not interrupted:  # else follow_learner reports
             # The servers answer anyone with the run's token, OpenAI's API included: leave it
             # where its owner (only) can read it, to talk to the policy while it trains.
             token_file = out / ROLLOUT_TOKEN_FILE
@@ -784,14 +796,21 @@ def run(
         view.poll()
         view.close()
         code = int(learner.popen.returncode)
+        code = 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell says
         if ended is not None and code != 0:  # not a learner that finished as it was stopped
             print(f"gspo train: {ended}", file=sys.stderr)
         stopped = ended is not None and code == ports.LEARNER_STOPPED_EXIT_CODE
         if stopped:
             code = 1  # the run did not finish: no server was left
         elif interrupted and code == ports.LEARNER_STOPPED_EXIT_CODE:
-            code = 0  # Ctrl-C: the learner stopped as asked, after a final checkpoint
-        if code != 0 and not interrupted and not stopped:
+            code = 0  # Ctrl-C: the learner stopped as asked (a final checkpoint if it trained)
+        if code != 0 and interrupted and not stopped:  # stopped while it was still starting
+            print(
+                f"gspo train: interrupted; the learner exited {code} before it could stop "
+                f"cleanly: it was still starting ({learner.log})",
+                file=sys.stderr,
+            )
+        elif code != 0 and not stopped:
             print(
                 f"The learner failed (exit {code}); last lines of its log:\n{learner.tail()}",
                 file=sys.stderr,
@@ -801,7 +820,7 @@ def run(
         code = 1
     finally:
         if learner is not None:
-            learner.stop()
+            learner.stop(timeout_s=LEARNER_STOP_TIMEOUT_S)
         for proc, _ in servers:
             proc.stop(timeout_s=30)
         for s, handler in old.items():
@@ -813,7 +832,14 @@ def run(
         label = spec.algorithm.loss_level.upper()
         plot_training({label: records}, out / "reward.png", title=f"gspo train: {spec.model.name}")
     print(
-        summary(out, records, time.monotonic() - start, code, spec.algorithm.eval_every_steps),
+        summary(
+            out,
+            records,
+            time.monotonic() - start,
+            code,
+            spec.algorithm.eval_every_steps,
+            interrupted,
+        ),
         flush=True,
     )
     return code
