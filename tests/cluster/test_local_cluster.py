@@ -106,6 +106,11 @@ def history_steps(cluster: LocalCluster) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
 
 
+# A learner's last words when it stops as asked: after a final checkpoint, or, stopped before
+# it trained a step since it started, with the checkpoint it resumed from holding that step.
+STOPPED = r"Stopped at step (\d+) (?:after a final checkpoint|before training a step)"
+
+
 async def test_a_job_trains_through_faults_suspend_and_resume_to_succeeded(tmp_path) -> None:
     async with local_cluster(tmp_path / "cluster") as cluster:
         share_build_cache(cluster)
@@ -221,9 +226,7 @@ async def test_a_job_trains_through_faults_suspend_and_resume_to_succeeded(tmp_p
             logs = "".join(
                 p.read_text(errors="replace") for p in (cluster.workdir / "logs").glob("*learner*")
             )
-            return [
-                int(s) for s in re.findall(r"Stopped at step (\d+) after a final checkpoint", logs)
-            ]
+            return [int(s) for s in re.findall(STOPPED, logs)]
 
         def gone() -> bool:  # no learner pod left, terminating ones included
             return not [
@@ -279,9 +282,7 @@ async def test_a_job_trains_through_faults_suspend_and_resume_to_succeeded(tmp_p
         jobset = cluster.api.get("JobSet", "default", JOB)["status"]
         assert jobset["restarts"] == 2 and jobset.get("restartsCountTowardsMax") == 1, jobset
         words = await cluster.wait(
-            lambda: re.search(
-                r"Stopped at step (\d+) after a final checkpoint", cluster.log(evicted, "learner")
-            ),
+            lambda: re.search(STOPPED, cluster.log(evicted, "learner")),
             300,
             "the evicted learner's final checkpoint",
             JOB,
