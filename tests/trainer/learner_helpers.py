@@ -43,7 +43,7 @@ def make_learner(cache: Path, ckpt: Path | None, manifest: dict[str, Any] | None
     path = resolve_model_path(spec, str(cache))
     model, tok = load_model(spec, path)
     rollout = LocalRollout(model, tok.pad_token_id, tok.eos_token_id)
-    return Learner(spec, rollout, checkpoint_dir=ckpt, model_path=path, **kw)
+    return Learner.build(spec, rollout, checkpoint_dir=ckpt, model_path=path, **kw)
 
 
 def run(learner: Learner) -> int:

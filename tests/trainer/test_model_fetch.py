@@ -69,5 +69,6 @@ def test_the_learner_fetches_then_meets_the_ranks_before_loading(
 
     monkeypatch.setattr(engine, "load_model", load)
     with pytest.raises(_Loaded):
-        Learner(spec_of("Qwen/Qwen3-0.6B"), None, checkpoint_dir=None, model_path="Qwen/Qwen3-0.6B")
+        qwen = "Qwen/Qwen3-0.6B"
+        Learner.build(spec_of(qwen), None, checkpoint_dir=None, model_path=qwen)
     assert order == ["fetch", "barrier", "load"]

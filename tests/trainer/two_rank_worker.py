@@ -65,7 +65,7 @@ def main(
     if int(os.environ["RANK"]) == 0:
         model, tok = load_model(spec, path)
         rollout = LocalRollout(model, tok.pad_token_id, tok.eos_token_id)
-    learner = Learner(spec, rollout, checkpoint_dir=ckpt and Path(ckpt), model_path=path)
+    learner = Learner.build(spec, rollout, checkpoint_dir=ckpt and Path(ckpt), model_path=path)
     if fsize_limit and learner.rank == 1:
         import resource
 

@@ -24,26 +24,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from gspo_api import ports
 from gspo_api.progress import LearnerProgress
 from gspo_api.spec import GSPOJobSpec
-from gspo_trainer import checkpoint as ckpt
 from gspo_trainer import device
-from gspo_trainer.checkpointer import Checkpointer
-from gspo_trainer.data import PromptStream, fit_prompts, load_eval_examples, load_examples
-from gspo_trainer.draws import PromptDraws
-from gspo_trainer.learner_state import LearnerState
+from gspo_trainer.assemble import LearnerParts, assemble
 from gspo_trainer.metrics import LearnerMetrics
-from gspo_trainer.ranks import Ranks, control_timeout_s, data_timeout_s
-from gspo_trainer.rewards import build_scorer
-from gspo_trainer.routing_replay import RoutingReplay
 from gspo_trainer.samples import pick_samples
 from gspo_trainer.step.batch import Packed, pack
-from gspo_trainer.step.collect import Collector, Rollouts, RolloutSource, RunAhead
+from gspo_trainer.step.collect import Rollouts, RolloutSource
 from gspo_trainer.step.old_policy import OldPolicy, old_policy
 from gspo_trainer.step.plan import plan_step
-from gspo_trainer.step.policy import Policy
-from gspo_trainer.step.stats import StepReport, learner_stats
-from gspo_trainer.step.sync import WeightSync
+from gspo_trainer.step.stats import learner_stats
 from gspo_trainer.step.update import UpdateStats, update
-from gspo_trainer.trackers import build_trackers
 
 if TYPE_CHECKING:
     import torch
@@ -66,8 +56,22 @@ class Learned:
 
 
 class Learner:
-    def __init__(
-        self,
+    """One rank's run and step, over the parts `assemble` built (`Learner.build` does both)."""
+
+    def __init__(self, parts: LearnerParts) -> None:
+        self.spec, self.metrics, self.state = parts.spec, parts.metrics, parts.state
+        self.ranks, self.rank, self.trackers = parts.ranks, parts.ranks.rank, parts.trackers
+        self.tokenizer, self.pad_id = parts.tokenizer, parts.pad_id
+        self.engine, self.reference_engine = parts.engine, parts.reference_engine
+        self.policy, self.collector = parts.policy, parts.collector
+        self.run_ahead, self.weights = parts.run_ahead, parts.weights
+        self.checkpointer, self.report = parts.checkpointer, parts.report
+        self.draws, self.eval_examples = parts.draws, parts.eval_examples
+        self.warned_token_rewards = False  # per-token rewards under a per-response lossLevel
+
+    @classmethod
+    def build(
+        cls,
         spec: GSPOJobSpec,
         rollout: RolloutSource | None,
         *,
@@ -76,124 +80,19 @@ class Learner:
         metrics: LearnerMetrics | None = None,
         history_path: str | Path | None = None,
         tracker_dir: str | Path | None = None,
-    ) -> None:
-        from gspo_trainer import engine as eng
-        from gspo_trainer.moe import moe_shape
-
-        self.spec = spec
-        self.metrics = metrics or LearnerMetrics()
-        self.state = LearnerState()
-        # GSPOCheckpointTooOld scales its threshold by this: unset, it fell to its floor.
-        self.metrics.checkpoint_every_steps.set(spec.checkpoint.every_steps)
-        eng.init_distributed(data_timeout_s(spec))  # selects this rank's device first
-        self.ranks = Ranks(control_timeout_s(spec))
-        self.rank = self.ranks.rank
-        where = tracker_dir or checkpoint_dir
-        failures = self.metrics.tracker_failures
-        self.trackers = build_trackers(spec.metrics.report_to, where, self.rank, failures)
-        path = model_path or eng.resolve_model_path(spec)
-        eng.fetch_model(spec, path)  # a Hub download, before any collective of the load
-        self.ranks.barrier()  # on the control group: every rank has the files
-        # Under ZeRO-3 loaded sharded: each rank builds and keeps only its partition.
-        model, self.tokenizer = eng.load_model(spec, path, shard=True)
-        # Routing Replay's hooks on the model's routers, which the engine runs as they are
-        # (ConfigError for a model without, before the engine's set-up).
-        replay = RoutingReplay(model) if spec.algorithm.routing_replay else None
-        self.engine = eng.build_engine(spec, model)
-        # The KL reference is the starting policy, frozen: loaded again from `path`, so a
-        # resume (which restores the policy later) leaves it at the run's first weights.
-        # ZeRO-3: sharded, in an engine of its own (kept: its hooks gather the layers);
-        # stages 0-2: a whole copy on the policy's device.
-        reference = self.reference_engine = None
-        if spec.algorithm.kl_coef > 0:
-            reference, self.reference_engine = eng.build_reference(spec, path, self.engine.device)
-        moe = moe_shape(model.config) if spec.model.moe is not None else None
-        self.policy = Policy(
-            self.engine,
-            moe,
-            reference,
-            spec.learner.pack_sequences,
-            spec.model.attn_implementation,
-            replay,
-        )
-        grpo = spec.algorithm.loss_level == "grpo" and replay is None
-        if moe is not None and grpo and self.rank == 0:
-            log.warning(
-                "algorithm.lossLevel grpo on a mixture-of-experts model: token ratios "
-                "swing when one update changes a token's experts, and the GSPO paper "
-                "trains GRPO on MoE models only with Routing Replay "
-                "(algorithm.routingReplay); gspo (or gspo-token) needs none"
+    ) -> Learner:
+        """This rank's learner for `spec` (collective: see assemble)."""
+        return cls(
+            assemble(
+                spec,
+                rollout,
+                checkpoint_dir=checkpoint_dir,
+                model_path=model_path,
+                metrics=metrics,
+                history_path=history_path,
+                tracker_dir=tracker_dir,
             )
-        scorer = build_scorer(
-            spec.reward,
-            on_failure=lambda r: self.metrics.reward_failures.labels(r).inc(),
-            max_response_tokens=spec.algorithm.max_response_tokens,
-            per_token=spec.algorithm.loss_level == "gspo-token",
-            tokenizer=self.tokenizer,
         )
-        refused = self.metrics.prompts_dropped.labels("train").inc
-        self.collector = Collector(
-            spec.algorithm,
-            spec.metrics,
-            rollout,  # type: ignore[arg-type]  # None only on ranks that never collect
-            self.tokenizer,
-            scorer,
-            on_refused=refused,
-            max_failed_steps=spec.reward.max_failed_steps,
-        )
-        self.run_ahead = RunAhead(self.collector)
-        self.weights = WeightSync(
-            self.engine,
-            rollout,  # type: ignore[arg-type]  # None only on ranks that never sync
-            self.collector.fleet_lock,
-            self.ranks,
-            self.metrics,
-            self.state,
-        )
-        self.checkpointer = Checkpointer(
-            Path(checkpoint_dir) if checkpoint_dir else None,
-            spec.checkpoint.keep,
-            self.engine,
-            self.tokenizer,
-            self.ranks,
-            self.metrics,
-            self.state,
-            self.trainer_state,
-        )
-        self.report = StepReport(
-            self.metrics, self.state, self.trackers, Path(history_path) if history_path else None
-        )
-        self._load_data()
-        self.pad_id = self.tokenizer.pad_token_id
-        if self.pad_id is None:
-            self.pad_id = self.tokenizer.eos_token_id
-        self.warned_token_rewards = False  # per-token rewards under a per-response lossLevel
-
-    def _load_data(self) -> None:
-        spec, limit = self.spec, self.spec.data.max_prompt_tokens
-        examples, dropped = fit_prompts(
-            load_examples(spec.data, self.tokenizer), self.tokenizer, limit
-        )
-        self.metrics.prompts_dropped.labels("train").inc(dropped)
-        stream = PromptStream(examples, spec.data.shuffle_seed)
-        self.draws = PromptDraws(stream, spec.algorithm.prompts_per_step, self.state.step)
-        self.eval_examples = None
-        if spec.algorithm.eval_every_steps > 0:
-            self.eval_examples = load_eval_examples(spec.data, self.tokenizer)
-            if self.eval_examples is not None:
-                self.eval_examples, dropped = fit_prompts(
-                    self.eval_examples,
-                    self.tokenizer,
-                    limit,
-                    "data.evalSource" if spec.data.eval_source else "data.source",
-                )
-                self.metrics.prompts_dropped.labels("eval").inc(dropped)
-            if self.eval_examples is None and self.rank == 0:
-                log.warning(
-                    "algorithm.evalEverySteps is set but data.evalSource is not: a "
-                    "data set of your own is evaluated only on a held-out set, so "
-                    "this run is not evaluated"
-                )
 
     @property
     def rollout(self) -> RolloutSource | None:
@@ -272,17 +171,6 @@ class Learner:
         if state is not None:
             self.draws.resume(state["data"], self.state.step)
         return self.state.step
-
-    def trainer_state(self) -> dict[str, Any]:
-        """What a checkpoint keeps beside the engine: the data position is the one after the
-        last trained step's draw (prompts drawn ahead for run-ahead collection are drawn
-        again on resume)."""
-        return {
-            "step": self.state.step,
-            "data": self.draws.position(self.state.step),
-            "rng": ckpt.rng_state(),
-            "policy_version": self.state.policy_version,
-        }
 
     async def _await_fleet(self, *, starting: bool = False) -> None:
         """Every rank: wait until a rollout server can serve. Starting, that is any server that

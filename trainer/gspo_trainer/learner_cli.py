@@ -285,7 +285,7 @@ async def run(args: argparse.Namespace, spec: GSPOJobSpec) -> int:
     from gspo_trainer.code.runner import SandboxUnavailable
 
     try:
-        learner = Learner(
+        learner = Learner.build(
             spec,
             rollout,
             checkpoint_dir=ckpt_dir,
