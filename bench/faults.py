@@ -420,7 +420,8 @@ def _checkpoint_disk_full(trials: int, rng: random.Random) -> Row:
             leftover = [
                 p.name for p in work.iterdir() if p.name.startswith("step-") and p.name not in kept
             ]
-            stopped_at, learner.state = learner.state.step, LearnerState()
+            stopped_at = learner.state.step
+            vars(learner.state).update(vars(LearnerState()))  # the parts hold this one object
             at = learner.resume()
             ok = (
                 stopped

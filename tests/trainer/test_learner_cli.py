@@ -108,6 +108,10 @@ def test_sigterm_reaches_a_rank_that_never_yields_to_the_event_loop(
         def __init__(self, *_: object, **__: object) -> None:
             self.state = LearnerState()
 
+        @classmethod
+        def build(cls, *a: object, **kw: object) -> BusyLearner:
+            return cls(*a, **kw)
+
         async def run(self) -> int:
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:
@@ -157,6 +161,10 @@ async def test_the_pod_is_ready_while_the_learner_still_loads(tmp_path: Path, mo
             with urllib.request.urlopen(base + "/progress", timeout=5) as resp:
                 seen["phase"] = json.loads(resp.read())["phase"]
             self.state = type("State", (), {"phase": "Succeeded", "stop_requested": False})()
+
+        @classmethod
+        def build(cls, *a: object, **kw: object) -> Loading:
+            return cls(*a, **kw)
 
         async def run(self) -> int:
             return 0

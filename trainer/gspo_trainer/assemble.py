@@ -37,8 +37,9 @@ log = logging.getLogger("gspo.learner")
 
 @dataclass
 class LearnerParts:
-    """Everything one rank's learner runs with. `rollout` is None on the ranks that never
-    talk to the servers (all but rank 0)."""
+    """Everything one rank's learner runs with. The rollout fleet is the collector's and the
+    weight sync's (None on the ranks that never talk to the servers: all but rank 0). The
+    parts share `state` and `draws`: replace their contents, never the objects."""
 
     spec: GSPOJobSpec
     metrics: LearnerMetrics
@@ -69,8 +70,9 @@ def assemble(
     history_path: str | Path | None = None,
     tracker_dir: str | Path | None = None,
 ) -> LearnerParts:
-    """Build this rank's parts. Collective: every rank calls it (the process group, the
-    barrier after the model's download, the sharded load)."""
+    """Build this rank's parts. Collective: every rank calls it, and in this order (the
+    process group, the barrier after the model's download, the sharded load, DeepSpeed's
+    engine and, under ZeRO-3, the reference's)."""
     from gspo_trainer import engine as eng
     from gspo_trainer.moe import moe_shape
 
