@@ -72,25 +72,43 @@ def trl_side(config: str | None, seed: int, steps: int | None, out: Path) -> int
     from trl import GRPOConfig, GRPOTrainer
 
     from gspo_trainer.data import load_eval_examples, load_examples
+    from gspo_trainer.reward_types import Scored
+    from gspo_trainer.rewards import positional_reward, tokenizer_answer_ids
     from gspo_trainer.tiny import materialize
 
     spec = job_spec(config)
     algo, model_cfg = spec.algorithm, spec.model
-    if not model_cfg.name.startswith("builtin:"):
-        raise SystemExit("bench_peer: the job's model must be a built-in one (same weights)")
     steps = steps or algo.max_steps
     out.mkdir(parents=True, exist_ok=True)
-    path = materialize(model_cfg.name, out / "model", seed=seed)
+    if model_cfg.name.startswith("builtin:"):
+        path = materialize(model_cfg.name, out / "model", seed=seed)
+    elif Path(model_cfg.name, "config.json").is_file():  # one both sides load (bench_scale)
+        path = Path(model_cfg.name)
+    else:
+        raise SystemExit("bench_peer: the job's model must be built-in or a local directory")
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids_of = tokenizer_answer_ids(tokenizer)
     train_rows = load_examples(spec.data, tokenizer)
     eval_rows = load_eval_examples(spec.data, tokenizer)
-    if not eval_rows:
+    if not eval_rows and algo.eval_every_steps > 0:
         raise SystemExit("bench_peer: the job needs an evaluation set (data.evalSource)")
+    eval_rows = eval_rows or []
     dataset = Dataset.from_list([{"prompt": e.prompt, "answer": e.answer} for e in train_rows])
 
     def exact(completions: list[str], answer: list[str], **_: Any) -> list[float]:
         return [float(c.strip() == a.strip()) for c, a in zip(completions, answer, strict=True)]
+
+    def positional(
+        completions: list[str], answer: list[str], completion_ids: list[list[int]], **_: Any
+    ) -> list[float]:
+        """reward.kind positional, one number per response (TRL's GSPO takes no per-token
+        rewards): the learner's own function, on the token ids TRL sampled."""
+        eos = tokenizer.eos_token_id
+        return [
+            float(positional_reward(Scored("", c, a, eos in ids, len(ids), ids), False, ids_of))
+            for c, a, ids in zip(completions, answer, completion_ids, strict=True)
+        ]
 
     per_batch = algo.prompts_per_step * algo.group_size
     args = GRPOConfig(
@@ -170,7 +188,7 @@ def trl_side(config: str | None, seed: int, steps: int | None, out: Path) -> int
 
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=exact,
+        reward_funcs=positional if spec.reward.kind == "positional" else exact,
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
