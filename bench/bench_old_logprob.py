@@ -5,7 +5,7 @@ mini-batches), in this process, with the in-process rollout source (transformers
 a copy of the policy; its time is not counted): one recomputes πold (`learner`, the default),
 one takes the engine's log-probs (`engine`), which skips the πold forward pass except on
 diagnostics steps (metrics.diagnosticsEverySteps, 10). They alternate step by step so drift
-in the machine falls on both. Reports the medians of `logprob_seconds` (πold) and
+in the machine falls on both. Reports the medians of `old_policy_seconds` (πold) and
 `update_seconds` (updates, and on diagnostics steps routing drift) and the ratio of the sums.
 
     python bench/bench_old_logprob.py [--steps 40]
@@ -46,10 +46,10 @@ def main() -> int:
     work = {}
     for source, learner in learners.items():
         history = learner.state.history[5:]  # past the first steps' warm-up of the allocator
-        logprob = statistics.median(r["logprob_seconds"] for r in history)
+        logprob = statistics.median(r["old_policy_seconds"] for r in history)
         update = statistics.median(r["update_seconds"] for r in history)
         work[source] = statistics.median(
-            r["logprob_seconds"] + r["update_seconds"] for r in history
+            r["old_policy_seconds"] + r["update_seconds"] for r in history
         )
         print(f"{source:>16} {logprob:>10.4f} {update:>9.4f} {work[source]:>15.4f}")
     print(

@@ -33,7 +33,7 @@ from bench_train import reached, run  # noqa: E402
 from gspo_trainer.jobs import tiny_manifest  # noqa: E402
 from gspo_trainer.plot import plot_accuracy_over_time  # noqa: E402
 
-PHASES = ("rollout", "logprob", "update", "weight_sync")
+STAGES = ("rollout", "old_policy", "update", "weight_sync")
 
 
 def manifest_with(config: str | None, staleness: int, path: Path) -> str:
@@ -65,9 +65,9 @@ def main() -> int:
                 records, wall = run(job, "gspo", seed, args.max_steps, out)
                 histories[staleness].append(records)
                 step_s = statistics.median(r["seconds"] for r in records)
-                phases = {
-                    ph: statistics.median(r.get(f"{ph}_seconds", 0.0) for r in records)
-                    for ph in PHASES
+                stages = {
+                    st: statistics.median(r.get(f"{st}_seconds", 0.0) for r in records)
+                    for st in STAGES
                 }
                 evals = [r for r in records if "eval_accuracy" in r]
                 at, secs = reached(records, args.target)
@@ -76,7 +76,7 @@ def main() -> int:
                         staleness,
                         seed,
                         step_s,
-                        phases,
+                        stages,
                         wall,
                         evals[-1]["eval_accuracy"] if evals else None,
                         at,
@@ -92,16 +92,16 @@ def main() -> int:
     print()
     head = (
         f"{'maxStaleness':>12} {'seed':>4} {'step s':>7} "
-        + " ".join(f"{ph + ' s':>13}" for ph in PHASES)
+        + " ".join(f"{st + ' s':>13}" for st in STAGES)
         + f" {'to ' + str(args.target):>9} {'train s':>8} {'run s':>6} "
         f"{'final acc':>9}"
     )
     print(head)
     print("-" * len(head))
-    for staleness, seed, step_s, phases, wall, final, at, secs in rows:
+    for staleness, seed, step_s, stages, wall, final, at, secs in rows:
         print(
             f"{staleness:>12} {seed:>4} {step_s:>7.3f} "
-            + " ".join(f"{phases[ph]:>13.3f}" for ph in PHASES)
+            + " ".join(f"{stages[st]:>13.3f}" for st in STAGES)
             + f" {at if at is not None else 'never':>9} "
             f"{f'{secs:.0f}' if secs is not None else '-':>8} {wall:>6.0f} "
             f"{f'{final:.2f}' if final is not None else '-':>9}"

@@ -41,7 +41,7 @@ def test_the_learner_cuts_a_partial_last_line_before_appending(tmp_path: Path) -
     metrics = SimpleNamespace(
         observe_step=lambda step, stats: None,
         tokens=SimpleNamespace(inc=lambda n: None),
-        observe_seconds=lambda phase, value: None,
+        observe_seconds=lambda stage, value: None,
     )
     trackers = SimpleNamespace(log=lambda step, record: None)
     report = StepReport(metrics, LearnerState(), trackers, history)  # type: ignore[arg-type]

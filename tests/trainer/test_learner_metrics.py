@@ -28,11 +28,11 @@ def test_nonfinite_loss_is_flagged_then_cleared() -> None:
     assert get("gspo_nonfinite_loss_steps_total") == 1
 
 
-def test_phase_timings_and_unknown_phase() -> None:
+def test_stage_timings_and_unknown_stage() -> None:
     m = LearnerMetrics()
     m.observe_seconds("rollout", 1.5)
-    assert m.registry.get_sample_value("gspo_phase_seconds_sum", {"phase": "rollout"}) == 1.5
-    with pytest.raises(ValueError, match="unknown phase 'rolout'"):
+    assert m.registry.get_sample_value("gspo_stage_seconds_sum", {"stage": "rollout"}) == 1.5
+    with pytest.raises(ValueError, match="unknown stage 'rolout'"):
         m.observe_seconds("rolout", 1.0)
 
 

@@ -56,7 +56,7 @@ def test_a_step_updates_the_policy_and_reports_every_number(cache: Path) -> None
     assert sample("gspo_moe_expert_load", {"layer": "2", "expert": "0"}) is None
     loads = [sample("gspo_moe_expert_load", {"layer": "1", "expert": str(e)}) for e in range(4)]
     assert sum(loads) == pytest.approx(1.0)
-    assert sample("gspo_phase_seconds_count", {"phase": "update"}) == 1
+    assert sample("gspo_stage_seconds_count", {"stage": "update"}) == 1
 
 
 def test_mini_batches_move_the_ratio_and_the_clip_binds(cache: Path) -> None:

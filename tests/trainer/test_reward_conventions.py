@@ -162,7 +162,7 @@ def test_the_collector_hands_a_conversations_row_to_a_trl_function() -> None:
     from gspo_api.spec import AlgorithmConfig, MetricsConfig
     from gspo_trainer.data import Example
     from gspo_trainer.rollout.types import Completion
-    from gspo_trainer.step.collect import Collector
+    from gspo_trainer.step.rollout import Collector
     from gspo_trainer.tiny import build_tokenizer
 
     CALLS.clear()

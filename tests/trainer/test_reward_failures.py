@@ -19,7 +19,7 @@ from gspo_trainer.rewards import (
     Scored,
     WeightedScorer,
 )
-from gspo_trainer.step.collect import Collector
+from gspo_trainer.step.rollout import Collector
 from gspo_trainer.train import ProgressView, summary
 
 ITEMS = [Scored("1+1=", "2", "2", True, 1)] * 32

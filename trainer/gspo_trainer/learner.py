@@ -1,5 +1,6 @@
-"""The GSPO learner: it runs the step's stages in order, collect -> plan -> πold -> update ->
-sync -> stats (each in `step/`), and the run around them: resume, checkpoints, export.
+"""The GSPO learner: it runs the step's stages in order, rollout -> plan -> old_policy (πold) ->
+update -> weight_sync -> stats (each in `step/`, its module and its timing named alike), and
+the run around them: resume, checkpoints, export.
 
 Every rank runs the same loop. Rank 0 alone talks to the rollout fleet and scores rewards,
 then broadcasts the batch; each rank takes an equal share of every mini-batch, and DeepSpeed
@@ -29,9 +30,9 @@ from gspo_trainer.assemble import LearnerParts, assemble
 from gspo_trainer.metrics import LearnerMetrics
 from gspo_trainer.samples import pick_samples
 from gspo_trainer.step.batch import Packed, pack
-from gspo_trainer.step.collect import Rollouts, RolloutSource
 from gspo_trainer.step.old_policy import OldPolicy, old_policy
 from gspo_trainer.step.plan import plan_step
+from gspo_trainer.step.rollout import Rollouts, RolloutSource
 from gspo_trainer.step.stats import learner_stats
 from gspo_trainer.step.update import UpdateStats, update
 
@@ -52,7 +53,7 @@ class Learned:
 
     old: OldPolicy
     update: UpdateStats
-    seconds: dict[str, float]  # "logprob", "update"
+    seconds: dict[str, float]  # "old_policy", "update"
 
 
 class Learner:
@@ -219,7 +220,7 @@ class Learner:
         return self.ranks.any(added)
 
     async def sync(self, version: int) -> float:
-        """Push the policy to the rollout servers as `version` (see step/sync.py)."""
+        """Push the policy to the rollout servers as `version` (see step/weight_sync.py)."""
         return await self.weights.push(version)
 
     def eval_due(self, step: int) -> bool:
@@ -233,9 +234,9 @@ class Learner:
     # --- one step ------------------------------------------------------------------------
 
     async def train_step(self, step: int) -> dict[str, float]:
-        """One step: collect -> plan -> πold -> update -> sync -> stats (see step/)."""
+        """One step: rollout -> plan -> old_policy -> update -> weight_sync -> stats (step/)."""
         alg, t_step = self.spec.algorithm, time.perf_counter()
-        # --- collect (rank 0, or taken from the run-ahead); every rank gets it ----------
+        # --- rollout (rank 0, or taken from the run-ahead); every rank gets it ----------
         rollouts = await self._rollouts(step)
         self._start_run_ahead(step)
         packed = pack(
@@ -249,11 +250,11 @@ class Learner:
         )
         packed = packed.to(self.policy.device)  # the engine's (cuda:local_rank on GPUs)
         advantages, adv_stats = self._advantages(packed)
-        # --- plan, πold, updates, routing drift: off the event loop when it overlaps -----
+        # --- plan, old_policy, updates, routing drift: off the loop when it overlaps ----
         every = self.spec.metrics.diagnostics_every_steps
         diagnose = every > 0 and (step == 1 or step % every == 0)
         learned = await self._off_loop(lambda: self._learn(packed, advantages, diagnose))
-        # --- sync; an evaluation reads the servers' weights, so it syncs first ----------
+        # --- weight_sync; an evaluation reads the servers' weights, so it syncs first ---
         t_sync, sent = time.perf_counter(), None
         evaluating = self.eval_due(step)
         if step % self.spec.weight_sync.every_steps == 0 or evaluating:
@@ -406,7 +407,7 @@ class Learner:
             behaviour=behaviour,
             diagnose=diagnose,
         )
-        return Learned(old, stats, {"logprob": t1 - t0, "update": time.perf_counter() - t1})
+        return Learned(old, stats, {"old_policy": t1 - t0, "update": time.perf_counter() - t1})
 
     def _expert_load(self, old: OldPolicy) -> dict[int, list[float]] | None:
         """Each expert's share of the first mini-batch's routing (model.moe.reportExpertLoad),

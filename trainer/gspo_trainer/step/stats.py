@@ -1,5 +1,5 @@
 """Stats: one step's numbers under one name each, the same in the history (JSON lines), the
-trackers, Prometheus (metrics.STEP_GAUGES, and gspo_phase_seconds by metrics.PHASES) and the
+trackers, Prometheus (metrics.STEP_GAUGES, and gspo_stage_seconds by metrics.STAGES) and the
 log line. Rank-local numbers are averaged over the ranks (maxima: their largest) first."""
 
 from __future__ import annotations
@@ -62,13 +62,13 @@ class StepReport:
         expert_load: dict[int, list[float]] | None,
         drift: list[float] | None,
     ) -> None:
-        """`seconds` by metrics.PHASES name ("step": the whole step, evaluation apart); drift:
+        """`seconds` by metrics.STAGES name ("step": the whole step, evaluation apart); drift:
         rank 0's per-layer routing drift, when measured."""
         self.metrics.observe_step(step, stats)
         self.metrics.tokens.inc(tokens)
-        for phase, value in seconds.items():
-            if phase != "weight_sync":  # observed by WeightSync, for every sync
-                self.metrics.observe_seconds(phase, value)
+        for stage, value in seconds.items():
+            if stage != "weight_sync":  # observed by WeightSync, for every sync
+                self.metrics.observe_seconds(stage, value)
         if expert_load is not None:
             self.metrics.observe_expert_load(expert_load)
         if drift is not None:

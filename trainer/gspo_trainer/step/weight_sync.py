@@ -17,7 +17,7 @@ from gspo_trainer.learner_state import LearnerState
 from gspo_trainer.metrics import LearnerMetrics
 from gspo_trainer.ranks import Ranks
 from gspo_trainer.rollout.client import RolloutError
-from gspo_trainer.step.collect import RolloutSource
+from gspo_trainer.step.rollout import RolloutSource
 
 log = logging.getLogger("gspo.learner")
 

@@ -1,4 +1,4 @@
-"""Collect (rank 0): prompts -> rollouts tagged with the policy version that sampled them ->
+"""Rollout (rank 0): prompts -> rollouts tagged with the policy version that sampled them ->
 rewards. Touches no engine, so it can run while the update does (algorithm.maxStaleness).
 
 One lock orders everything that talks to the rollout fleet's weights: a generation and a
