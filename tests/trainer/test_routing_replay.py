@@ -16,10 +16,10 @@ from learner_helpers import make_learner, tiny_spec
 
 from gspo_api.validation import ConfigError, SpecError, parse_spec
 from gspo_trainer.moe import moe_shape
-from gspo_trainer.routing_replay import RoutingReplay, replay_scores, token_slots
 from gspo_trainer.step.batch import Packed, pack
 from gspo_trainer.step.plan import MiniBatch
 from gspo_trainer.step.policy import Policy, per_layer
+from gspo_trainer.step.routing_replay import RoutingReplay, replay_scores, token_slots
 from gspo_trainer.step.update import routing_drift_after
 from gspo_trainer.tiny import build_tiny_model, materialize
 

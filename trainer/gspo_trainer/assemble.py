@@ -25,9 +25,9 @@ from gspo_trainer.learner_state import LearnerState
 from gspo_trainer.metrics import LearnerMetrics
 from gspo_trainer.ranks import Ranks, control_timeout_s, data_timeout_s
 from gspo_trainer.rewards import build_scorer
-from gspo_trainer.routing_replay import RoutingReplay
 from gspo_trainer.step.policy import Policy
 from gspo_trainer.step.rollout import Collector, RolloutSource, RunAhead
+from gspo_trainer.step.routing_replay import RoutingReplay
 from gspo_trainer.step.stats import StepReport
 from gspo_trainer.step.weight_sync import WeightSync
 from gspo_trainer.trackers import Trackers, build_trackers

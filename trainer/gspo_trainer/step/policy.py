@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from gspo_trainer.engine import begin_forward
 from gspo_trainer.moe import MoEShape
-from gspo_trainer.routing_replay import Mode, RoutingReplay, token_slots
 from gspo_trainer.step.batch import Packed
+from gspo_trainer.step.routing_replay import Mode, RoutingReplay, token_slots
 
 if TYPE_CHECKING:
     import torch
