@@ -95,7 +95,7 @@ def start(
     root = baseline if kind == "replaced" else REPO
     env = {
         **os.environ,
-        ports.ENV_SYNC_TOKEN: TOKEN,
+        ports.ENV_JOB_TOKEN: TOKEN,
         "HF_HUB_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "PYTHONPATH": f"{root / 'operator'}:{root / 'trainer'}",

@@ -4,6 +4,7 @@ One place, so the operator never guesses what the learner or the rollout server 
 """
 
 import socket
+from collections.abc import Mapping
 
 ROLLOUT_HTTP_PORT = 8000  # rollout server: generation, health, control, /metrics
 RENDEZVOUS_PORT = 29500  # torch.distributed rendezvous of the learner group (MASTER_PORT)
@@ -51,7 +52,13 @@ OPERATOR_COMMAND = ("gspo", "operator")
 
 # Environment variables the pods read.
 ENV_CONFIG_PATH = "GSPO_CONFIG"  # path of the run config (ConfigMap mount)
-ENV_SYNC_TOKEN = "GSPO_SYNC_TOKEN"  # bearer token for control endpoints (from a Secret)
+# The job's token: the bearer token the rollout servers' routes (generation, weight sync),
+# the learner's calls to them and a code reward's sandbox service ask for (from the job's
+# Secret J-token; `gspo train` generates one and writes it to <output-dir>/job-token).
+ENV_JOB_TOKEN = "GSPO_JOB_TOKEN"
+# Its earlier name: still read when ENV_JOB_TOKEN is unset, so the pods of a job created by an
+# earlier release (their template sets that name) and users' scripts keep working.
+ENV_JOB_TOKEN_EARLIER = "GSPO_SYNC_TOKEN"
 # A rollout server's settings for the endpoint plugin (vllm_plugin.py), by environment: the
 # plugin cannot add flags to vLLM's command line.
 ENV_WEIGHTS_DIR = "GSPO_WEIGHTS_DIR"  # weightSync.method filesystem: the learner's directory
@@ -97,3 +104,9 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def job_token(environ: Mapping[str, str]) -> str | None:
+    """The job's token from the environment (ENV_JOB_TOKEN, else its earlier name), or None
+    when neither is set."""
+    return environ.get(ENV_JOB_TOKEN) or environ.get(ENV_JOB_TOKEN_EARLIER) or None

@@ -248,7 +248,7 @@ def validate(
 @click.option(
     "--show-secrets",
     is_flag=True,
-    help="Print Secret values (the generated sync token) instead of <redacted>.",
+    help="Print Secret values (the job's generated token) instead of <redacted>.",
 )
 @OUTPUT
 def render(file: str, namespace: str | None, show_secrets: bool, output: str | None) -> int:

@@ -43,8 +43,8 @@ def config_map(job: str) -> str:
     return f"{job}-config"
 
 
-def sync_token_secret(job: str) -> str:
-    return f"{job}-sync-token"
+def token_secret(job: str) -> str:
+    return f"{job}-token"
 
 
 def jobset(job: str) -> str:
@@ -166,7 +166,7 @@ def check_job_name(job: str, learner_replicas: int = 1, rollout_replicas: int = 
             f"({len(longest)} characters, JobSet allows {MAX_GENERATED_POD_NAME}); shorten the "
             f"name to {limit} characters or fewer"
         )
-    for child in (rollout_api_service(job), checkpoint_claim(job), sync_token_secret(job)):
+    for child in (rollout_api_service(job), checkpoint_claim(job), token_secret(job)):
         if len(child) > DNS_LABEL_MAX:
             return f"name {job!r} makes the child name {child!r} longer than 63; shorten it"
     return None

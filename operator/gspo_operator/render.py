@@ -187,7 +187,7 @@ def render_secret(ctx: _Ctx, token: str) -> Obj:
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": ctx.meta(names.sync_token_secret(ctx.job), "sync-token"),
+        "metadata": ctx.meta(names.token_secret(ctx.job), "token"),
         "type": "Opaque",
         "stringData": data,
     }
@@ -474,7 +474,7 @@ def render_learner_pod_template(ctx: _Ctx) -> Obj:
 def rollout_args(spec: GSPOJobSpec) -> list[str]:
     """Flags of `gspo rollout-server` for this job (rollout/launch.py's parse_args; it starts
     vLLM's server with them). Every route but the probes and /metrics needs the job's token,
-    which the pod has from the job's Secret ($GSPO_SYNC_TOKEN)."""
+    which the pod has from the job's Secret ($GSPO_JOB_TOKEN)."""
     model, rollout = spec.model, spec.rollout
     args = [
         f"--model={model.name}",
@@ -626,7 +626,7 @@ def render_sandbox_pod_template(ctx: _Ctx) -> Obj:
         "securityContext": _container_security(),
     }
     token = {
-        "secretName": names.sync_token_secret(job),
+        "secretName": names.token_secret(job),
         "items": [{"key": TOKEN_SHA256_KEY, "path": TOKEN_SHA256_KEY}],
         "defaultMode": 0o440,  # the pod's user reads it through fsGroup; no one else
     }
@@ -868,8 +868,8 @@ def _model_volumes(spec: GSPOJobSpec) -> list[Obj]:
 
 
 def _token_env(job: str) -> Obj:
-    ref = {"name": names.sync_token_secret(job), "key": "token"}
-    return {"name": ports.ENV_SYNC_TOKEN, "valueFrom": {"secretKeyRef": ref}}
+    ref = {"name": names.token_secret(job), "key": "token"}
+    return {"name": ports.ENV_JOB_TOKEN, "valueFrom": {"secretKeyRef": ref}}
 
 
 def _container_port(name: str, port: int) -> Obj:

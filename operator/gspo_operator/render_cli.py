@@ -1,7 +1,7 @@
 """`gspo render FILE`: what the operator would create for a GSPOJob, like helm template.
 
 Secret values are printed as `<redacted>` unless `--show-secrets` is given: rendered output
-ends up in terminals, CI logs and pull requests, and the weight-sync token guards the rollout
+ends up in terminals, CI logs and pull requests, and the job's token guards the rollout
 servers' control endpoints.
 """
 

@@ -96,7 +96,7 @@ def test_render_json_is_a_list_of_the_yaml_objects(gspo) -> None:
     assert as_json.returncode == 0, as_json.stderr
     listed = json.loads(as_json.stdout)
     assert (listed["apiVersion"], listed["kind"]) == ("v1", "List")
-    # The sync token is random per run; redacted (the default) both print the same.
+    # The job's token is random per run; redacted (the default) both print the same.
     assert listed["items"] == list(yaml.safe_load_all(as_yaml.stdout))
 
 

@@ -114,7 +114,7 @@ def test_the_sandbox_pod_holds_the_token_and_nothing_else_of_the_job() -> None:
     assert volumes["home"] == {"name": "home", "emptyDir": {}}
     # Of the job's token, only its SHA-256: a program that reads it cannot use it elsewhere.
     token = volumes["sandbox-token"]["secret"]
-    assert token["secretName"] == names.sync_token_secret(NAME)
+    assert token["secretName"] == names.token_secret(NAME)
     assert token["items"] == [{"key": "token-sha256", "path": "token-sha256"}]
     assert token["defaultMode"] == 0o440
     (secret,) = by_kind(objs, "Secret")
@@ -122,7 +122,7 @@ def test_the_sandbox_pod_holds_the_token_and_nothing_else_of_the_job() -> None:
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
     assert mounts[ports.SANDBOX_TOKEN_DIR]["readOnly"] is True
     env = env_of(c)
-    assert not {"WANDB_API_KEY", "HF_TOKEN", ports.ENV_SYNC_TOKEN} & set(env)
+    assert not {"WANDB_API_KEY", "HF_TOKEN", ports.ENV_JOB_TOKEN} & set(env)
     assert all("valueFrom" not in e for e in c["env"])  # no Secret reaches its environment
     assert c["command"] == list(ports.SANDBOX_COMMAND)
     assert f"--token-sha256-file={ports.SANDBOX_TOKEN_DIR}/token-sha256" in c["args"]

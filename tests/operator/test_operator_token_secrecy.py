@@ -1,4 +1,4 @@
-"""The per-job weight-sync token stays in its Secret: never in logs, status, Events or metrics."""
+"""The job's token stays in its Secret: never in logs, status, Events or metrics."""
 
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ JOB = "tiny"
 
 
 def _token(api) -> str:
-    secret = api.get("Secret", NS, names.sync_token_secret(JOB))
+    secret = api.get("Secret", NS, names.token_secret(JOB))
     if "stringData" in secret:
         return secret["stringData"]["token"]
     return base64.b64decode(secret["data"]["token"]).decode()
 
 
-async def test_sync_token_never_leaves_its_secret(api, run_operator, progress, caplog) -> None:
+async def test_the_jobs_token_never_leaves_its_secret(api, run_operator, progress, caplog) -> None:
     caplog.set_level(logging.DEBUG)  # the most the operator ever says
     async with run_operator(api) as ctx:
         await create(api, tiny_job(progress_port=progress.port))
@@ -48,9 +48,9 @@ async def test_sync_token_never_leaves_its_secret(api, run_operator, progress, c
         "events": json.dumps(api.list_kind("Event", NS)),
         "metrics": metrics,
     }
-    assert "Created Secret tiny-sync-token" in places["logs"]  # the logs were captured
+    assert "Created Secret tiny-token" in places["logs"]  # the logs were captured
     assert api.list_kind("Event", NS) and "gspo_operator_jobs" in metrics
     for where, text in places.items():
-        assert token not in text, f"the sync token appears in the operator's {where}"
+        assert token not in text, f"the job's token appears in the operator's {where}"
     others = api.list_kind("ConfigMap", NS) + api.list_kind("JobSet", NS) + api.list_kind("Job", NS)
     assert all(token not in json.dumps(o) for o in others)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from gspo_api.ports import ENV_SYNC_TOKEN
+from gspo_api.ports import ENV_JOB_TOKEN
 from gspo_api.spec import CodeConfig, SandboxConfig
 from gspo_trainer.code import sandbox_init
 from gspo_trainer.code.runner import CaseResult, CodeRunner
@@ -32,7 +32,7 @@ from gspo_trainer.code.service import RemoteSandbox, serve_sandbox
 from gspo_trainer.code.tasks import Case, CodeTask
 
 LIMITS = SandboxConfig(timeout_seconds=1, memory_mib=256, processes=16, output_bytes=1 << 16)
-SECRET = "s3cret-rollout-token-0123456789"
+SECRET = "s3cret-job-token-0123456789"
 
 
 @pytest.fixture(autouse=True, params=["local", "service"])
@@ -85,14 +85,14 @@ def no_leftovers():
 
 
 def test_the_rollout_token_file_and_environment_secrets_stay_out(tmp_path, monkeypatch) -> None:
-    token = tmp_path / "rollout-token"
+    token = tmp_path / "job-token"
     token.write_text(SECRET)
     token.chmod(0o644)  # even a world-readable file is out of sight
-    monkeypatch.setenv(ENV_SYNC_TOKEN, SECRET)
+    monkeypatch.setenv(ENV_JOB_TOKEN, SECRET)
     monkeypatch.setenv("HF_TOKEN", SECRET)
     program = (
         "import os\n"
-        f"print(os.environ.get({ENV_SYNC_TOKEN!r}) or os.environ.get('HF_TOKEN') or "
+        f"print(os.environ.get({ENV_JOB_TOKEN!r}) or os.environ.get('HF_TOKEN') or "
         f"open({str(token)!r}).read())\n"
     )
     result, _ = run(program, SECRET)
@@ -372,7 +372,7 @@ def _non_root_run(tmp_path: Path) -> None:
     box = tmp_path / "box"
     (box / "work").mkdir(parents=True)
     (box / "root").mkdir()
-    token = tmp_path / "rollout-token"
+    token = tmp_path / "job-token"
     token.write_text(SECRET)
     token.chmod(0o600)
     os.chown(token, learner_uid, learner_uid)

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from gspo_api.ports import ENV_SANDBOX_URL, ENV_SYNC_TOKEN
+from gspo_api.ports import ENV_JOB_TOKEN, ENV_SANDBOX_URL
 from gspo_api.spec import CodeConfig, SandboxConfig
 from gspo_api.validation import SpecError, parse_spec
 from gspo_trainer.code import service as service_module
@@ -61,10 +61,10 @@ def test_a_wrong_token_or_a_service_that_is_down_is_a_sandbox_failure(service) -
 
 def test_mode_service_probes_the_service_with_the_jobs_token(service, monkeypatch) -> None:
     cfg = SandboxConfig(mode="service", service_url=service)
-    monkeypatch.setenv(ENV_SYNC_TOKEN, TOKEN)
+    monkeypatch.setenv(ENV_JOB_TOKEN, TOKEN)
     scorer = build_code_scorer(CodeConfig(), cfg)
     assert scorer.score([item("a, b = map(int, input().split())\nprint(a + b)")]) == [1.0]
-    monkeypatch.setenv(ENV_SYNC_TOKEN, "stale")
+    monkeypatch.setenv(ENV_JOB_TOKEN, "stale")
     with pytest.raises(ValueError, match=r"serviceUrl .* answered 401"):
         build_code_scorer(CodeConfig(), cfg)
 
@@ -160,7 +160,7 @@ def test_the_learner_finds_the_jobs_sandbox_pods_in_its_env(service, monkeypatch
     """On a cluster the operator puts the sandbox Service's URL in the learner's env; the
     learner sends concurrency x replicas test cases at once (each pod runs concurrency)."""
     monkeypatch.setenv(ENV_SANDBOX_URL, service)
-    monkeypatch.setenv(ENV_SYNC_TOKEN, TOKEN)
+    monkeypatch.setenv(ENV_JOB_TOKEN, TOKEN)
     cfg = SandboxConfig(mode="service", replicas=3, concurrency=2)
     scorer = build_code_scorer(CodeConfig(), cfg)
     assert scorer.concurrency == 6

@@ -250,7 +250,7 @@ def test_gspo_train_checks_a_hub_data_set_offline_when_the_job_is(tmp_path: Path
 @pytest.mark.parametrize("kind", ["symlink", "directory"])
 def test_a_lock_file_that_is_not_a_regular_file_is_refused(tmp_path: Path, kind: str) -> None:
     """The lock is truncated to hold the pid: through a symbolic link that would empty the
-    file it points at (as the rollout token refuses one); a directory is a one-line error."""
+    file it points at (as the job's token file refuses one); a directory is a one-line error."""
     from gspo_trainer import output_dir
 
     out = tmp_path / "out"

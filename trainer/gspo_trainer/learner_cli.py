@@ -2,7 +2,7 @@
 
 The pod contract (gspo_api.ports): GSPO_CONFIG or /etc/gspo/gspojob.yaml holds the GSPOJob
 manifest (or a bare spec); GSPO_ROLLOUT_URLS the servers (fixed URLs or dns+http://);
-GSPO_SYNC_TOKEN their control token; GSPO_POD_IP the address the servers reach rank 0 on
+GSPO_JOB_TOKEN their control token; GSPO_POD_IP the address the servers reach rank 0 on
 for weight sync; GSPO_CHECKPOINT_DIR the checkpoint volume; MASTER_ADDR/MASTER_PORT and
 GSPO_NNODES/GSPO_NODE_RANK/GSPO_NPROC_PER_NODE the learner group. With more than one
 process per pod (or several pods) this command starts torch.distributed.run, which runs it
@@ -237,7 +237,7 @@ def build_rollout(args: argparse.Namespace, spec: GSPOJobSpec) -> Any:
     )
     client = RolloutClient(
         urls,
-        os.environ.get(ports.ENV_SYNC_TOKEN) or None,
+        ports.job_token(os.environ),
         timeout_s=spec.rollout.request_timeout_seconds,
         sync=sync,
     )

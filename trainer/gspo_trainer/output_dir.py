@@ -1,7 +1,7 @@
 """The output directory of `gspo train`: one run in it at a time, logs kept across attempts.
 
 Two runs on one directory would overwrite each other's gspojob.yaml (the first learner would
-read the second's config), interleave their logs and leave a dead server's rollout-token, so
+read the second's config), interleave their logs and leave a dead server's job-token, so
 a run holds an exclusive lock (flock) on `.gspo-train.lock` for as long as it lives, with its
 pid written inside; a second run is refused naming that pid. The processes the run starts
 hold it too (train.spawn): killed outright, `gspo train` leaves its learner and servers

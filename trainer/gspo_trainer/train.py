@@ -5,7 +5,7 @@ with the gspo plugin) per rollout replica and `gspo learner`, wired with the pod
 (gspo_api.ports). With no file it trains the embedded default (jobs.tiny_manifest: a tiny MoE
 model and tokenizer built here, the built-in addition task). It shows a progress bar, and
 leaves in the output directory the checkpoints, the final HF export, history.jsonl,
-reward.png, the logs and the rollout servers' token (rollout-token: talk to the policy
+reward.png, the logs and the rollout servers' token (job-token: talk to the policy
 through vLLM's OpenAI API while it trains).
 """
 
@@ -554,7 +554,7 @@ def _gpu_count() -> int:
     return int(torch.cuda.device_count())
 
 
-ROLLOUT_TOKEN_FILE = "rollout-token"
+TOKEN_FILE = "job-token"
 
 
 def write_token_file(path: Path, token: str) -> None:
@@ -569,10 +569,10 @@ def write_token_file(path: Path, token: str) -> None:
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise RuntimeError(
-                f"{path} is a symbolic link; remove it (the rollout token is "
+                f"{path} is a symbolic link; remove it (the job's token is "
                 "written to a regular file only)"
             ) from exc
-        raise RuntimeError(f"cannot write the rollout token to {path}: {exc}") from exc
+        raise RuntimeError(f"cannot write the job's token to {path}: {exc}") from exc
     with os.fdopen(fd, "w") as f:
         os.fchmod(fd, 0o600)
         f.write(token + "\n")
@@ -605,10 +605,10 @@ def process_env(
     spec: GSPOJobSpec, environ: Mapping[str, str], cache: Path, token: str
 ) -> dict[str, str]:
     """The environment of the servers and the learner `gspo train` starts: the caller's
-    (less any torch.distributed group it runs in), the model cache, the sync token, and
+    (less any torch.distributed group it runs in), the model cache, the job's token, and
     HF_HUB_OFFLINE=1 exactly where a cluster's pods get it (`spec.hub_offline`): a model
     named on the Hugging Face Hub downloads as transformers and vLLM would."""
-    env = {**own_group_env(environ), "GSPO_CACHE": str(cache), ports.ENV_SYNC_TOKEN: token}
+    env = {**own_group_env(environ), "GSPO_CACHE": str(cache), ports.ENV_JOB_TOKEN: token}
     if spec.hub_offline:
         env["HF_HUB_OFFLINE"] = "1"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -774,7 +774,7 @@ def run(
         if learner.popen.poll() is None and not interrupted:  # else follow_learner reports
             # The servers answer anyone with the run's token, OpenAI's API included: leave it
             # where its owner (only) can read it, to talk to the policy while it trains.
-            token_file = out / ROLLOUT_TOKEN_FILE
+            token_file = out / TOKEN_FILE
             write_token_file(token_file, token)
             print(
                 f"Rollout servers (vLLM's OpenAI API, token in {token_file}): "

@@ -45,7 +45,7 @@ def launch_rollout(model: Path, log_dir: Path, *extra: str) -> RolloutProcess:
         "PYTHONPATH": f"{REPO / 'operator'}:{REPO / 'trainer'}",
         "HF_HUB_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
-        "GSPO_SYNC_TOKEN": TOKEN,
+        "GSPO_JOB_TOKEN": TOKEN,
     }
     log_path = log_dir / f"rollout-{port}.log"
     # fmt: skip: each flag beside its value, as on a command line (ruff splits the pairs).

@@ -4,7 +4,7 @@ for (tests and benches).
 
 Real, not stood in for:
 - the plugin (`gspo_trainer.rollout.vllm_plugin.GSPOEndpoints`): constructed with the
-  environment it reads set ($GSPO_SYNC_TOKEN, $GSPO_INITIAL_POLICY_VERSION, $GSPO_WEIGHTS_DIR),
+  environment it reads set ($GSPO_JOB_TOKEN, $GSPO_INITIAL_POLICY_VERSION, $GSPO_WEIGHTS_DIR),
   wired as vLLM wires an endpoint plugin: `attach_router(app)` while the app is built (its
   token and generation-gate middlewares, /health, /ready, /control/*), `init_state(engine
   client, app.state, args)` awaited at start-up (which runs the real `engine.warm_up`);
@@ -329,7 +329,8 @@ def plugin_env(
     from gspo_api import ports
 
     return {
-        ports.ENV_SYNC_TOKEN: token,
+        ports.ENV_JOB_TOKEN: token,
+        ports.ENV_JOB_TOKEN_EARLIER: None,  # whatever this process has, the server reads token
         ports.ENV_INITIAL_VERSION: None if initial_version is None else str(initial_version),
         ports.ENV_WEIGHTS_DIR: None if weights_dir is None else str(weights_dir),
     }

@@ -5,7 +5,17 @@ routes are covered in test_client_server and test_rollout_bad_input)."""
 from __future__ import annotations
 
 import aiohttp
-from rollout_standin import MODEL, TOKEN, StandInEngine, serve_in_process
+from rollout_standin import (
+    MODEL,
+    TOKEN,
+    InProcessServer,
+    StandInEngine,
+    build_app,
+    plugin_env,
+    serve_in_process,
+)
+
+from gspo_api import ports
 
 GOOD = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -30,7 +40,7 @@ async def test_resume_needs_the_token_and_changes_nothing_without_it() -> None:
 
 
 async def test_without_a_token_the_control_routes_are_disabled() -> None:
-    """No $GSPO_SYNC_TOKEN: nobody can pause or load weights (403 naming the setting, with
+    """No $GSPO_JOB_TOKEN: nobody can pause or load weights (403 naming the setting, with
     or without a bearer token), while generation and the probes stay open."""
     engine = StandInEngine()
     server, url = await serve_in_process(engine, 5, token=None)
@@ -46,7 +56,7 @@ async def test_without_a_token_the_control_routes_are_disabled() -> None:
                 for headers in ({}, GOOD):
                     async with http.post(url + path, json={}, headers=headers) as resp:
                         assert resp.status == 403, path
-                        assert "GSPO_SYNC_TOKEN" in (await resp.json())["error"]
+                        assert "GSPO_JOB_TOKEN" in (await resp.json())["error"]
             async with http.get(url + "/health") as resp:
                 health = await resp.json()
             assert health["paused"] is False and health["policy_version"] == 5
@@ -56,3 +66,29 @@ async def test_without_a_token_the_control_routes_are_disabled() -> None:
                 assert resp.status == 200
     finally:
         await server.stop()
+
+
+async def test_a_server_given_the_tokens_earlier_name_asks_for_that_token() -> None:
+    """A pod of a job created by an earlier release sets only $GSPO_SYNC_TOKEN: its server
+    still guards the control routes with it."""
+    from prometheus_client import CollectorRegistry
+
+    env = {**plugin_env(), ports.ENV_JOB_TOKEN: None, ports.ENV_JOB_TOKEN_EARLIER: TOKEN}
+    server = InProcessServer(build_app(StandInEngine(), env, registry=CollectorRegistry()))
+    url = await server.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            wrong = {"Authorization": "Bearer wrong"}
+            async with http.post(url + "/control/pause", json={}, headers=wrong) as resp:
+                assert resp.status == 401
+            async with http.post(url + "/control/pause", json={}, headers=GOOD) as resp:
+                assert resp.status == 200
+    finally:
+        await server.stop()
+
+
+def test_the_new_name_wins_over_the_earlier_one() -> None:
+    both = {ports.ENV_JOB_TOKEN: "new", ports.ENV_JOB_TOKEN_EARLIER: "old"}
+    assert ports.job_token(both) == "new"
+    assert ports.job_token({ports.ENV_JOB_TOKEN_EARLIER: "old"}) == "old"
+    assert ports.job_token({ports.ENV_JOB_TOKEN: ""}) is None

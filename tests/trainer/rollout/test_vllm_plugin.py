@@ -87,7 +87,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
                        "--weights-dir", str(root / "weights")])  # fmt: skip
     environ = {
         **os.environ,
-        ports.ENV_SYNC_TOKEN: TOKEN,
+        ports.ENV_JOB_TOKEN: TOKEN,
         "PYTHONPATH": f"{REPO / 'operator'}:{REPO / 'trainer'}",
     }
     argv, env = command(args, environ)

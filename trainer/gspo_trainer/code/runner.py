@@ -283,8 +283,8 @@ def _service_scorer(
     from gspo_api.ports import (
         ENV_JOB_NAME,
         ENV_SANDBOX_URL,
-        ENV_SYNC_TOKEN,
         SANDBOX_STARTUP_SECONDS,
+        job_token,
     )
     from gspo_trainer.code.service import RemoteSandbox, request_timeout
 
@@ -298,9 +298,7 @@ def _service_scorer(
             "operator runs the job's sandbox pods (as under gspo train): the URL of a sandbox "
             "service you run (gspo sandbox-server), or use mode: local"
         )
-    remote = RemoteSandbox(
-        url, os.environ.get(ENV_SYNC_TOKEN, ""), timeout_s=request_timeout(sandbox)
-    )
+    remote = RemoteSandbox(url, job_token(os.environ) or "", timeout_s=request_timeout(sandbox))
     concurrency = sandbox.concurrency * pods  # each pod runs `concurrency` at once
     if sandbox.service_url is None and not wait:
         return CodeScorer(CodeRunner(remote, code), concurrency, code.scoring, on_failure)

@@ -5,7 +5,7 @@ CPU backend's defaults where no GPU is present, builds the command line and envi
 `serve_command` (vLLM's server with our worker extension and the gspo endpoint plugin), and
 then replaces itself with that server (`os.execve`): the process a pod or `gspo train` runs
 is vLLM's, its signals and exit status vLLM's. The flags keep the names the operator and
-`gspo train` pass; the job's token comes from $GSPO_SYNC_TOKEN.
+`gspo train` pass; the job's token comes from $GSPO_JOB_TOKEN.
 """
 
 from __future__ import annotations
@@ -140,9 +140,9 @@ def command(args: argparse.Namespace, environ: dict[str, str]) -> tuple[list[str
         weights_dir=str(args.weights_dir) if args.weights_dir else None,
         initial_version=args.initial_policy_version,
     )
-    token = env.get(ports.ENV_SYNC_TOKEN) or None
+    token = ports.job_token(env)
     if token is None:
-        log.warning("$%s is not set: control routes are disabled", ports.ENV_SYNC_TOKEN)
+        log.warning("$%s is not set: control routes are disabled", ports.ENV_JOB_TOKEN)
     env.update(serve_env(opts, token))
     argv = serve_argv(opts)
     if not has_chat_template(opts.model):

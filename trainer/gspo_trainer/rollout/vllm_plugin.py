@@ -24,7 +24,7 @@ stamps every response with the version that produced it (header `x-gspo-policy-v
 Every route is a generation route but those `NON_GENERATION_ROUTES` lists (probes, metrics,
 tokenization, model listing, control): a route a later vLLM adds is gated until it is listed
 here. A websocket can carry generations across a sync, so one to a gated route is refused.
-The token check asks for the job's token ($GSPO_SYNC_TOKEN, also vLLM's --api-key) on every
+The token check asks for the job's token ($GSPO_JOB_TOKEN, also vLLM's --api-key) on every
 route, websockets included, but /health, /ready, /metrics, /ping and /version: vLLM's
 --api-key guards only /v1, leaving /tokenize, /invocations, ... open.
 """
@@ -93,7 +93,7 @@ class GSPOEndpoints:
 
     def __init__(self) -> None:
         _log_to_stderr()
-        self.token = os.environ.get(ports.ENV_SYNC_TOKEN) or None
+        self.token = ports.job_token(os.environ)
         weights = os.environ.get(ports.ENV_WEIGHTS_DIR)
         self.weights_dir = Path(weights) if weights else None
         initial = os.environ.get(ports.ENV_INITIAL_VERSION)
@@ -117,7 +117,7 @@ class GSPOEndpoints:
         self.model_name = served[0] if served else args.model
         self.workers = int(engine_client.vllm_config.parallel_config.world_size)
         if self.token is None:
-            log.warning("$%s is not set: control routes are disabled", ports.ENV_SYNC_TOKEN)
+            log.warning("$%s is not set: control routes are disabled", ports.ENV_JOB_TOKEN)
         await warm_up(engine_client)
 
     def _router(self) -> Any:
@@ -247,7 +247,7 @@ class TokenMiddleware:
                 return await _send_json(
                     send,
                     403,
-                    {"error": f"control routes are disabled: set ${ports.ENV_SYNC_TOKEN}"},
+                    {"error": f"control routes are disabled: set ${ports.ENV_JOB_TOKEN}"},
                 )
             if token is not None and not _authorized(scope, token):
                 if kind == "websocket":

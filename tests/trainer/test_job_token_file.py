@@ -15,13 +15,13 @@ def mode(path: Path) -> int:
 
 
 def test_a_new_token_file_is_private(tmp_path: Path) -> None:
-    write_token_file(tmp_path / "rollout-token", "s3cret")
-    assert (tmp_path / "rollout-token").read_text() == "s3cret\n"
-    assert mode(tmp_path / "rollout-token") == 0o600
+    write_token_file(tmp_path / "job-token", "s3cret")
+    assert (tmp_path / "job-token").read_text() == "s3cret\n"
+    assert mode(tmp_path / "job-token") == 0o600
 
 
 def test_a_file_left_readable_by_others_is_made_private(tmp_path: Path) -> None:
-    token = tmp_path / "rollout-token"
+    token = tmp_path / "job-token"
     token.write_text("an older, longer token\n")
     token.chmod(0o644)
     write_token_file(token, "new")
@@ -32,7 +32,7 @@ def test_a_symbolic_link_is_refused_and_its_target_left_alone(tmp_path: Path) ->
     target = tmp_path / "bashrc"
     target.write_text("export PATH\n")
     target.chmod(0o644)
-    (tmp_path / "rollout-token").symlink_to(target)
-    with pytest.raises(RuntimeError, match="rollout-token is a symbolic link; remove it"):
-        write_token_file(tmp_path / "rollout-token", "s3cret")
+    (tmp_path / "job-token").symlink_to(target)
+    with pytest.raises(RuntimeError, match="job-token is a symbolic link; remove it"):
+        write_token_file(tmp_path / "job-token", "s3cret")
     assert target.read_text() == "export PATH\n" and mode(target) == 0o644
