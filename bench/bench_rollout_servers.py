@@ -96,6 +96,7 @@ def start(
     env = {
         **os.environ,
         ports.ENV_JOB_TOKEN: TOKEN,
+        ports.ENV_JOB_TOKEN_EARLIER: TOKEN,  # a baseline commit may read only that name
         "HF_HUB_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "PYTHONPATH": f"{root / 'operator'}:{root / 'trainer'}",

@@ -397,7 +397,7 @@ def zero3_update(kind: str, sizes: Sizes, keep: dict) -> dict:
 
     step()  # warm-up: ZeRO-3 records its trace here
     with peak_memory() as peak:
-        logprob_s, update_s = step()
+        old_policy_s, update_s = step()
     coordinator = engine.optimizer.parameter_offload.get_param_coordinator()
     mode = (
         "COMPLETE"
@@ -413,7 +413,7 @@ def zero3_update(kind: str, sizes: Sizes, keep: dict) -> dict:
         "responses": n,
         "tokens": tokens,
         "micro_batches": count,
-        "logprob_s": logprob_s,
+        "old_policy_s": old_policy_s,
         "update_s": update_s,
         "update_tokens_per_s": tokens / update_s,
         "mfu": model_flops(config, packed, 3) / update_s / (PEAK_TFLOPS * 1e12),

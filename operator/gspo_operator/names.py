@@ -44,7 +44,12 @@ def config_map(job: str) -> str:
 
 
 def token_secret(job: str) -> str:
-    return f"{job}-token"
+    return f"{job}-job-token"
+
+
+def token_secret_earlier(job: str) -> str:
+    """What releases before named the job's Secret (reconcile copies its token over)."""
+    return f"{job}-sync-token"
 
 
 def jobset(job: str) -> str:

@@ -16,6 +16,7 @@ them with the job even while the operator is down.
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import logging
 import secrets
@@ -275,6 +276,8 @@ async def _ensure_children(
     async def create(obj: Obj) -> None:
         what = f"{obj['kind']} {obj['metadata']['name']}"
         try:
+            if obj["kind"] == "Secret":
+                obj = await _with_earlier_token(ctx, key, uid, obj)
             existing = await ctx.kube.create_or_get(obj)
         except ApiError as exc:
             if exc.status == 404 and obj["kind"] in (*OPTIONAL_KINDS, "JobSet"):
@@ -375,6 +378,23 @@ def _rendered(ctx: Context, key: Key, body: Obj, spec: GSPOJobSpec) -> list[Obj]
             render.render_job(body, spec, token=token, policy=ctx.policy),
         )
     return list(cached[1])  # read-only: nothing downstream edits them
+
+
+async def _with_earlier_token(ctx: Context, key: Key, uid: str, secret: Obj) -> Obj:
+    """The job's Secret as it is created: with the token of the Secret an earlier release
+    named J-sync-token, when this job has one. That job's running pods read that one, so
+    `kubectl get secret J-job-token` then gives a token they accept, and a JobSet re-created
+    for the job uses the same token as the pods still running from the old one."""
+    name = names.token_secret_earlier(key[1])
+    found = await ctx.kube.get("v1", "Secret", key[0], name)
+    if found is None or ChildView.from_object(found).controller_uid != uid:
+        return secret
+    encoded = (found.get("data") or {}).get("token")
+    if not encoded:
+        return secret
+    what = secret["metadata"]["name"]
+    log.info("Secret %s in %s takes the token of %s (an earlier release's)", what, key[0], name)
+    return render.with_token(secret, base64.b64decode(encoded).decode())
 
 
 def _refusal(what: str, verb: str, exc: ApiError) -> status.Refusal:

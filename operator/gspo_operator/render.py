@@ -187,10 +187,18 @@ def render_secret(ctx: _Ctx, token: str) -> Obj:
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": ctx.meta(names.token_secret(ctx.job), "token"),
+        "metadata": ctx.meta(names.token_secret(ctx.job), "job-token"),
         "type": "Opaque",
         "stringData": data,
     }
+
+
+def with_token(secret: Obj, token: str) -> Obj:
+    """`secret` (render_secret's) holding `token` instead, its SHA-256 key too if it has one."""
+    data = {**secret["stringData"], "token": token}
+    if TOKEN_SHA256_KEY in data:
+        data[TOKEN_SHA256_KEY] = hashlib.sha256(token.encode()).hexdigest()
+    return {**secret, "stringData": data}
 
 
 def runs_sandbox_pods(spec: GSPOJobSpec) -> bool:
@@ -416,7 +424,7 @@ def render_learner_pod_template(ctx: _Ctx) -> Obj:
             ports.ENV_ROLLOUT_URLS,
             f"{ports.ROLLOUT_DNS_SCHEME}://{names.rollout_dns(job, ns)}:{ports.ROLLOUT_HTTP_PORT}",
         ),
-        _token_env(job),
+        *_token_env(job),
     ]
     if runs_sandbox_pods(spec):
         url = f"http://{names.sandbox_dns(job, ns)}:{ports.SANDBOX_HTTP_PORT}"
@@ -514,7 +522,7 @@ def render_rollout_pod_template(ctx: _Ctx) -> Obj:
             *_model_env(spec),
             *_user_env(rollout),
             _env(ports.ENV_JOB_NAME, job),
-            _token_env(job),
+            *_token_env(job),
         ],
         "ports": [_container_port("http", ports.ROLLOUT_HTTP_PORT)],
         # Ready = the engine is loaded and serves (/health). Not "holds synced weights"
@@ -867,9 +875,14 @@ def _model_volumes(spec: GSPOJobSpec) -> list[Obj]:
     return [{"name": MODEL_CACHE_VOLUME, "persistentVolumeClaim": claim}]
 
 
-def _token_env(job: str) -> Obj:
+def _token_env(job: str) -> list[Obj]:
+    """The job's token under its name and, for images of an earlier release (which read
+    only that one), under its earlier name."""
     ref = {"name": names.token_secret(job), "key": "token"}
-    return {"name": ports.ENV_JOB_TOKEN, "valueFrom": {"secretKeyRef": ref}}
+    return [
+        {"name": name, "valueFrom": {"secretKeyRef": ref}}
+        for name in (ports.ENV_JOB_TOKEN, ports.ENV_JOB_TOKEN_EARLIER)
+    ]
 
 
 def _container_port(name: str, port: int) -> Obj:

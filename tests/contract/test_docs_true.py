@@ -40,11 +40,10 @@ def doc_text(doc: Path) -> str:
 
 def cited(pattern: str) -> Iterator[tuple[str, str]]:
     """(doc name, match) of every line of the docs; lines quoting `gspo validate`'s refusal
-    of an unknown field, and lines telling what an earlier release called something ("renamed
-    from"), name what no longer exists on purpose."""
+    of an unknown field name that field on purpose."""
     for doc in DOCS:
         for line in doc_text(doc).splitlines():
-            if "unknown field" in line or "renamed from" in line:
+            if "unknown field" in line:
                 continue
             for match in re.findall(pattern, line):
                 yield doc.name, match

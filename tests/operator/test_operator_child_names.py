@@ -134,7 +134,7 @@ async def test_what_an_earlier_job_of_the_name_saw_by_name_is_not_the_new_jobs()
     there until the next resync. A job deleted and created again under its name must not
     inherit that view: the earlier job's Secret, deleted by the garbage collector with no
     event, blocked the new job as a stranger's until the resync (10 minutes by default)."""
-    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "exp-token"}}
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "exp-job-token"}}
     stored: dict[str, dict] = {}
 
     class Kube:
@@ -145,7 +145,7 @@ async def test_what_an_earlier_job_of_the_name_saw_by_name_is_not_the_new_jobs()
     assert await reconcile._unwatched_children(ctx, (NS, "exp"), "uid-old", [secret]) == {}
     # The earlier job created it (counted as there); deleted with its job since.
     seen = await reconcile._unwatched_children(ctx, (NS, "exp"), "uid-old", [secret])
-    assert seen[("Secret", "exp-token")] is not None
+    assert seen[("Secret", "exp-job-token")] is not None
     assert await reconcile._unwatched_children(ctx, (NS, "exp"), "uid-new", [secret]) == {}
 
 
@@ -155,16 +155,16 @@ def test_a_child_of_an_earlier_job_of_the_name_is_named_as_such() -> None:
     that it goes on once they are gone, not to delete a stranger's object."""
     owner = {"apiVersion": "gspo.dev/v1alpha1", "kind": "GSPOJob", "name": "exp",
              "uid": "uid-old", "controller": True}  # fmt: skip
-    earlier = {"kind": "Secret", "metadata": {"name": "exp-token", "ownerReferences": [owner]}}
-    message = reconcile._foreign("Secret exp-token", ChildView.from_object(earlier), "exp")
+    earlier = {"kind": "Secret", "metadata": {"name": "exp-job-token", "ownerReferences": [owner]}}
+    message = reconcile._foreign("Secret exp-job-token", ChildView.from_object(earlier), "exp")
     assert "belongs to an earlier GSPOJob of this name (uid uid-old)" in message, message
-    assert "goes on once Secret exp-token is gone" in message
+    assert "goes on once Secret exp-job-token is gone" in message
     stranger = {**owner, "name": "other"}
     other = {
         "kind": "Secret",
-        "metadata": {"name": "exp-token", "ownerReferences": [stranger]},
+        "metadata": {"name": "exp-job-token", "ownerReferences": [stranger]},
     }
-    message = reconcile._foreign("Secret exp-token", ChildView.from_object(other), "exp")
+    message = reconcile._foreign("Secret exp-job-token", ChildView.from_object(other), "exp")
     assert "is not controlled by this GSPOJob" in message
 
 

@@ -281,14 +281,14 @@ async def test_restarting_the_operator_duplicates_nothing(api, run_operator, pro
         await eventually(lambda: len(learners(api)) == 2)
         await eventually(lambda: job_status(api).get("phase") == "Pending")
     before = {k: sorted(o["metadata"]["uid"] for o in v) for k, v in children(api).items()}
-    secret = copy.deepcopy(api.get("Secret", NS, f"{JOB}-token"))
+    secret = copy.deepcopy(api.get("Secret", NS, f"{JOB}-job-token"))
     # While the operator is away, the pods start.
     await run_all(api)
     async with run_operator(api):
         await eventually(lambda: job_status(api).get("phase") == "Running", what="Running")
         after = {k: sorted(o["metadata"]["uid"] for o in v) for k, v in children(api).items()}
         assert after == before
-        assert api.get("Secret", NS, f"{JOB}-token") == secret  # never rotated
+        assert api.get("Secret", NS, f"{JOB}-job-token") == secret  # never rotated
         # Deleting the job leaves no orphans (ownerReferences; the stand-in runs the GC) but
         # the checkpoint claim, kept by default (checkpoint.retainClaim).
         await call(api, "DELETE", f"/apis/gspo.dev/v1alpha1/namespaces/{NS}/gspojobs/{JOB}")

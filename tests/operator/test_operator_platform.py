@@ -187,7 +187,7 @@ async def test_children_deleted_or_changed_by_hand_are_put_back(run_operator, pr
         # watch covers, at the next resync).
         gone = {
             "ConfigMap": f"{JOB}-config",
-            "Secret": f"{JOB}-token",
+            "Secret": f"{JOB}-job-token",
             "Service": f"{JOB}-rollout",
             "PersistentVolumeClaim": f"{JOB}-checkpoints",
             "NetworkPolicy": f"{JOB}-pods",

@@ -319,7 +319,8 @@ def test_learner_pods_carry_the_rendezvous_contract() -> None:
     assert env[ports.ENV_CONFIG_PATH] == "/etc/gspo/gspojob.yaml"
     assert env[ports.ENV_CHECKPOINT_DIR] == ports.CHECKPOINT_DIR
     assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "eth0"
-    assert env[ports.ENV_JOB_TOKEN]["secretKeyRef"]["name"] == f"{JOB}-token"
+    for name in (ports.ENV_JOB_TOKEN, ports.ENV_JOB_TOKEN_EARLIER):  # images of a release before
+        assert env[name]["secretKeyRef"] == {"name": f"{JOB}-job-token", "key": "token"}
     assert c["command"] == ["gspo", "learner", "--config", "/etc/gspo/gspojob.yaml"]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "8"
     assert c["resources"]["requests"]["nvidia.com/gpu"] == "8"
@@ -450,7 +451,8 @@ def test_rollout_jobs_run_the_server_with_the_spec_flags() -> None:
     parsed = parse_args(c["args"])
     assert parsed.tensor_parallel_size == 2 and parsed.max_model_len == 10240
     # Generation and control need the job's token, which the pod has from the job's Secret
-    assert env_of(c)[ports.ENV_JOB_TOKEN]["secretKeyRef"]["name"] == f"{JOB}-token"
+    for name in (ports.ENV_JOB_TOKEN, ports.ENV_JOB_TOKEN_EARLIER):
+        assert env_of(c)[name]["secretKeyRef"] == {"name": f"{JOB}-job-token", "key": "token"}
     headless = one(objs, "Service", f"{JOB}-rollout")
     api = one(objs, "Service", f"{JOB}-rollout-api")
     assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"]

@@ -122,7 +122,12 @@ def test_the_sandbox_pod_holds_the_token_and_nothing_else_of_the_job() -> None:
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
     assert mounts[ports.SANDBOX_TOKEN_DIR]["readOnly"] is True
     env = env_of(c)
-    assert not {"WANDB_API_KEY", "HF_TOKEN", ports.ENV_JOB_TOKEN} & set(env)
+    assert not {
+        "WANDB_API_KEY",
+        "HF_TOKEN",
+        ports.ENV_JOB_TOKEN,
+        ports.ENV_JOB_TOKEN_EARLIER,
+    } & set(env)
     assert all("valueFrom" not in e for e in c["env"])  # no Secret reaches its environment
     assert c["command"] == list(ports.SANDBOX_COMMAND)
     assert f"--token-sha256-file={ports.SANDBOX_TOKEN_DIR}/token-sha256" in c["args"]

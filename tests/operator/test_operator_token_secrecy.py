@@ -6,6 +6,7 @@ import base64
 import json
 import logging
 
+import pytest
 from operator_harness import NS, eventually, kubelet, tiny_job
 from prometheus_client import generate_latest
 from test_operator_kmock import create, job_status, learners, names_of, start_running
@@ -48,9 +49,35 @@ async def test_the_jobs_token_never_leaves_its_secret(api, run_operator, progres
         "events": json.dumps(api.list_kind("Event", NS)),
         "metrics": metrics,
     }
-    assert "Created Secret tiny-token" in places["logs"]  # the logs were captured
+    assert "Created Secret tiny-job-token" in places["logs"]  # the logs were captured
     assert api.list_kind("Event", NS) and "gspo_operator_jobs" in metrics
     for where, text in places.items():
         assert token not in text, f"the job's token appears in the operator's {where}"
     others = api.list_kind("ConfigMap", NS) + api.list_kind("JobSet", NS) + api.list_kind("Job", NS)
     assert all(token not in json.dumps(o) for o in others)
+
+
+@pytest.mark.parametrize("owned", [True, False])
+async def test_a_job_of_an_earlier_release_keeps_its_token(api, run_operator, owned) -> None:
+    """A job an earlier release ran, whose pods read the Secret it named J-sync-token: the
+    Secret this release creates holds the same token, so either opens the same servers. An
+    earlier Secret of that name that is another object's lends nothing."""
+    await create(api, tiny_job())
+    uid = api.get("GSPOJob", NS, JOB)["metadata"]["uid"] if owned else "another-uid"
+    owner = {"apiVersion": "gspo.dev/v1alpha1", "kind": "GSPOJob", "name": JOB, "uid": uid}
+    earlier = names.token_secret_earlier(JOB)
+    api.add(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {
+                "name": earlier,
+                "namespace": NS,
+                "ownerReferences": [{**owner, "controller": True}],
+            },
+            "data": {"token": base64.b64encode(b"earlier-t0ken").decode()},
+        }
+    )
+    async with run_operator(api):
+        await eventually(lambda: api.get("Secret", NS, names.token_secret(JOB)) is not None)
+        assert (_token(api) == "earlier-t0ken") is owned

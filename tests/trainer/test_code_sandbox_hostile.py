@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from gspo_api.ports import ENV_JOB_TOKEN
+from gspo_api.ports import ENV_JOB_TOKEN, ENV_JOB_TOKEN_EARLIER
 from gspo_api.spec import CodeConfig, SandboxConfig
 from gspo_trainer.code import sandbox_init
 from gspo_trainer.code.runner import CaseResult, CodeRunner
@@ -84,16 +84,16 @@ def no_leftovers():
     assert sandboxed_processes() - before == set()
 
 
-def test_the_rollout_token_file_and_environment_secrets_stay_out(tmp_path, monkeypatch) -> None:
+def test_the_job_token_file_and_environment_secrets_stay_out(tmp_path, monkeypatch) -> None:
     token = tmp_path / "job-token"
     token.write_text(SECRET)
     token.chmod(0o644)  # even a world-readable file is out of sight
-    monkeypatch.setenv(ENV_JOB_TOKEN, SECRET)
-    monkeypatch.setenv("HF_TOKEN", SECRET)
+    for name in (ENV_JOB_TOKEN, ENV_JOB_TOKEN_EARLIER, "HF_TOKEN"):  # the pods set all three
+        monkeypatch.setenv(name, SECRET)
     program = (
         "import os\n"
-        f"print(os.environ.get({ENV_JOB_TOKEN!r}) or os.environ.get('HF_TOKEN') or "
-        f"open({str(token)!r}).read())\n"
+        f"print(os.environ.get({ENV_JOB_TOKEN!r}) or os.environ.get({ENV_JOB_TOKEN_EARLIER!r})"
+        f" or os.environ.get('HF_TOKEN') or open({str(token)!r}).read())\n"
     )
     result, _ = run(program, SECRET)
     assert result.outcome == "runtime_error"  # the file is not there

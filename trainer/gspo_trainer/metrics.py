@@ -105,10 +105,15 @@ CODE_OUTCOMES = (
     "sandbox_failure",
 )
 
-# The step's stages, timed in seconds: the same names as the step/ modules (rollout,
-# old_policy, update, weight_sync), the reward's share of the rollout stage, the checkpoint,
-# and the whole step. History records hold them as `<stage>_seconds`.
+# What a step's time is spent on, in seconds: the stages of step/ under their modules' names
+# (rollout: generation alone; old_policy; update; weight_sync), the scoring that follows
+# generation in the rollout module (reward), a checkpoint (checkpointer.py) and the whole
+# step. The history holds the first five as `<name>_seconds` and the whole step as `seconds`.
 STAGES = ("rollout", "reward", "old_policy", "update", "weight_sync", "checkpoint", "step")
+# Histograms learner images of an earlier release export under another name (and label:
+# phase for stage, logprob for old_policy): the chart's alert rules read both while a job
+# started before an upgrade runs on. {name now: name then}
+EARLIER_NAMES = {"gspo_stage_seconds": "gspo_phase_seconds"}
 SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 

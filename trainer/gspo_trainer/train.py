@@ -776,6 +776,8 @@ def run(
             # where its owner (only) can read it, to talk to the policy while it trains.
             token_file = out / TOKEN_FILE
             write_token_file(token_file, token)
+            # An earlier release's name for it, left in a reused directory: a dead token.
+            (out / "rollout-token").unlink(missing_ok=True)
             print(
                 f"Rollout servers (vLLM's OpenAI API, token in {token_file}): "
                 f"{', '.join(url for _, url in servers)}",
