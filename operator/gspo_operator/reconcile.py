@@ -275,9 +275,14 @@ async def _ensure_children(
 
     async def create(obj: Obj) -> None:
         what = f"{obj['kind']} {obj['metadata']['name']}"
-        try:
-            if obj["kind"] == "Secret":
+        if obj["kind"] == "Secret":
+            earlier = names.token_secret_earlier(key[1])
+            try:
                 obj = await _with_earlier_token(ctx, key, uid, obj)
+            except ApiError as exc:
+                refusals.append(_refusal(f"Secret {earlier}", "read", exc))
+                return
+        try:
             existing = await ctx.kube.create_or_get(obj)
         except ApiError as exc:
             if exc.status == 404 and obj["kind"] in (*OPTIONAL_KINDS, "JobSet"):
@@ -317,16 +322,22 @@ async def _ensure_children(
     # The JobSet last, once everything its pods mount and read exists: a refused claim must
     # not leave pods Pending on it.
     first = [o for o in plan.create if o["kind"] != "JobSet"]
-    await asyncio.gather(
-        *(create(o) for o in first),
-        *(repair(o, observed[(o["kind"], o["metadata"]["name"])]) for o, _ in plan.repair),
-    )
-    for what in plan.foreign:
-        kind, name = what.split(" ", 1)
-        message = _foreign(what, observed[(kind, name)], key[1])
-        refusals.append(status.Refusal("blocked", "Conflict", message))
-    if not refusals:
-        await asyncio.gather(*(create(o) for o in plan.create if o["kind"] == "JobSet"))
+    try:
+        await asyncio.gather(
+            *(create(o) for o in first),
+            *(repair(o, observed[(o["kind"], o["metadata"]["name"])]) for o, _ in plan.repair),
+        )
+        for what in plan.foreign:
+            kind, name = what.split(" ", 1)
+            message = _foreign(what, observed[(kind, name)], key[1])
+            refusals.append(status.Refusal("blocked", "Conflict", message))
+        if not refusals:
+            await asyncio.gather(*(create(o) for o in plan.create if o["kind"] == "JobSet"))
+    except BaseException:
+        # A transient error backs off: the unwatched children it did not create must not
+        # count as created (_assume_created) at the next try, or the JobSet goes first.
+        ctx.job(key).unwatched = None
+        raise
     refusal = min(refusals, key=lambda r: r.verdict != "invalid", default=None)
     if refusal is not None:
         # Read the unwatched children again at the next try, not after resync_s: what
@@ -389,12 +400,16 @@ async def _with_earlier_token(ctx: Context, key: Key, uid: str, secret: Obj) -> 
     found = await ctx.kube.get("v1", "Secret", key[0], name)
     if found is None or ChildView.from_object(found).controller_uid != uid:
         return secret
-    encoded = (found.get("data") or {}).get("token")
-    if not encoded:
+    try:
+        token = base64.b64decode((found.get("data") or {}).get("token") or "").decode()
+    except ValueError:  # edited by hand into something that is no token
+        token = ""
+    if not token:
+        log.warning("Secret %s in %s holds no token: a new one is made", name, key[0])
         return secret
     what = secret["metadata"]["name"]
     log.info("Secret %s in %s takes the token of %s (an earlier release's)", what, key[0], name)
-    return render.with_token(secret, base64.b64decode(encoded).decode())
+    return render.with_token(secret, token)
 
 
 def _refusal(what: str, verb: str, exc: ApiError) -> status.Refusal:

@@ -448,13 +448,18 @@ def metric_names_in(expr: str) -> set[str]:
     return set(re.findall(r"\b(?:gspo|controller_runtime)_[a-z0-9_]+\b", without_labels))
 
 
-def test_alert_rules_use_only_exported_metrics() -> None:
+def readable_metric_names() -> set[str]:
+    """What the rules and the dashboard may read: what is exported, and what learner images of
+    an earlier release export instead (those histograms' earlier names), while jobs started
+    before an upgrade run on."""
     from gspo_trainer.metrics import EARLIER_NAMES
 
-    # The rules also read what learner images of an earlier release export (those histograms'
-    # earlier names), while jobs started before an upgrade run on; nothing else.
     earlier = {name + s for name in EARLIER_NAMES.values() for s in ("_bucket", "_sum", "_count")}
-    exported = exported_metric_names() | earlier
+    return exported_metric_names() | earlier
+
+
+def test_alert_rules_use_only_exported_metrics() -> None:
+    exported = readable_metric_names()
     for alert in alerts():
         unknown = metric_names_in(alert["expr"]) - exported
         assert not unknown, f"{alert['alert']} reads metrics nothing exports: {unknown}"
@@ -468,7 +473,7 @@ def test_dashboard_is_shipped_and_uses_only_exported_metrics() -> None:
     assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
     dashboard = json.loads(config_map["data"]["gspo-jobs.json"])
     assert dashboard == json.loads((CHART / "files" / "dashboard.json").read_text())
-    exported = exported_metric_names()
+    exported = readable_metric_names()
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     titles = " ".join(p["title"].lower() for p in dashboard["panels"])
     for wanted in ("reward", "clip", "tokens", "sync", "rollout servers", "checkpoint", "expert"):

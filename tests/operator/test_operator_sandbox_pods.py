@@ -26,7 +26,7 @@ from test_operator_render import (
 
 from gspo_api import ports
 from gspo_api.spec import MAX_SANDBOX_REPLICAS, SandboxConfig
-from gspo_operator import names
+from gspo_operator import names, render
 from gspo_operator.render import SANDBOX_BACKOFF_LIMIT
 
 NAME, NS = "qwen3-30b-a3b-math", "team-a"
@@ -119,6 +119,9 @@ def test_the_sandbox_pod_holds_the_token_and_nothing_else_of_the_job() -> None:
     assert token["defaultMode"] == 0o440
     (secret,) = by_kind(objs, "Secret")
     assert secret["stringData"]["token-sha256"] == hashlib.sha256(b"t0ken").hexdigest()
+    # The token an earlier release's Secret lends (reconcile) comes with its own SHA-256.
+    lent = render.with_token(secret, "earlier")["stringData"]
+    assert lent == {"token": "earlier", "token-sha256": hashlib.sha256(b"earlier").hexdigest()}
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
     assert mounts[ports.SANDBOX_TOKEN_DIR]["readOnly"] is True
     env = env_of(c)
