@@ -311,3 +311,58 @@ async def test_a_server_whose_engine_died_is_down_and_gets_no_traffic() -> None:
     finally:
         for server, _ in started:
             await server.stop()
+
+
+async def test_a_server_left_paused_is_resumed_before_it_is_sent_work() -> None:
+    """A resume the server never answered leaves it paused, and the client marks it down: the
+    next generation finds it paused at its probe and resumes it first, instead of sending it
+    requests that wait out its admission timeout (600 s) and stall the step."""
+    server, url = await serve_in_process(StandInEngine(0.01), 0)
+    try:
+        async with RolloutClient([url], TOKEN, chunk_prompts=4) as client:
+            await client.generate(PROMPTS[:4], PARAMS)
+            async with (
+                aiohttp.ClientSession(headers=AUTH) as http,
+                http.post(url + "/control/pause", json={}) as resp,
+            ):
+                assert resp.status == 200
+            client.servers[url].alive = False  # what _control_all makes of a failed resume
+            batch = await asyncio.wait_for(client.generate(PROMPTS, PARAMS), 30)
+            _check_groups(batch)
+            assert batch.servers_failed == []
+            async with aiohttp.ClientSession() as http, http.get(url + "/health") as resp:
+                assert (await resp.json())["paused"] is False
+    finally:
+        await server.stop()
+
+
+async def test_pause_and_resume_are_sent_again_when_the_server_drops_the_connection() -> None:
+    """A kept-alive connection the server closes as a request goes out fails with no reply:
+    pause and resume (idempotent) go once more; other control requests do not."""
+    connections = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        await reader.readuntil(b"\r\n\r\n")
+        if connections % 2 == 1:  # every first try: closed with no reply
+            writer.close()
+            return
+        body = b'{"paused": false}'
+        head = f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        writer.write(head.encode() + body)
+        await writer.drain()
+        writer.close()
+
+    listener = await asyncio.start_server(serve, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}"
+    try:
+        async with RolloutClient([url], TOKEN) as client:
+            assert await client._control(url, "/control/resume", {}, 5) == {"paused": False}
+            assert connections == 2
+            with pytest.raises(aiohttp.ServerDisconnectedError):
+                await client._control(url, "/control/sync/load", {}, 5)
+            assert connections == 3
+    finally:
+        listener.close()
+        await listener.wait_closed()

@@ -62,6 +62,10 @@ class ServerError(Exception):
         self.status, self.payload = status, payload
 
 
+# Control routes a second request repeats harmlessly.
+IDEMPOTENT_CONTROL = ("/control/pause", "/control/resume")
+
+
 @dataclass
 class Server:
     url: str
@@ -70,6 +74,7 @@ class Server:
     workers: int = 1
     outstanding: int = 0  # prompts x samples in flight
     model: str | None = None  # the name vLLM serves the model under (from /health)
+    paused: bool = False  # as /health last said: held for a weight sync
 
 
 @dataclass(frozen=True)
@@ -162,6 +167,18 @@ class RolloutClient:
             )
         return self._session
 
+    async def _control(self, url: str, path: str, body: dict[str, Any], timeout_s: float) -> Any:
+        """A control request; pause and resume once more when the server closed the
+        connection before answering (a kept-alive connection it was closing as the request
+        went out): both are idempotent, and a resume lost so leaves the server paused."""
+        try:
+            return await self._post(url, path, body, timeout_s)
+        except aiohttp.ServerDisconnectedError:
+            if path not in IDEMPOTENT_CONTROL:
+                raise
+            log.info("%s%s: the server closed the connection; sending it again", url, path)
+            return await self._post(url, path, body, timeout_s)
+
     async def _post(self, url: str, path: str, body: dict[str, Any], timeout_s: float) -> Any:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         async with self._http().post(url + path, json=body, timeout=timeout) as resp:
@@ -192,6 +209,7 @@ class RolloutClient:
             server.policy_version = body.get("policy_version")
             server.workers = int(body.get("workers", 1))
             server.model = body.get("model")
+            server.paused = bool(body.get("paused"))
         except (aiohttp.ClientError, TimeoutError, ValueError):
             server.alive = False
 
@@ -228,6 +246,7 @@ class RolloutClient:
         if any(s.policy_version is None or not s.alive for s in self.servers.values()):
             await self.refresh(only_down=False)
         failed: list[str] = []
+        await self._resume_left_paused(failed)
         groups: list[list[Completion]] = [[] for _ in prompts]
         starts = range(0, len(prompts), self.chunk_prompts)
         await asyncio.gather(*(self._run_chunk(prompts, s, params, groups, failed) for s in starts))
@@ -414,12 +433,24 @@ class RolloutClient:
         synced = [s.url for s in loaded]
         return self._synced(version, synced, bytes_total, start, time.perf_counter() - t0, False)
 
+    async def _resume_left_paused(self, failed: list[str]) -> None:
+        """Resume the servers a weight sync left paused. Generation and a sync never overlap
+        (the collector's fleet lock), so a server that says it is paused here is one whose
+        resume failed (the server dropped the connection, say): it would hold every request
+        sent to it until its admission timeout, and the step with it."""
+        stuck = [s for s in self.servers.values() if s.alive and s.paused]
+        for server in stuck:
+            log.warning("%s is still paused after a weight sync: resuming it", server.url)
+        for server in await self._control_all(stuck, "/control/resume", {}, failed):
+            server.paused = False
+
     async def _control_all(
         self, servers: list[Server], path: str, body: dict[str, Any], failed: list[str]
     ) -> list[Server]:
         timeout = float(body.get("timeout_s", self.probe_timeout_s)) + 5
         outcomes = await asyncio.gather(
-            *(self._post(s.url, path, body, timeout) for s in servers), return_exceptions=True
+            *(self._control(s.url, path, body, timeout) for s in servers),
+            return_exceptions=True,
         )
         ok = []
         for server, outcome in zip(servers, outcomes, strict=True):
