@@ -22,7 +22,10 @@ median. Figures: reward and accuracy against steps and seconds (the paper's Fig.
 fractions (Fig. 2) and routing drift per update, seed-averaged, in bench/paper-*.png.
 
     python bench/bench_paper.py [JOB.yaml] --seeds 3 [--variants gspo grpo ...]
-                                [--max-steps N] [--model builtin:tiny-qwen3-moe-16e]
+                                [--max-steps N] [--model builtin:tiny-qwen3-moe-16e] [--reuse]
+
+--reuse reads the runs an earlier call left in --work (a run whose history reached its last
+step) instead of training them again: the table and figures again, or more seeds added.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ sys.path[:0] = [str(REPO / "operator"), str(REPO / "trainer"), str(REPO / "bench
 from bench_train import reached  # noqa: E402
 from bench_train import run as run_train  # noqa: E402
 
-from gspo_trainer.plot import moving_average  # noqa: E402
+from gspo_trainer.plot import moving_average, read_history  # noqa: E402
 
 VARIANTS: dict[str, tuple[str, list[str]]] = {  # name: (lossLevel, more gspo train arguments)
     "gspo": ("gspo", []),
@@ -56,14 +59,27 @@ class Result:
     step: int | None
     seconds: float | None
     final_accuracy: float | None
+    reward_end: float | None  # mean training reward over the run's last REWARD_TAIL steps
     clip_fraction: float | None
     drift: float | None
     collapsed: bool
-    wall_s: float
+    wall_s: float | None  # None: a run read back (--reuse)
 
 
-def run(config: str, variant: str, seed: int, args: argparse.Namespace) -> tuple[list, float]:
-    """One `gspo train` of `variant` (bench_train.run: a fresh directory, the history read)."""
+REWARD_TAIL = 50  # steps: the training reward a run ends at, the paper's Fig. 1 measure
+
+
+def run(
+    config: str, variant: str, seed: int, args: argparse.Namespace
+) -> tuple[list, float | None]:
+    """One `gspo train` of `variant` (bench_train.run: a fresh directory, the history read);
+    with --reuse, the history an earlier call left, when that run reached its last step."""
+    out = Path(args.work) / f"{variant}-seed{seed}"
+    history = out / "checkpoints" / "history.jsonl"
+    if args.reuse and history.exists():
+        records = read_history(history)
+        if records and records[-1]["step"] >= last_step(config, args):
+            return records, None
     level, extra = VARIANTS[variant]
     extra = [
         *extra,
@@ -72,8 +88,15 @@ def run(config: str, variant: str, seed: int, args: argparse.Namespace) -> tuple
         "--set",
         "metrics.diagnosticsEverySteps=1",
     ]
-    out = Path(args.work) / f"{variant}-seed{seed}"
     return run_train(config, level, seed, args.max_steps, out, extra=extra)
+
+
+def last_step(config: str, args: argparse.Namespace) -> int:
+    import yaml
+
+    return args.max_steps or int(
+        yaml.safe_load(Path(config).read_text())["spec"]["algorithm"]["maxSteps"]
+    )
 
 
 def _mean(records: list[dict], key: str) -> float | None:
@@ -81,7 +104,9 @@ def _mean(records: list[dict], key: str) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def result(variant: str, seed: int, records: list[dict], wall: float, target: float) -> Result:
+def result(
+    variant: str, seed: int, records: list[dict], wall: float | None, target: float
+) -> Result:
     step, seconds = reached(records, target)
     evals = [r["eval_accuracy"] for r in records if "eval_accuracy" in r]
     final = evals[-1] if evals else None
@@ -93,6 +118,7 @@ def result(variant: str, seed: int, records: list[dict], wall: float, target: fl
         step,
         seconds,
         final,
+        _mean(records[-REWARD_TAIL:], "reward_mean"),
         _mean(records, "clip_fraction"),
         _mean(records, "routing_drift"),
         collapsed,
@@ -105,21 +131,22 @@ def summarize(results: list[Result], target: float) -> str:
         return "-" if x is None else format(x, spec)
 
     head = (
-        f"{'variant':<12} {'seed':>4} {'final acc':>9} {'steps to ' + str(target):>13} "
-        f"{'train s':>8} {'clipped':>8} {'drift':>6} {'collapsed':>9} {'run s':>6}"
+        f"{'variant':<12} {'seed':>4} {'final acc':>9} {'reward end':>10} "
+        f"{'steps to ' + str(target):>13} {'train s':>8} {'clipped':>8} {'drift':>6} "
+        f"{'collapsed':>9} {'run s':>6}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
         lines.append(
             f"{r.variant:<12} {r.seed:>4} {fmt(r.final_accuracy, '.2f'):>9} "
-            f"{fmt(r.step, 'd'):>13} {fmt(r.seconds, '.0f'):>8} "
+            f"{fmt(r.reward_end, '.3f'):>10} {fmt(r.step, 'd'):>13} {fmt(r.seconds, '.0f'):>8} "
             f"{fmt(r.clip_fraction, '.4f'):>8} {fmt(r.drift, '.3f'):>6} "
-            f"{'yes' if r.collapsed else 'no':>9} {r.wall_s:>6.0f}"
+            f"{'yes' if r.collapsed else 'no':>9} {fmt(r.wall_s, '.0f'):>6}"
         )
     lines.append("")
     lines.append(
-        f"{'variant':<12} {'median acc':>10} {'reached':>8} {'median clipped':>15} "
-        f"{'median drift':>13} {'collapsed':>9}"
+        f"{'variant':<12} {'median acc':>10} {'median reward end':>17} {'reached':>8} "
+        f"{'median clipped':>15} {'median drift':>13} {'collapsed':>9}"
     )
     for variant in dict.fromkeys(r.variant for r in results):
         rows = [r for r in results if r.variant == variant]
@@ -130,6 +157,7 @@ def summarize(results: list[Result], target: float) -> str:
 
         lines.append(
             f"{variant:<12} {fmt(med('final_accuracy'), '.2f'):>10} "
+            f"{fmt(med('reward_end'), '.3f'):>17} "
             f"{sum(r.step is not None for r in rows):>4}/{len(rows):<3} "
             f"{fmt(med('clip_fraction'), '.4f'):>15} {fmt(med('drift'), '.3f'):>13} "
             f"{sum(r.collapsed for r in rows):>5}/{len(rows):<3}"
@@ -159,6 +187,7 @@ def plot(curves: dict[str, list[list[dict]]], out: Path, window: int = 20) -> li
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    out.parent.mkdir(parents=True, exist_ok=True)
     written = []
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), dpi=110)
     for i, (variant, runs) in enumerate(curves.items()):
@@ -203,6 +232,7 @@ def main() -> int:
     p.add_argument("--target", type=float, default=0.9, help="greedy accuracy to reach")
     p.add_argument("--work", default="/tmp/gspo-bench-paper")
     p.add_argument("--out", default=str(REPO / "bench" / "paper"))
+    p.add_argument("--reuse", action="store_true", help="read the finished runs in --work back")
     args = p.parse_args()
     results, curves = [], {}
     for seed in range(args.seeds):
@@ -211,7 +241,8 @@ def main() -> int:
             r = result(variant, seed, records, wall, args.target)
             print(
                 f"{variant} seed {seed}: final accuracy {r.final_accuracy}, clipped "
-                f"{r.clip_fraction}, drift {r.drift}, run {wall:.0f} s",
+                f"{r.clip_fraction}, drift {r.drift}, run "
+                + ("read back" if wall is None else f"{wall:.0f} s"),
                 flush=True,
             )
             results.append(r)
