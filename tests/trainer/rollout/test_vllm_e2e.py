@@ -305,10 +305,14 @@ def test_server_killed_mid_batch_every_prompt_gets_its_group(dense_pair: list[An
     survivor, victim = dense_pair
     prompts = [p for p in PROMPTS for _ in range(6)]  # 24 prompts
     params = SamplingParams(n=4, max_tokens=100, temperature=1.0, stop_token_ids=())
-    assert post(victim.url + "/control/pause", {"timeout_s": 30}, TOKEN) == 200
 
     async def run() -> RolloutBatch:
         async with RolloutClient([survivor.url, victim.url], TOKEN, chunk_prompts=2) as client:
+            # Probed before the pause: generate() then probes no one, and does not resume the
+            # victim as a server a failed weight sync left paused.
+            await client.refresh()
+            assert all(s.alive and s.policy_version is not None for s in client.servers.values())
+            assert post(victim.url + "/control/pause", {"timeout_s": 30}, TOKEN) == 200
             task = asyncio.create_task(client.generate(prompts, params))
             for _ in range(500):  # until chunks are handed to the victim
                 await asyncio.sleep(0.02)

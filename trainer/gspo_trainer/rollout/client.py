@@ -168,13 +168,14 @@ class RolloutClient:
         return self._session
 
     async def _control(self, url: str, path: str, body: dict[str, Any], timeout_s: float) -> Any:
-        """A control request; pause and resume once more when the server closed the
+        """A control request; pause and resume once more when the server closed or reset the
         connection before answering (a kept-alive connection it was closing as the request
         went out): both are idempotent, and a resume lost so leaves the server paused."""
         try:
             return await self._post(url, path, body, timeout_s)
-        except aiohttp.ServerDisconnectedError:
-            if path not in IDEMPOTENT_CONTROL:
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            # ClientConnectorError: no connection at all, the server is down, not racing.
+            if path not in IDEMPOTENT_CONTROL or isinstance(exc, aiohttp.ClientConnectorError):
                 raise
             log.info("%s%s: the server closed the connection; sending it again", url, path)
             return await self._post(url, path, body, timeout_s)
@@ -373,9 +374,11 @@ class RolloutClient:
                     raise
                 log.warning("Weight sync to version %s failed; re-forming the group", version)
             finally:
-                await self._control_all(
+                resumed = await self._control_all(
                     [s for s in paused if s.alive], "/control/resume", {}, failed
                 )
+                for server in resumed:
+                    server.paused = False
         synced = [s.url for s in members if s.policy_version == version]
         return self._synced(version, synced, bytes_total, start, bcast_s, regrouped or attempt > 1)
 
