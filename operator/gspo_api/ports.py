@@ -54,7 +54,7 @@ OPERATOR_COMMAND = ("gspo", "operator")
 ENV_CONFIG_PATH = "GSPO_CONFIG"  # path of the run config (ConfigMap mount)
 # The job's token: the bearer token the rollout servers' routes (generation, weight sync),
 # the learner's calls to them and a code reward's sandbox service ask for (from the job's
-# Secret J-token; `gspo train` generates one and writes it to <output-dir>/job-token).
+# Secret J-job-token; `gspo train` generates one and writes it to <output-dir>/job-token).
 ENV_JOB_TOKEN = "GSPO_JOB_TOKEN"
 # Its earlier name: still read when ENV_JOB_TOKEN is unset, so the pods of a job created by an
 # earlier release (their template sets that name) and users' scripts keep working.

@@ -374,11 +374,7 @@ class RolloutClient:
                     raise
                 log.warning("Weight sync to version %s failed; re-forming the group", version)
             finally:
-                resumed = await self._control_all(
-                    [s for s in paused if s.alive], "/control/resume", {}, failed
-                )
-                for server in resumed:
-                    server.paused = False
+                await self._resume([s for s in paused if s.alive], failed)
         synced = [s.url for s in members if s.policy_version == version]
         return self._synced(version, synced, bytes_total, start, bcast_s, regrouped or attempt > 1)
 
@@ -444,7 +440,10 @@ class RolloutClient:
         stuck = [s for s in self.servers.values() if s.alive and s.paused]
         for server in stuck:
             log.warning("%s is still paused after a weight sync: resuming it", server.url)
-        for server in await self._control_all(stuck, "/control/resume", {}, failed):
+        await self._resume(stuck, failed)
+
+    async def _resume(self, servers: list[Server], failed: list[str]) -> None:
+        for server in await self._control_all(servers, "/control/resume", {}, failed):
             server.paused = False
 
     async def _control_all(
