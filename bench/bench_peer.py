@@ -130,6 +130,8 @@ def trl_side(config: str | None, seed: int, steps: int | None, out: Path) -> int
         learning_rate=algo.learning_rate,
         lr_scheduler_type="constant" if algo.lr_schedule == "constant" else algo.lr_schedule,
         weight_decay=algo.weight_decay,
+        adam_beta1=algo.adam_beta1,
+        adam_beta2=algo.adam_beta2,
         max_grad_norm=algo.max_grad_norm,
         beta=algo.kl_coef,
         epsilon=algo.clip_low,

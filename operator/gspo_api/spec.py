@@ -567,6 +567,20 @@ class AlgorithmConfig(Section):
         ),
     )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    adam_beta1: float = Field(
+        0.9, ge=0, lt=1, description="AdamW's decay of its running mean of gradients."
+    )
+    adam_beta2: float = Field(
+        0.999,
+        ge=0,
+        lt=1,
+        description=(
+            "AdamW's decay of its running mean of squared gradients: 0.999 (torch's and "
+            "transformers' default) remembers about 1,000 updates, so as a policy sharpens "
+            "and its gradients fall, they are divided by the larger ones of its first steps "
+            "and its steps shrink; 0.95 (OpenRLHF's default) remembers about 20."
+        ),
+    )
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     prompts_per_step: int = Field(64, ge=1, description="Prompts in one rollout batch.")
     mini_batches: int = Field(

@@ -16,14 +16,16 @@ from gspo_trainer.engine import ds_config, reference_ds_config
 from gspo_trainer.jobs import tiny_manifest
 
 
-def spec_with(stage: int, offload: bool) -> Any:
+def spec_with(stage: int, offload: bool, **algorithm: Any) -> Any:
     raw = tiny_manifest()["spec"]
     raw["learner"].update(zeroStage=stage, offloadOptimizer=offload)
+    raw["algorithm"].update(algorithm)
     return parse_spec(raw)
 
 
-def deepspeed_builds(cfg: dict[str, Any]) -> type:
-    """The optimizer class DeepSpeed's engine takes for `cfg` (its own selection code)."""
+def deepspeed_optimizer(cfg: dict[str, Any]) -> tuple[type, dict[str, Any]]:
+    """The optimizer class DeepSpeed's engine takes for `cfg` (its own selection code), and
+    the keyword arguments it builds it with."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     engine = SimpleNamespace(
@@ -33,8 +35,12 @@ def deepspeed_builds(cfg: dict[str, Any]) -> type:
     )
     assert cfg["optimizer"]["type"].lower() == "adamw"
     params = dict(cfg["optimizer"]["params"])
-    cls, _ = DeepSpeedEngine.get_optimizer_configuration(engine, params, True)  # type: ignore[arg-type]
-    return cls  # type: ignore[no-any-return]
+    cls, extra = DeepSpeedEngine.get_optimizer_configuration(engine, params, True)  # type: ignore[arg-type]
+    return cls, {**params, **extra}
+
+
+def deepspeed_builds(cfg: dict[str, Any]) -> type:
+    return deepspeed_optimizer(cfg)[0]
 
 
 @pytest.mark.parametrize(
@@ -61,3 +67,13 @@ def test_the_adam_deepspeed_builds(gpu: bool, stage: int, offload: bool, expecte
 
 def test_the_reference_engine_has_no_optimizer() -> None:
     assert "optimizer" not in reference_ds_config(spec_with(3, True))
+
+
+def test_adam_betas_reach_the_optimizer_deepspeed_builds() -> None:
+    """algorithm.adamBeta1/adamBeta2 are the betas of the AdamW DeepSpeed builds (defaults:
+    torch's), built here from DeepSpeed's own class and keyword arguments."""
+    cases = (({}, (0.9, 0.999)), ({"adamBeta1": 0.8, "adamBeta2": 0.95}, (0.8, 0.95)))
+    for algorithm, betas in cases:
+        cls, kwargs = deepspeed_optimizer(ds_config(spec_with(1, False, **algorithm), gpu=False))
+        optimizer = cls([torch.nn.Parameter(torch.zeros(2))], **kwargs)
+        assert tuple(optimizer.param_groups[0]["betas"]) == betas

@@ -120,7 +120,7 @@ def optimizer_config(spec: GSPOJobSpec, gpu: bool) -> dict[str, Any]:
     alg = spec.algorithm
     params: dict[str, Any] = {
         "lr": alg.learning_rate,
-        "betas": [0.9, 0.999],
+        "betas": [alg.adam_beta1, alg.adam_beta2],
         "eps": 1e-8,
         "weight_decay": alg.weight_decay,
     }
