@@ -575,10 +575,10 @@ class AlgorithmConfig(Section):
         ge=0,
         lt=1,
         description=(
-            "AdamW's decay of its running mean of squared gradients: 0.999 (torch's and "
-            "transformers' default) remembers about 1,000 updates, so as a policy sharpens "
-            "and its gradients fall, they are divided by the larger ones of its first steps "
-            "and its steps shrink; 0.95 (OpenRLHF's default) remembers about 20."
+            "AdamW's decay of its running mean of squared gradients, which scales each "
+            "parameter's step: 0.999 (torch's and transformers' default) averages about the "
+            "last 1,000 updates, 0.95 (OpenRLHF's default) about the last 20, so a step "
+            "follows the gradients of the policy as it is now rather than of its first steps."
         ),
     )
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
