@@ -232,3 +232,36 @@ def test_a_file_that_cannot_be_read_is_damaged_not_an_error(
 
     monkeypatch.setattr(ckpt, "sha256_file", unreadable)
     assert ckpt.verify(final) == ["a.bin"]
+
+
+def test_a_resume_takes_the_specs_optimizer_settings_not_the_checkpoints(
+    cache: Path, tmp_path: Path
+) -> None:
+    """torch restores each param group's lr, betas and weight decay (and LambdaLR its base
+    rates) from a checkpoint; a job resumed after its spec changed runs on the spec's."""
+    first = manifest_for(2, 2)
+    first["spec"]["algorithm"].update(lrSchedule="linear", maxSteps=4)
+    stop_at_two = make_learner(cache, tmp_path, first)
+    real_step = stop_at_two.train_step
+
+    async def step_then_stop(step: int):
+        out = await real_step(step)
+        stop_at_two.state.stop_requested = step == 2
+        return out
+
+    stop_at_two.train_step = step_then_stop  # type: ignore[method-assign]
+    assert run(stop_at_two) == 0 and ckpt.latest(tmp_path).name == "step-000002"
+    before = stop_at_two.engine.optimizer.param_groups[0]
+
+    changed = manifest_for(4, 2)
+    changed["spec"]["algorithm"].update(
+        lrSchedule="linear", learningRate=1e-4, adamBeta2=0.95, weightDecay=0.1
+    )
+    resumed = make_learner(cache, tmp_path, changed)
+    assert resumed.resume() == 2
+    for group in resumed.engine.optimizer.param_groups:
+        assert tuple(group["betas"]) == (0.9, 0.95) != tuple(before["betas"])
+        assert group["weight_decay"] == 0.1
+        # linear from 1e-4 down to 0 over 4 steps of 2 updates: 4 of 8 updates made
+        assert group["lr"] == pytest.approx(1e-4 * 4 / 8)
+    assert resumed.engine.lr_scheduler.base_lrs[0] == 1e-4

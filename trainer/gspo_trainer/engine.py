@@ -185,6 +185,21 @@ def schedule_updates(spec: GSPOJobSpec) -> tuple[int, int]:
     return spec.algorithm.warmup_steps * per_step, spec.algorithm.max_steps * per_step
 
 
+def apply_optimizer_settings(engine: Any, spec: GSPOJobSpec) -> None:
+    """The spec's learning rate, betas and weight decay on an engine just resumed. torch's
+    Optimizer.load_state_dict restores every group's hyperparameters, and LambdaLR its base
+    rates, from the checkpoint: without this, a job resumed after its spec changed (a lower
+    learningRate, another adamBeta2) would go on with the old values and say nothing."""
+    alg, scheduler = spec.algorithm, engine.lr_scheduler
+    for i, group in enumerate(engine.optimizer.param_groups):
+        group["betas"] = (alg.adam_beta1, alg.adam_beta2)
+        group["weight_decay"] = alg.weight_decay
+        group["lr"] = alg.learning_rate
+        if scheduler is not None:  # a LambdaLR (_lr_scheduler): lr = base x factor(updates)
+            scheduler.base_lrs[i] = alg.learning_rate
+            group["lr"] = alg.learning_rate * scheduler.lr_lambdas[i](scheduler.last_epoch)
+
+
 def _lr_scheduler(spec: GSPOJobSpec) -> Any:
     """A callable deepspeed.initialize turns into the lr scheduler (None: constant lr). A
     LambdaLR: its state (the update count) goes into DeepSpeed's checkpoints and resumes."""

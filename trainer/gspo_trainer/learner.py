@@ -27,6 +27,7 @@ from gspo_api.progress import LearnerProgress
 from gspo_api.spec import GSPOJobSpec
 from gspo_trainer import device
 from gspo_trainer.assemble import LearnerParts, assemble
+from gspo_trainer.engine import apply_optimizer_settings
 from gspo_trainer.metrics import LearnerMetrics
 from gspo_trainer.samples import pick_samples
 from gspo_trainer.step.batch import Packed, pack
@@ -171,6 +172,7 @@ class Learner:
         state = self.checkpointer.resume()
         if state is not None:
             self.draws.resume(state["data"], self.state.step)
+            apply_optimizer_settings(self.engine, self.spec)
         return self.state.step
 
     async def _await_fleet(self, *, starting: bool = False) -> None:
