@@ -366,3 +366,43 @@ async def test_pause_and_resume_are_sent_again_when_the_server_drops_the_connect
     finally:
         listener.close()
         await listener.wait_closed()
+
+
+async def test_sync_requests_never_go_out_on_a_connection_the_server_may_be_closing() -> None:
+    """A server that answers a connection's first request and closes it as the next arrives
+    (uvicorn closing a kept-alive connection idle 5 s, racing the request): the sync's
+    control requests, which must not be sent twice, each take a new connection and get
+    their reply; pause, on the shared pool, meets the race (and is sent again: idempotent)."""
+    seen = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal seen
+        first = True
+        while True:
+            try:
+                await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                break
+            seen += 1
+            if not first:  # kept alive, then closed as the next request came in
+                break
+            first = False
+            body = b'{"policy_version": 1}'
+            head = f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n\r\n"
+            writer.write(head.encode() + body)
+            await writer.drain()
+        writer.close()
+
+    listener = await asyncio.start_server(serve, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}"
+    try:
+        async with RolloutClient([url], TOKEN) as client:
+            for path in ("/control/sync/update", "/control/sync/update", "/control/sync/load"):
+                assert await client._post(url, path, {}, 5) == {"policy_version": 1}
+            assert await client._post(url, "/control/pause", {}, 5) == {"policy_version": 1}
+            with pytest.raises(aiohttp.ServerDisconnectedError):
+                await client._post(url, "/control/pause", {}, 5)  # the kept-alive connection
+            assert seen == 5
+    finally:
+        listener.close()
+        await listener.wait_closed()

@@ -64,6 +64,12 @@ class ServerError(Exception):
 
 # Control routes a second request repeats harmlessly.
 IDEMPOTENT_CONTROL = ("/control/pause", "/control/resume")
+# Control routes that must not be sent again, each sent on a connection of its own: a
+# kept-alive one the server closes (uvicorn after 5 s idle, as a step slowed by other work
+# leaves it) as the request goes out loses it with no reply, and a server that never got
+# /control/sync/update never joins the broadcast the learner then waits on for
+# weightSync.timeoutSeconds (10 minutes by default).
+NEW_CONNECTION_CONTROL = ("/control/sync/init", "/control/sync/update", "/control/sync/load")
 
 
 @dataclass
@@ -133,6 +139,7 @@ class RolloutClient:
         self.probe_timeout_s = probe_timeout_s
         self.policy_version: int | None = None  # the learner's version, once synced
         self._session: aiohttp.ClientSession | None = None
+        self._fresh_session: aiohttp.ClientSession | None = None  # one connection a request
         self._store: Any = None
         self._group: _Group | None = None
         self._generation = 0
@@ -146,9 +153,10 @@ class RolloutClient:
         await self.close()
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for session in (self._session, self._fresh_session):
+            if session is not None:
+                await session.close()
+        self._session = self._fresh_session = None
         self._drop_group(abort=False)
         self._store = None
 
@@ -159,13 +167,22 @@ class RolloutClient:
         if old is not None:
             old.group.close(abort=abort)
 
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None:
+    def _http(self, *, fresh: bool = False) -> aiohttp.ClientSession:
+        """The client's session; `fresh`: the one that opens a new connection for every
+        request and closes it after the reply (NEW_CONNECTION_CONTROL)."""
+        session = self._fresh_session if fresh else self._session
+        if session is None:
             headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-            self._session = aiohttp.ClientSession(
-                headers=headers, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+            session = aiohttp.ClientSession(
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                connector=aiohttp.TCPConnector(force_close=True) if fresh else None,
             )
-        return self._session
+            if fresh:
+                self._fresh_session = session
+            else:
+                self._session = session
+        return session
 
     async def _control(self, url: str, path: str, body: dict[str, Any], timeout_s: float) -> Any:
         """A control request; pause and resume once more when the server closed or reset the
@@ -182,7 +199,8 @@ class RolloutClient:
 
     async def _post(self, url: str, path: str, body: dict[str, Any], timeout_s: float) -> Any:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
-        async with self._http().post(url + path, json=body, timeout=timeout) as resp:
+        http = self._http(fresh=path in NEW_CONNECTION_CONTROL)
+        async with http.post(url + path, json=body, timeout=timeout) as resp:
             payload = await resp.json(content_type=None)
             if resp.status in (401, 403):
                 raise RolloutError(f"{url}{path}: {resp.status} {_error_text(payload)}")
