@@ -64,9 +64,10 @@ class ServerError(Exception):
 
 # Control routes a second request repeats harmlessly.
 IDEMPOTENT_CONTROL = ("/control/pause", "/control/resume")
-# Control routes that must not be sent again, each sent on a connection of its own: a
-# kept-alive one the server closes (uvicorn after 5 s idle, as a step slowed by other work
-# leaves it) as the request goes out loses it with no reply, and a server that never got
+# Control routes that must not be sent again, each sent on a connection of its own: a pooled
+# kept-alive one (the pool keeps those a step's many generation requests opened) that the
+# server closes as the request goes out (vLLM's uvicorn closes one idle for
+# VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s) loses it with no reply, and a server that never got
 # /control/sync/update never joins the broadcast the learner then waits on for
 # weightSync.timeoutSeconds (10 minutes by default).
 NEW_CONNECTION_CONTROL = ("/control/sync/init", "/control/sync/update", "/control/sync/load")
