@@ -183,7 +183,8 @@ def test_the_gspo_commands_of_the_console_blocks_print_what_they_show(
 
 def _described_spec(doc: Path) -> dict[str, set[str]]:
     """Section -> the field names the `kubectl describe gspo` transcript in `doc` shows
-    (kubectl's "Clip High" is clipHigh)."""
+    (kubectl's "Clip High" is clipHigh; a name with anything but letters and '-' it prints
+    as it is, adamBeta1: kubectl/pkg/describe/describe.go, smartLabelFor)."""
     text = doc_text(doc)
     spec_part = text[text.index("\nSpec:\n") : text.index("\nStatus:\n")]
     shown: dict[str, set[str]] = {}
@@ -193,6 +194,9 @@ def _described_spec(doc: Path) -> dict[str, set[str]]:
             section = m.group(1)
             shown[section] = set()
         elif (m := re.match(r"    (\w[\w ]*):", line)) and section:
+            if re.search(r"[^A-Za-z -]", m.group(1)):
+                shown[section].add(m.group(1))
+                continue
             first, *rest = m.group(1).split()
             shown[section].add(first.lower() + "".join(w[:1].upper() + w[1:] for w in rest))
     return shown

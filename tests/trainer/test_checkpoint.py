@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -234,30 +235,41 @@ def test_a_file_that_cannot_be_read_is_damaged_not_an_error(
     assert ckpt.verify(final) == ["a.bin"]
 
 
-def test_a_resume_takes_the_specs_optimizer_settings_not_the_checkpoints(
-    cache: Path, tmp_path: Path
-) -> None:
-    """torch restores each param group's lr, betas and weight decay (and LambdaLR its base
-    rates) from a checkpoint; a job resumed after its spec changed runs on the spec's."""
-    first = manifest_for(2, 2)
-    first["spec"]["algorithm"].update(lrSchedule="linear", maxSteps=4)
-    stop_at_two = make_learner(cache, tmp_path, first)
-    real_step = stop_at_two.train_step
+def _stopped_at_two(cache: Path, directory: Path, manifest: dict) -> Any:
+    """A learner run to the checkpoint at step 2 of 4 and stopped there, as SIGTERM stops it."""
+    learner = make_learner(cache, directory, manifest)
+    real_step = learner.train_step
 
     async def step_then_stop(step: int):
         out = await real_step(step)
-        stop_at_two.state.stop_requested = step == 2
+        learner.state.stop_requested = step == 2
         return out
 
-    stop_at_two.train_step = step_then_stop  # type: ignore[method-assign]
-    assert run(stop_at_two) == 0 and ckpt.latest(tmp_path).name == "step-000002"
-    before = stop_at_two.engine.optimizer.param_groups[0]
+    learner.train_step = step_then_stop  # type: ignore[method-assign]
+    assert run(learner) == 0 and ckpt.latest(directory).name == "step-000002"
+    return learner
 
-    changed = manifest_for(4, 2)
-    changed["spec"]["algorithm"].update(
-        lrSchedule="linear", learningRate=1e-4, adamBeta2=0.95, weightDecay=0.1
+
+def _edited() -> dict:
+    """The job file edited before `gspo train` runs again on the same directory."""
+    manifest = manifest_for(4, 2)
+    manifest["spec"]["algorithm"].update(
+        lrSchedule="linear", learningRate=1e-4, adamBeta2=0.95, weightDecay=0.1, maxGradNorm=0.5
     )
-    resumed = make_learner(cache, tmp_path, changed)
+    return manifest
+
+
+def test_a_resume_takes_the_specs_optimizer_settings_not_the_checkpoints(
+    cache: Path, tmp_path: Path
+) -> None:
+    """torch restores each param group's lr, betas and weight decay, LambdaLR its base rates
+    and ZeRO-1 its gradient clip from a checkpoint; a run resumed on an edited spec runs on
+    the spec's."""
+    first = manifest_for(4, 2)
+    first["spec"]["algorithm"]["lrSchedule"] = "linear"
+    before = _stopped_at_two(cache, tmp_path, first).engine.optimizer.param_groups[0]
+
+    resumed = make_learner(cache, tmp_path, _edited())
     assert resumed.resume() == 2
     for group in resumed.engine.optimizer.param_groups:
         assert tuple(group["betas"]) == (0.9, 0.95) != tuple(before["betas"])
@@ -265,3 +277,23 @@ def test_a_resume_takes_the_specs_optimizer_settings_not_the_checkpoints(
         # linear from 1e-4 down to 0 over 4 steps of 2 updates: 4 of 8 updates made
         assert group["lr"] == pytest.approx(1e-4 * 4 / 8)
     assert resumed.engine.lr_scheduler.base_lrs[0] == 1e-4
+    assert resumed.engine.optimizer.clip_grad == 0.5
+
+
+def test_a_checkpoint_without_a_schedule_position_resumes_under_a_schedule(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An earlier release built no lr scheduler for a constant rate, so its checkpoints hold
+    no schedule position; DeepSpeed hands LambdaLR that None. Resumed under a linear schedule,
+    the position is the updates made (2 steps of 2 mini-batches)."""
+    from gspo_trainer import engine
+
+    with monkeypatch.context() as patched:
+        patched.setattr(engine, "_lr_scheduler", lambda spec: None)
+        _stopped_at_two(cache, tmp_path, manifest_for(4, 2))
+
+    resumed = make_learner(cache, tmp_path, _edited())
+    assert resumed.resume() == 2
+    assert resumed.engine.lr_scheduler.last_epoch == 4
+    assert resumed.engine.optimizer.param_groups[0]["lr"] == pytest.approx(1e-4 * 4 / 8)
+    assert run(resumed) == 0 and resumed.state.step == 4

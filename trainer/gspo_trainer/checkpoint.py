@@ -285,15 +285,31 @@ def save_state(
     return hash_files(tmp, sorted(rels), rank)
 
 
-def load_state(engine: Any, ckpt: Path, rank: int) -> dict[str, Any]:
+def load_state(engine: Any, ckpt: Path, rank: int) -> tuple[dict[str, Any], bool]:
+    """The engine loaded from `ckpt`, and this rank's trainer state; the flag says whether
+    the checkpoint held the lr schedule's position. One an earlier release wrote under a
+    constant rate holds none, and DeepSpeed would hand LambdaLR.load_state_dict that None."""
     import torch
 
-    path, _ = engine.load_checkpoint(
-        str(ckpt), tag=ENGINE_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
-    )
+    scheduler, found = engine.lr_scheduler, [True]
+    load_schedule = scheduler.load_state_dict
+
+    def load_position(state: dict[str, Any] | None) -> None:
+        if state is None:
+            found[0] = False
+        else:
+            load_schedule(state)
+
+    scheduler.load_state_dict = load_position
+    try:
+        path, _ = engine.load_checkpoint(
+            str(ckpt), tag=ENGINE_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+    finally:
+        del scheduler.load_state_dict  # the class's own again
     if path is None:
         raise RuntimeError(f"checkpoint {ckpt}: DeepSpeed could not load {ENGINE_TAG}/")
-    return torch.load(ckpt / f"trainer-rank{rank}.pt", weights_only=False)
+    return torch.load(ckpt / f"trainer-rank{rank}.pt", weights_only=False), found[0]
 
 
 def rng_state() -> dict[str, Any]:

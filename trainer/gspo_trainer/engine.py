@@ -185,32 +185,37 @@ def schedule_updates(spec: GSPOJobSpec) -> tuple[int, int]:
     return spec.algorithm.warmup_steps * per_step, spec.algorithm.max_steps * per_step
 
 
-def apply_optimizer_settings(engine: Any, spec: GSPOJobSpec) -> None:
-    """The spec's learning rate, betas and weight decay on an engine just resumed. torch's
-    Optimizer.load_state_dict restores every group's hyperparameters, and LambdaLR its base
-    rates, from the checkpoint: without this, a job resumed after its spec changed (a lower
-    learningRate, another adamBeta2) would go on with the old values and say nothing."""
+def apply_optimizer_settings(engine: Any, spec: GSPOJobSpec, updates: int | None = None) -> None:
+    """The spec's learning rate, betas, weight decay and gradient clip on an engine just
+    resumed. torch's Optimizer.load_state_dict restores every group's hyperparameters,
+    LambdaLR its base rates, and DeepSpeed's ZeRO-1/2 and bf16 optimizers their clip, from
+    the checkpoint: without this, `gspo train` run again on an edited job file (a lower
+    learningRate, another adamBeta2) would go on with the old values and say nothing.
+    `updates`: the optimizer updates made, for a checkpoint that holds no schedule position
+    (one an earlier release wrote under a constant rate); else the checkpoint's is kept."""
     alg, scheduler = spec.algorithm, engine.lr_scheduler
+    if updates is not None:
+        scheduler.last_epoch = updates
     for i, group in enumerate(engine.optimizer.param_groups):
         group["betas"] = (alg.adam_beta1, alg.adam_beta2)
         group["weight_decay"] = alg.weight_decay
-        group["lr"] = alg.learning_rate
-        if scheduler is not None:  # a LambdaLR (_lr_scheduler): lr = base x factor(updates)
-            scheduler.base_lrs[i] = alg.learning_rate
-            group["lr"] = alg.learning_rate * scheduler.lr_lambdas[i](scheduler.last_epoch)
+        scheduler.base_lrs[i] = alg.learning_rate  # lr = base x factor(updates made)
+        group["lr"] = alg.learning_rate * scheduler.lr_lambdas[i](scheduler.last_epoch)
+    if hasattr(engine.optimizer, "clip_grad"):
+        engine.optimizer.clip_grad = alg.max_grad_norm
 
 
 def _lr_scheduler(spec: GSPOJobSpec) -> Any:
-    """A callable deepspeed.initialize turns into the lr scheduler (None: constant lr). A
-    LambdaLR: its state (the update count) goes into DeepSpeed's checkpoints and resumes."""
-    warmup, total = schedule_updates(spec)
-    schedule = spec.algorithm.lr_schedule
-    if warmup <= 0 and schedule == "constant":
-        return None
+    """A callable deepspeed.initialize turns into the lr scheduler: a LambdaLR, whose state
+    (the update count) goes into DeepSpeed's checkpoints and resumes. Built for a constant
+    rate too (a factor of 1), so that every checkpoint holds the schedule's position and a
+    run resumed under another lrSchedule or warmupSteps finds it."""
     from functools import partial
 
     import torch
 
+    warmup, total = schedule_updates(spec)
+    schedule = spec.algorithm.lr_schedule
     factor = partial(lr_factor, warmup_updates=warmup, total_updates=total, schedule=schedule)
     return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 

@@ -172,7 +172,9 @@ class Learner:
         state = self.checkpointer.resume()
         if state is not None:
             self.draws.resume(state["data"], self.state.step)
-            apply_optimizer_settings(self.engine, self.spec)
+            made = self.state.step * self.spec.algorithm.mini_batches
+            updates = None if self.checkpointer.schedule_found else made
+            apply_optimizer_settings(self.engine, self.spec, updates)
         return self.state.step
 
     async def _await_fleet(self, *, starting: bool = False) -> None:
