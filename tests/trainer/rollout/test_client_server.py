@@ -406,3 +406,42 @@ async def test_sync_requests_never_go_out_on_a_connection_the_server_may_be_clos
     finally:
         listener.close()
         await listener.wait_closed()
+
+
+async def test_the_pool_lets_a_connection_go_before_vllm_would_close_it() -> None:
+    """vLLM's server closes a connection idle VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s); a request
+    on one it is closing is lost with no reply. The client's pool drops its idle connections
+    sooner (KEEPALIVE_S), so a request after a longer pause opens a new one."""
+    from gspo_trainer.rollout.client import KEEPALIVE_S
+
+    envs = pytest.importorskip("vllm.envs")
+
+    assert KEEPALIVE_S < envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
+    connections = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        while True:
+            try:
+                await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                break
+            body = b'{"paused": true}'
+            writer.write(f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+            await writer.drain()
+        writer.close()
+
+    listener = await asyncio.start_server(serve, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}"
+    try:
+        async with RolloutClient([url], TOKEN) as client:
+            await client._post(url, "/control/pause", {}, 5)
+            await client._post(url, "/control/pause", {}, 5)
+            assert connections == 1  # kept alive between requests close together
+            await asyncio.sleep(KEEPALIVE_S + 0.5)
+            await client._post(url, "/control/pause", {}, 5)
+            assert connections == 2
+    finally:
+        listener.close()
+        await listener.wait_closed()

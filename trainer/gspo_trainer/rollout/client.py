@@ -71,6 +71,9 @@ IDEMPOTENT_CONTROL = ("/control/pause", "/control/resume")
 # /control/sync/update never joins the broadcast the learner then waits on for
 # weightSync.timeoutSeconds (10 minutes by default).
 NEW_CONNECTION_CONTROL = ("/control/sync/init", "/control/sync/update", "/control/sync/load")
+# How long the shared pool keeps an idle connection: under vLLM's 5 s, so that no request
+# (generation ones included) goes out on a connection the server may be closing.
+KEEPALIVE_S = 3.0
 
 
 @dataclass
@@ -177,7 +180,10 @@ class RolloutClient:
             session = aiohttp.ClientSession(
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-                connector=aiohttp.TCPConnector(force_close=True) if fresh else None,
+                connector=aiohttp.TCPConnector(
+                    force_close=fresh,
+                    keepalive_timeout=None if fresh else KEEPALIVE_S,
+                ),
             )
             if fresh:
                 self._fresh_session = session
