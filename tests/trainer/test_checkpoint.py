@@ -297,3 +297,17 @@ def test_a_checkpoint_without_a_schedule_position_resumes_under_a_schedule(
     assert resumed.engine.lr_scheduler.last_epoch == 4
     assert resumed.engine.optimizer.param_groups[0]["lr"] == pytest.approx(1e-4 * 4 / 8)
     assert run(resumed) == 0 and resumed.state.step == 4
+
+
+def test_a_checkpoint_at_a_constant_rate_holds_the_schedules_position(
+    cache: Path, tmp_path: Path
+) -> None:
+    """Every run keeps an lr scheduler (a factor of 1 at a constant rate), so its checkpoints
+    hold the updates made, and a resume under another lrSchedule or warmupSteps starts the
+    schedule there."""
+    learner = make_learner(cache, tmp_path, manifest_for(2, 2))
+    assert run(learner) == 0
+    states = ckpt.latest(tmp_path) / ckpt.ENGINE_TAG / "mp_rank_00_model_states.pt"
+    saved = torch.load(states, weights_only=False)["lr_scheduler"]
+    per_step = learner.spec.algorithm.mini_batches
+    assert saved is not None and saved["last_epoch"] == 2 * per_step
