@@ -9,6 +9,8 @@ routes, are the project's own code; only vLLM is stood in for.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -336,6 +338,21 @@ async def test_a_server_left_paused_is_resumed_before_it_is_sent_work() -> None:
         await server.stop()
 
 
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def raw_http(serve: Handler) -> AsyncIterator[str]:
+    """A bare server on 127.0.0.1 that speaks HTTP as `serve` writes it (to drop or keep
+    connections where a real server would): its URL, closed afterwards."""
+    listener = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}"
+    finally:
+        listener.close()
+        await listener.wait_closed()
+
+
 async def test_pause_and_resume_are_sent_again_when_the_server_drops_the_connection() -> None:
     """A kept-alive connection the server closes as a request goes out fails with no reply:
     pause and resume (idempotent) go once more; other control requests do not."""
@@ -354,18 +371,12 @@ async def test_pause_and_resume_are_sent_again_when_the_server_drops_the_connect
         await writer.drain()
         writer.close()
 
-    listener = await asyncio.start_server(serve, "127.0.0.1", 0)
-    url = f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}"
-    try:
-        async with RolloutClient([url], TOKEN) as client:
-            assert await client._control(url, "/control/resume", {}, 5) == {"paused": False}
-            assert connections == 2
-            with pytest.raises(aiohttp.ServerDisconnectedError):
-                await client._control(url, "/control/sync/load", {}, 5)
-            assert connections == 3
-    finally:
-        listener.close()
-        await listener.wait_closed()
+    async with raw_http(serve) as url, RolloutClient([url], TOKEN) as client:
+        assert await client._control(url, "/control/resume", {}, 5) == {"paused": False}
+        assert connections == 2
+        with pytest.raises(aiohttp.ServerDisconnectedError):
+            await client._control(url, "/control/sync/load", {}, 5)
+        assert connections == 3
 
 
 async def test_sync_requests_never_go_out_on_a_connection_the_server_may_be_closing() -> None:
@@ -393,19 +404,13 @@ async def test_sync_requests_never_go_out_on_a_connection_the_server_may_be_clos
             await writer.drain()
         writer.close()
 
-    listener = await asyncio.start_server(serve, "127.0.0.1", 0)
-    url = f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}"
-    try:
-        async with RolloutClient([url], TOKEN) as client:
-            for path in ("/control/sync/update", "/control/sync/update", "/control/sync/load"):
-                assert await client._post(url, path, {}, 5) == {"policy_version": 1}
-            assert await client._post(url, "/control/pause", {}, 5) == {"policy_version": 1}
-            with pytest.raises(aiohttp.ServerDisconnectedError):
-                await client._post(url, "/control/pause", {}, 5)  # the kept-alive connection
-            assert seen == 5
-    finally:
-        listener.close()
-        await listener.wait_closed()
+    async with raw_http(serve) as url, RolloutClient([url], TOKEN) as client:
+        for path in ("/control/sync/update", "/control/sync/update", "/control/sync/load"):
+            assert await client._post(url, path, {}, 5) == {"policy_version": 1}
+        assert await client._post(url, "/control/pause", {}, 5) == {"policy_version": 1}
+        with pytest.raises(aiohttp.ServerDisconnectedError):
+            await client._post(url, "/control/pause", {}, 5)  # the kept-alive connection
+        assert seen == 5
 
 
 async def test_the_pool_lets_a_connection_go_before_vllm_would_close_it() -> None:
@@ -432,16 +437,10 @@ async def test_the_pool_lets_a_connection_go_before_vllm_would_close_it() -> Non
             await writer.drain()
         writer.close()
 
-    listener = await asyncio.start_server(serve, "127.0.0.1", 0)
-    url = f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}"
-    try:
-        async with RolloutClient([url], TOKEN) as client:
-            await client._post(url, "/control/pause", {}, 5)
-            await client._post(url, "/control/pause", {}, 5)
-            assert connections == 1  # kept alive between requests close together
-            await asyncio.sleep(KEEPALIVE_S + 0.5)
-            await client._post(url, "/control/pause", {}, 5)
-            assert connections == 2
-    finally:
-        listener.close()
-        await listener.wait_closed()
+    async with raw_http(serve) as url, RolloutClient([url], TOKEN) as client:
+        await client._post(url, "/control/pause", {}, 5)
+        await client._post(url, "/control/pause", {}, 5)
+        assert connections == 1  # kept alive between requests close together
+        await asyncio.sleep(KEEPALIVE_S + 0.5)
+        await client._post(url, "/control/pause", {}, 5)
+        assert connections == 2
