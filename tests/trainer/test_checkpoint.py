@@ -299,6 +299,26 @@ def test_a_checkpoint_without_a_schedule_position_resumes_under_a_schedule(
     assert run(resumed) == 0 and resumed.state.step == 4
 
 
+def test_a_resume_after_a_mini_batches_edit_keeps_the_schedules_share(
+    cache: Path, tmp_path: Path
+) -> None:
+    """The schedule counts optimizer updates, algorithm.miniBatches a step: a run stopped at
+    step 2 of 4 with 2 mini-batches (4 of 8 updates) and resumed with 4 stands at 8 of 16
+    updates, half its linear decay as the step is, not at the checkpoint's 4 of 16."""
+    first = manifest_for(4, 2)
+    first["spec"]["algorithm"].update(lrSchedule="linear", miniBatches=2)
+    _stopped_at_two(cache, tmp_path, first)
+
+    edited = manifest_for(4, 2)
+    edited["spec"]["algorithm"].update(lrSchedule="linear", miniBatches=4)
+    resumed = make_learner(cache, tmp_path, edited)
+    assert resumed.resume() == 2
+    assert resumed.engine.lr_scheduler.last_epoch == 8
+    lr = resumed.spec.algorithm.learning_rate
+    assert resumed.engine.optimizer.param_groups[0]["lr"] == pytest.approx(lr * 8 / 16)
+    assert run(resumed) == 0 and resumed.engine.lr_scheduler.last_epoch == 16
+
+
 def test_a_checkpoint_at_a_constant_rate_holds_the_schedules_position(
     cache: Path, tmp_path: Path
 ) -> None:

@@ -285,19 +285,18 @@ def save_state(
     return hash_files(tmp, sorted(rels), rank)
 
 
-def load_state(engine: Any, ckpt: Path, rank: int) -> tuple[dict[str, Any], bool]:
-    """The engine loaded from `ckpt`, and this rank's trainer state; the flag says whether
-    the checkpoint held the lr schedule's position. One an earlier release wrote under a
-    constant rate holds none, and DeepSpeed would hand LambdaLR.load_state_dict that None."""
+def load_state(engine: Any, ckpt: Path, rank: int) -> dict[str, Any]:
+    """The engine loaded from `ckpt`, and this rank's trainer state. A checkpoint an earlier
+    release wrote under a constant rate holds no lr schedule position, and DeepSpeed would hand
+    LambdaLR.load_state_dict that None: it is skipped, as the position is set from the step
+    resumed at anyway (engine.apply_optimizer_settings)."""
     import torch
 
-    scheduler, found = engine.lr_scheduler, [True]
+    scheduler = engine.lr_scheduler
     load_schedule = scheduler.load_state_dict
 
     def load_position(state: dict[str, Any] | None) -> None:
-        if state is None:
-            found[0] = False
-        else:
+        if state is not None:
             load_schedule(state)
 
     scheduler.load_state_dict = load_position
@@ -309,7 +308,7 @@ def load_state(engine: Any, ckpt: Path, rank: int) -> tuple[dict[str, Any], bool
         del scheduler.load_state_dict  # the class's own again
     if path is None:
         raise RuntimeError(f"checkpoint {ckpt}: DeepSpeed could not load {ENGINE_TAG}/")
-    return torch.load(ckpt / f"trainer-rank{rank}.pt", weights_only=False), found[0]
+    return torch.load(ckpt / f"trainer-rank{rank}.pt", weights_only=False)
 
 
 def rng_state() -> dict[str, Any]:

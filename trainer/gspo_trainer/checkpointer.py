@@ -47,7 +47,6 @@ class Checkpointer:
         self.engine, self.tokenizer = engine, tokenizer
         self.ranks, self.metrics, self.state = ranks, metrics, state
         self.trainer_state = trainer_state
-        self.schedule_found = True  # the resumed checkpoint held the lr schedule's position
         self.failures = 0  # consecutive
 
     def checkpoint(self, *, final: bool = False) -> None:
@@ -136,7 +135,7 @@ class Checkpointer:
         found = self._newest_intact()
         if found is None:
             return None
-        state, self.schedule_found = ckpt.load_state(self.engine, found, self.ranks.rank)
+        state = ckpt.load_state(self.engine, found, self.ranks.rank)
         ckpt.set_rng_state(state["rng"])
         self.state.step = int(state["step"])
         self.state.last_checkpoint, self.state.last_checkpoint_step = found.name, self.state.step

@@ -185,17 +185,19 @@ def schedule_updates(spec: GSPOJobSpec) -> tuple[int, int]:
     return spec.algorithm.warmup_steps * per_step, spec.algorithm.max_steps * per_step
 
 
-def apply_optimizer_settings(engine: Any, spec: GSPOJobSpec, updates: int | None = None) -> None:
-    """The spec's learning rate, betas, weight decay and gradient clip on an engine just
-    resumed. torch's Optimizer.load_state_dict restores every group's hyperparameters,
-    LambdaLR its base rates, and DeepSpeed's ZeRO-1/2 and bf16 optimizers their clip, from
-    the checkpoint: without this, `gspo train` run again on an edited job file (a lower
-    learningRate, another adamBeta2) would go on with the old values and say nothing.
-    `updates`: the optimizer updates made, for a checkpoint that holds no schedule position
-    (one an earlier release wrote under a constant rate); else the checkpoint's is kept."""
+def apply_optimizer_settings(engine: Any, spec: GSPOJobSpec, updates: int) -> None:
+    """The spec's learning rate, betas, weight decay, gradient clip and schedule position on
+    an engine just resumed. torch's Optimizer.load_state_dict restores every group's
+    hyperparameters, LambdaLR its base rates and position, and DeepSpeed's ZeRO-1/2 and bf16
+    optimizers their clip, from the checkpoint: without this, `gspo train` run again on an
+    edited job file (a lower learningRate, another adamBeta2) would go on with the old values
+    and say nothing. `updates`: the optimizer updates the steps made count at the spec's
+    algorithm.miniBatches (schedule_updates' unit), so a schedule resumed after a miniBatches
+    edit stands at the same share of its warm-up and decay as the step does; the checkpoint's
+    position counts the old mini-batches (and one an earlier release wrote under a constant
+    rate holds none)."""
     alg, scheduler = spec.algorithm, engine.lr_scheduler
-    if updates is not None:
-        scheduler.last_epoch = updates
+    scheduler.last_epoch = updates
     for i, group in enumerate(engine.optimizer.param_groups):
         group["betas"] = (alg.adam_beta1, alg.adam_beta2)
         group["weight_decay"] = alg.weight_decay

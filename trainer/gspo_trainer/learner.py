@@ -173,8 +173,7 @@ class Learner:
         if state is not None:
             self.draws.resume(state["data"], self.state.step)
             made = self.state.step * self.spec.algorithm.mini_batches
-            updates = None if self.checkpointer.schedule_found else made
-            apply_optimizer_settings(self.engine, self.spec, updates)
+            apply_optimizer_settings(self.engine, self.spec, made)
         return self.state.step
 
     async def _await_fleet(self, *, starting: bool = False) -> None:
