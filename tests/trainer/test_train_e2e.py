@@ -63,8 +63,16 @@ def test_gspo_train_default_stops_resumes_and_raises_reward(tmp_path: Path) -> N
     stopped = ckpt.latest(out / "checkpoints")
     assert stopped is not None and 20 <= int(stopped.name.split("-")[1]) < STEPS
 
+    token_file = out / "job-token"
+    first_token = token_file.read_text()
+    dead = out / "rollout-token"  # an earlier release's name for it, left in the directory
+    dead.write_text("a dead token\n")
     second = run_gspo("train", "--output-dir", str(out), "--max-steps", str(STEPS), timeout_s=420)
     assert second.returncode == 0, second.stderr[-3000:]
+    assert not dead.exists()
+    # Each run's servers take a token of its own, for their owner alone.
+    assert token_file.read_text() != first_token and len(token_file.read_text().strip()) >= 32
+    assert token_file.stat().st_mode & 0o777 == 0o600
     learner_log = (out / "logs" / "learner.log").read_text()
     assert f"Resumed from {stopped}" in learner_log
     # The progress bar shows step, reward and clip fraction; the summary closes the run.
