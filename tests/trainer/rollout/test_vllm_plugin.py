@@ -9,6 +9,7 @@ broadcast the learner's client drives.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import os
@@ -98,23 +99,27 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
             argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()[-3000:]
+    try:  # stopped however the start ends: a server that never answered is not left running
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                if call(url + "/health", token=None, timeout_s=2)[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise TimeoutError(log.read_text()[-3000:])
+        yield url, root
+    finally:  # the group: vLLM's engine core and worker outlive a server that died alone
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
         try:
-            if call(url + "/health", token=None, timeout_s=2)[0] == 200:
-                break
-        except OSError:
-            pass
-        time.sleep(0.5)
-    else:
-        raise TimeoutError(log.read_text()[-3000:])
-    yield url, root
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
 
 
 def test_a_server_serves_nothing_until_the_learner_syncs_it(server: Any) -> None:
