@@ -139,7 +139,7 @@ def trl_side(config: str | None, seed: int, steps: int | None, out: Path) -> int
         loss_type="grpo",
         importance_sampling_level="sequence" if algo.loss_level != "grpo" else "token",
         router_aux_loss_coef=model_cfg.moe.router_aux_loss_coef,
-        scale_rewards="group",
+        scale_rewards=algo.scale_rewards,
         bf16=False,
     )
     prompts = [e.prompt for e in eval_rows]

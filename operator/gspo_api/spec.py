@@ -26,6 +26,7 @@ API_VERSION = "v1alpha1"
 KIND = "GSPOJob"
 
 LossLevel = Literal["gspo", "gspo-token", "grpo"]
+ScaleRewards = Literal["group", "batch", "none"]  # algorithm.scaleRewards (advantages.py)
 OldLogprobSource = Literal["learner", "engine"]
 Dtype = Literal["bfloat16", "float16", "float32"]
 # model.attnImplementation: transformers' attn_implementation names the learner can run.
@@ -532,6 +533,15 @@ class AlgorithmConfig(Section):
         description="gspo (sequence ratio), gspo-token (sequence value, token gradient), grpo.",
     )
     group_size: int = Field(16, description="Responses sampled per prompt (G).")
+    scale_rewards: ScaleRewards = Field(
+        "group",
+        description=(
+            "What divides each reward less its group's mean, the advantage: group, the "
+            "group's standard deviation (the GSPO paper's Eq. 6, TRL's and verl's default); "
+            "batch, the whole batch's (PPO Lite); none, nothing (Dr. GRPO), so a group whose "
+            "responses score nearly alike moves the policy little instead of as much as any."
+        ),
+    )
     clip_low: float | None = Field(
         None, description="Lower clip epsilon; default 3e-4 for gspo levels, 0.2 for grpo."
     )

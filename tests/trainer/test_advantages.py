@@ -46,6 +46,28 @@ def test_advantages_sum_to_zero_per_group() -> None:
     assert float(stats["zero_advantage_fraction"]) == 0.0
 
 
+def test_scale_none_centres_only_and_batch_divides_by_the_batchs_std() -> None:
+    """algorithm.scaleRewards: "none" (Dr. GRPO) leaves a group of nearly alike rewards
+    nearly no advantage; "batch" divides every group by one spread, so the groups keep their
+    relative sizes; "group" (the paper's) makes both groups alike."""
+    rewards = torch.tensor([0.9, 1.0, 0.0, 1.0])  # a close group, then a split one
+    none, _ = group_advantages(rewards, group_size=2, scale="none")
+    torch.testing.assert_close(none, torch.tensor([-0.05, 0.05, -0.5, 0.5]))
+    batch, _ = group_advantages(rewards, group_size=2, eps=0.0, scale="batch")
+    torch.testing.assert_close(batch, none / rewards.std())
+    group, _ = group_advantages(rewards, group_size=2, eps=0.0)
+    r = 1 / math.sqrt(2)
+    torch.testing.assert_close(group, torch.tensor([-r, r, -r, r]))
+    for scale in ("none", "batch"):  # a zero-spread group is still exactly 0
+        adv, _ = group_advantages(torch.tensor([0.7, 0.7, 0.0, 1.0]), 2, scale=scale)
+        assert torch.equal(adv[:2], torch.zeros(2)) and adv[2:].abs().min() > 0
+
+
+def test_an_unknown_scale_is_named() -> None:
+    with pytest.raises(ValueError, match="scale must be one of group, batch, none; got 'std'"):
+        group_advantages(torch.zeros(4), 2, scale="std")
+
+
 @pytest.mark.parametrize(
     ("rewards", "group_size", "match"),
     [

@@ -180,6 +180,14 @@ def test_responses_alike_on_average_still_have_token_signal() -> None:
     torch.testing.assert_close(adv[:, :2], torch.tensor([[0.5, -0.5], [-0.5, 0.5]]) / s)
 
 
+def test_token_advantages_unscaled_are_the_rewards_less_the_groups_mean() -> None:
+    """scaleRewards none: the hand-computed case above without its division by sigma."""
+    r, mask = padded([[1.0, 0.0], [1.0, 1.0, 1.0]])
+    adv, _ = token_group_advantages(r, mask, group_size=2, scale="none")
+    want = torch.tensor([[0.25, -0.75, 0, 0, 0], [0.25, 0.25, 0.25, 0, 0]])
+    torch.testing.assert_close(adv, want)
+
+
 def test_zero_spread_group_has_zero_advantage() -> None:
     r, mask = padded([[1.0, 1.0], [1.0], [0.0, 1.0], [1.0, 0.0, 1.0]])
     adv, stats = token_group_advantages(r, mask, group_size=2)
@@ -187,16 +195,19 @@ def test_zero_spread_group_has_zero_advantage() -> None:
     assert float(stats["zero_advantage_fraction"]) == 0.5
 
 
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
 @pytest.mark.parametrize("seed", range(3))
-def test_one_score_on_every_token_gives_the_sequence_advantages(seed: int) -> None:
-    """A response whose tokens all score r_i gets GSPO's Eq. (6) advantage on every token."""
+def test_one_score_on_every_token_gives_the_sequence_advantages(seed: int, scale: str) -> None:
+    """A response whose tokens all score r_i gets GSPO's Eq. (6) advantage on every token,
+    under each algorithm.scaleRewards."""
     g = torch.Generator().manual_seed(seed)
     G, groups, T = 4, 3, 7
     rewards = torch.randint(0, 3, (G * groups,), generator=g).float()
     lengths = torch.randint(1, T + 1, (G * groups,), generator=g)
     mask = torch.arange(T)[None, :] < lengths[:, None]
-    adv, stats = token_group_advantages(rewards[:, None].expand(-1, T).clone(), mask, G)
-    want, want_stats = group_advantages(rewards, G)
+    token_rewards = rewards[:, None].expand(-1, T).clone()
+    adv, stats = token_group_advantages(token_rewards, mask, G, scale=scale)
+    want, want_stats = group_advantages(rewards, G, scale=scale)
     torch.testing.assert_close(adv, torch.where(mask, want[:, None], 0.0))
     for key in want_stats:
         torch.testing.assert_close(stats[key], want_stats[key])
@@ -291,8 +302,9 @@ def test_weighted_components_mix_per_token_and_numbers() -> None:
 # --- a learner step -------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("scale", ["group", "none"])
 def test_a_learner_step_trains_gspo_token_on_per_token_advantages(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, scale: str
 ) -> None:
     from learner_helpers import make_learner, params, tiny_spec
 
@@ -315,7 +327,9 @@ def test_a_learner_step_trains_gspo_token_on_per_token_advantages(
         return real_fused(hidden, weight, targets, mask, old_logp, advantages, *args)
 
     monkeypatch.setattr(update_module, "_fused", fused)
-    manifest = tiny_spec(lossLevel="gspo-token", miniBatches=1, promptsPerStep=4, groupSize=4)
+    manifest = tiny_spec(
+        lossLevel="gspo-token", miniBatches=1, promptsPerStep=4, groupSize=4, scaleRewards=scale
+    )
     manifest["spec"]["reward"] = {"kind": "python", "function": "test_token_advantages:per_token"}
     manifest["spec"]["metrics"]["samplesEverySteps"] = 1
     manifest["spec"]["learner"]["microBatchTokens"] = 8  # one response per micro-batch
@@ -326,8 +340,12 @@ def test_a_learner_step_trains_gspo_token_on_per_token_advantages(
     packed, adv = seen[-1]
     assert adv.shape == packed.mask.shape  # one advantage per response token
     assert packed.token_rewards is not None
-    want, _ = token_group_advantages(packed.token_rewards, packed.mask, 4)
-    torch.testing.assert_close(adv, want)
+    want, _ = token_group_advantages(packed.token_rewards, packed.mask, 4, scale=scale)
+    torch.testing.assert_close(adv, want)  # algorithm.scaleRewards reaches the advantages
+    other, _ = token_group_advantages(
+        packed.token_rewards, packed.mask, 4, scale="none" if scale == "group" else "group"
+    )
+    assert not torch.allclose(adv, other)
     # each token's reward is its own token's parity, laid at that token
     torch.testing.assert_close(
         packed.token_rewards[packed.mask], (packed.targets[packed.mask] % 2 == 0).float()

@@ -1,6 +1,13 @@
 """Group-normalised advantages, from the rewards of a prompt's group: one value per response
 (`group_advantages`, GSPO's Eq. 6), or one per response token from per-token rewards
-(`token_group_advantages`, for GSPO-token's Eq. 13-14)."""
+(`token_group_advantages`, for GSPO-token's Eq. 13-14).
+
+Each is a reward less its group's mean, divided by a spread that algorithm.scaleRewards picks
+(TRL's `scale_rewards`, verl's `norm_adv_by_std_in_grpo`): "group", the group's standard
+deviation (the paper's); "batch", the whole batch's (Hu et al. 2025, PPO Lite), so groups keep
+their relative sizes; "none", nothing (Liu et al. 2025, Dr. GRPO): dividing by the group's own
+spread gives a group whose responses score nearly alike advantages as large as any's, so the
+policy is pushed hardest where it already agrees with itself."""
 
 from __future__ import annotations
 
@@ -9,11 +16,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+SCALES = ("group", "batch", "none")  # algorithm.scaleRewards (gspo_api.spec.ScaleRewards)
+
 
 def group_advantages(
-    rewards: torch.Tensor, group_size: int, eps: float = 1e-6
+    rewards: torch.Tensor, group_size: int, eps: float = 1e-6, scale: str = "group"
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """A_i = (r_i - mean(r_group)) / (std(r_group) + eps), GSPO paper Eq. (6).
+    """A_i = (r_i - mean(r_group)) / (std(r_group) + eps), GSPO paper Eq. (6); with `scale`
+    "batch" the std is of every reward in the batch, with "none" there is no division.
 
     rewards (B,) holds B / group_size groups laid out contiguously (responses 0..G-1 answer
     prompt 0, and so on). std is the sample standard deviation (ddof 1), as in TRL and verl.
@@ -28,6 +38,8 @@ def group_advantages(
         raise ValueError(
             f"group_size must be >= 2 (a group of one has no advantage), got {group_size}"
         )
+    if scale not in SCALES:
+        raise ValueError(f"scale must be one of {', '.join(SCALES)}; got {scale!r}")
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(
             f"rewards must be 1-D with a length divisible by group_size={group_size}; "
@@ -39,7 +51,11 @@ def group_advantages(
     r = rewards.detach().float().view(-1, group_size)  # (groups, G)
     zero_spread = r.amax(dim=1) == r.amin(dim=1)  # (groups,)
     centred = r - r.mean(dim=1, keepdim=True)
-    adv = centred / (r.std(dim=1, keepdim=True) + eps)
+    if scale == "none":
+        adv = centred
+    else:
+        spread = r.std(dim=1, keepdim=True) if scale == "group" else r.flatten().std()
+        adv = centred / (spread + eps)
     adv = torch.where(zero_spread[:, None], torch.zeros_like(adv), adv)
     stats = {
         "zero_advantage_fraction": zero_spread.float().mean(),
@@ -50,7 +66,11 @@ def group_advantages(
 
 
 def token_group_advantages(
-    token_rewards: torch.Tensor, mask: torch.Tensor, group_size: int, eps: float = 1e-6
+    token_rewards: torch.Tensor,
+    mask: torch.Tensor,
+    group_size: int,
+    eps: float = 1e-6,
+    scale: str = "group",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A_i,t = (r_i,t - mu_g) / (sigma_g + eps): each token's reward standardised against its
     group's token rewards, the responses weighing as GSPO-token's objective weighs them.
@@ -71,6 +91,10 @@ def token_group_advantages(
     r_i, and in general the mean over a response's tokens of A_i,t is (r_i - mu_g) /
     (sigma_g + eps), with r_i its mean reward: the sign of its sequence-level advantage.
 
+    With `scale` "batch", sigma is taken the same way over the whole batch (about the batch's
+    mean), and with "none" there is no division: each equals `group_advantages` under the same
+    `scale` when every token of a response is scored alike.
+
     token_rewards, mask (N, T), the response tokens where mask is True, N = groups x
     group_size laid out contiguously. A group whose token rewards are all equal has exactly 0
     advantage. Returns (advantages (N, T) float32, 0 where masked; stats as
@@ -82,6 +106,8 @@ def token_group_advantages(
         raise ValueError(
             f"group_size must be >= 2 (a group of one has no advantage), got {group_size}"
         )
+    if scale not in SCALES:
+        raise ValueError(f"scale must be one of {', '.join(SCALES)}; got {scale!r}")
     if token_rewards.dim() != 2 or token_rewards.shape != mask.shape:
         raise ValueError(
             f"token_rewards and mask must be (N, T) alike; got {tuple(token_rewards.shape)} "
@@ -104,11 +130,15 @@ def token_group_advantages(
     mu_tok = mu.repeat_interleave(group_size)[:, None]  # (N, 1)
     dev2 = torch.where(mask, (r - mu_tok) ** 2, 0.0).sum(-1) / counts  # (N,)
     sigma = (dev2.view(-1, group_size).sum(1) / (group_size - 1)).sqrt()  # (groups,)
+    if scale == "batch":  # the same spread about the batch's mean, over every response
+        dev2 = torch.where(mask, (r - seq.mean()) ** 2, 0.0).sum(-1) / counts
+        sigma = (dev2.sum() / max(dev2.numel() - 1, 1)).sqrt().expand_as(sigma)
+    divisor = sigma + eps if scale != "none" else torch.ones_like(sigma)
     inf = torch.full_like(r, float("inf"))
     high = torch.where(mask, r, -inf).view(-1, group_size * T).amax(1)
     low = torch.where(mask, r, inf).view(-1, group_size * T).amin(1)
     zero_spread = high <= low  # (groups,): every token alike (or no tokens)
-    adv = (r - mu_tok) / (sigma.repeat_interleave(group_size)[:, None] + eps)
+    adv = (r - mu_tok) / divisor.repeat_interleave(group_size)[:, None]
     keep = mask & ~zero_spread.repeat_interleave(group_size)[:, None]
     adv = torch.where(keep, adv, 0.0)
     stats = {

@@ -297,11 +297,13 @@ class Learner:
         advantage, so per-token rewards count there by their mean (said once, in the log)."""
         from gspo_trainer.advantages import group_advantages, token_group_advantages
 
-        alg = self.spec.algorithm
+        alg, scale = self.spec.algorithm, self.spec.algorithm.scale_rewards
         if packed.token_rewards is None:
-            return group_advantages(packed.rewards, alg.group_size)
+            return group_advantages(packed.rewards, alg.group_size, scale=scale)
         if alg.loss_level == "gspo-token":
-            return token_group_advantages(packed.token_rewards, packed.mask, alg.group_size)
+            return token_group_advantages(
+                packed.token_rewards, packed.mask, alg.group_size, scale=scale
+            )
         if self.rank == 0 and not self.warned_token_rewards:
             log.warning(
                 "The reward scores each response token, but algorithm.lossLevel %s "
@@ -311,7 +313,7 @@ class Learner:
                 alg.loss_level,
             )
             self.warned_token_rewards = True
-        return group_advantages(packed.rewards, alg.group_size)
+        return group_advantages(packed.rewards, alg.group_size, scale=scale)
 
     def _stats(
         self,
