@@ -27,6 +27,7 @@ KIND = "GSPOJob"
 
 LossLevel = Literal["gspo", "gspo-token", "grpo"]
 ScaleRewards = Literal["group", "batch", "none"]  # algorithm.scaleRewards (advantages.py)
+TokenBaseline = Literal["group", "position"]  # algorithm.tokenBaseline (advantages.py)
 OldLogprobSource = Literal["learner", "engine"]
 Dtype = Literal["bfloat16", "float16", "float32"]
 # model.attnImplementation: transformers' attn_implementation names the learner can run.
@@ -540,6 +541,16 @@ class AlgorithmConfig(Section):
             "group's standard deviation (the GSPO paper's Eq. 6, TRL's and verl's default); "
             "batch, the whole batch's (PPO Lite); none, nothing (Dr. GRPO), so a group whose "
             "responses score nearly alike moves the policy little instead of as much as any."
+        ),
+    )
+    token_baseline: TokenBaseline = Field(
+        "group",
+        description=(
+            "Under lossLevel gspo-token with a reward that scores each token, what each "
+            "token's reward is compared with: group, the mean over the group's responses of "
+            "each one's mean token reward; position, the mean reward at the token's position "
+            "over the group's responses that reach it, so a step moves only the tokens on "
+            "which the responses differ (docs/per-token-rewards.md)."
         ),
     )
     clip_low: float | None = Field(

@@ -102,6 +102,11 @@ CROSS_FIELD_CASES = [
     ({"algorithm": {"groupSize": 1}}, "spec.algorithm.groupSize", "2 or more"),
     ({"algorithm": {"clipLow": 0}}, "spec.algorithm.clipLow", "(0, 1)"),
     ({"algorithm": {"clipHigh": -0.1}}, "spec.algorithm.clipHigh", "> 0"),
+    (
+        {"algorithm": {"lossLevel": "gspo", "tokenBaseline": "position"}},
+        "spec.algorithm.tokenBaseline",
+        "set lossLevel to gspo-token or tokenBaseline to group",
+    ),
     ({"algorithm": {"promptsPerStep": 3, "groupSize": 3}}, "spec.algorithm.miniBatches", "9"),
     (
         {"algorithm": {"promptsPerStep": 4, "groupSize": 2, "miniBatches": 1}},

@@ -188,6 +188,39 @@ def test_token_advantages_unscaled_are_the_rewards_less_the_groups_mean() -> Non
     torch.testing.assert_close(adv, want)
 
 
+def test_a_position_baseline_compares_each_token_with_its_position() -> None:
+    """tokenBaseline position: a token is compared with the mean at its position of the
+    group's responses that reach it; sigma is the group's, as under the group baseline."""
+    r, mask = padded([[1.0, 0.0], [1.0, 1.0, 1.0]])
+    adv, stats = token_group_advantages(r, mask, group_size=2, baseline="position")
+    sigma = math.sqrt(0.3125 + 0.0625)  # test_token_advantages_hand_computed's
+    # Position 0: both right, no advantage; 1: 0 against 1, mean 0.5; 2: the longer alone.
+    want = torch.tensor([[0.0, -0.5, 0, 0, 0], [0.0, 0.5, 0.0, 0, 0]]) / (sigma + 1e-6)
+    torch.testing.assert_close(adv, want)
+    assert float(stats["zero_advantage_fraction"]) == 0.0
+
+
+def test_under_a_position_baseline_agreeing_responses_have_no_advantage() -> None:
+    """Responses alike at every position have exactly 0, however each token scores (0.7
+    thrice does not average to exactly 0.7 in floats), and count as a group without signal;
+    so does a token past every other response's end."""
+    G = 3
+    same = [[0.7, 0.1, 1.0]] * G  # identical responses, tokens scored unalike
+    longer = [[1.0, 0.0], [1.0, 0.0], [1.0, 0.0, 0.0]]  # one runs a token past the others
+    r, mask = padded([*same, *longer])
+    adv, stats = token_group_advantages(r, mask, group_size=G, baseline="position")
+    assert torch.equal(adv, torch.zeros_like(adv))
+    assert float(stats["zero_advantage_fraction"]) == 1.0
+    group, _ = token_group_advantages(r, mask, group_size=G)
+    assert group[:G][mask[:G]].abs().min() > 0  # the group baseline pushes each of them
+
+
+def test_an_unknown_baseline_is_named() -> None:
+    r, mask = padded([[1.0], [0.0]])
+    with pytest.raises(ValueError, match="baseline must be one of group, position; got 'mean'"):
+        token_group_advantages(r, mask, group_size=2, baseline="mean")
+
+
 def test_zero_spread_group_has_zero_advantage() -> None:
     r, mask = padded([[1.0, 1.0], [1.0], [0.0, 1.0], [1.0, 0.0, 1.0]])
     adv, stats = token_group_advantages(r, mask, group_size=2)
@@ -302,9 +335,13 @@ def test_weighted_components_mix_per_token_and_numbers() -> None:
 # --- a learner step -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("scale", ["group", "none"])
+@pytest.mark.parametrize(("scale", "baseline"), [("group", "group"), ("none", "position")])
 def test_a_learner_step_trains_gspo_token_on_per_token_advantages(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, scale: str
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    scale: str,
+    baseline: str,
 ) -> None:
     from learner_helpers import make_learner, params, tiny_spec
 
@@ -328,7 +365,12 @@ def test_a_learner_step_trains_gspo_token_on_per_token_advantages(
 
     monkeypatch.setattr(update_module, "_fused", fused)
     manifest = tiny_spec(
-        lossLevel="gspo-token", miniBatches=1, promptsPerStep=4, groupSize=4, scaleRewards=scale
+        lossLevel="gspo-token",
+        miniBatches=1,
+        promptsPerStep=4,
+        groupSize=4,
+        scaleRewards=scale,
+        tokenBaseline=baseline,
     )
     manifest["spec"]["reward"] = {"kind": "python", "function": "test_token_advantages:per_token"}
     manifest["spec"]["metrics"]["samplesEverySteps"] = 1
@@ -340,12 +382,15 @@ def test_a_learner_step_trains_gspo_token_on_per_token_advantages(
     packed, adv = seen[-1]
     assert adv.shape == packed.mask.shape  # one advantage per response token
     assert packed.token_rewards is not None
-    want, _ = token_group_advantages(packed.token_rewards, packed.mask, 4, scale=scale)
-    torch.testing.assert_close(adv, want)  # algorithm.scaleRewards reaches the advantages
-    other, _ = token_group_advantages(
-        packed.token_rewards, packed.mask, 4, scale="none" if scale == "group" else "group"
+    want, _ = token_group_advantages(
+        packed.token_rewards, packed.mask, 4, scale=scale, baseline=baseline
     )
-    assert not torch.allclose(adv, other)
+    torch.testing.assert_close(adv, want)  # scaleRewards and tokenBaseline reach them
+    for other in ({"scale": "group"}, {"baseline": "group"}) if scale != "group" else ():
+        found, _ = token_group_advantages(
+            packed.token_rewards, packed.mask, 4, **{"scale": scale, "baseline": baseline, **other}
+        )
+        assert not torch.allclose(adv, found), other
     # each token's reward is its own token's parity, laid at that token
     torch.testing.assert_close(
         packed.token_rewards[packed.mask], (packed.targets[packed.mask] % 2 == 0).float()

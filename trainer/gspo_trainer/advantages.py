@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     import torch
 
 SCALES = ("group", "batch", "none")  # algorithm.scaleRewards (gspo_api.spec.ScaleRewards)
+BASELINES = ("group", "position")  # algorithm.tokenBaseline (gspo_api.spec.TokenBaseline)
 
 
 def group_advantages(
@@ -71,6 +72,7 @@ def token_group_advantages(
     group_size: int,
     eps: float = 1e-6,
     scale: str = "group",
+    baseline: str = "group",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A_i,t = (r_i,t - mu_g) / (sigma_g + eps): each token's reward standardised against its
     group's token rewards, the responses weighing as GSPO-token's objective weighs them.
@@ -95,10 +97,23 @@ def token_group_advantages(
     mean), and with "none" there is no division: each equals `group_advantages` under the same
     `scale` when every token of a response is scored alike.
 
+    With `baseline` "position" (algorithm.tokenBaseline), the baseline of the token at
+    position t is the mean reward at position t of the group's responses that reach it,
+    b_g,t, in place of mu_g (sigma_g stays as above):
+        A_i,t = (r_i,t - b_g,t) / (sigma_g + eps)
+    so a position where every response of the group scores alike has no advantage, however
+    it scores. Under mu_g, a token right in every response is pushed up in each of them on
+    every step (its reward is above the group's mean whenever anything else is wrong), which
+    makes the policy deterministic wherever it already agrees with itself, a rule right on
+    most prompts included, before it has learned the prompts where the rule is wrong;
+    position by position, a step moves only the tokens on which the group's responses differ.
+    A response's extra tokens past every other response's end get no advantage: the token
+    that should have ended it, beside a response that did end there, carries the loss.
+
     token_rewards, mask (N, T), the response tokens where mask is True, N = groups x
-    group_size laid out contiguously. A group whose token rewards are all equal has exactly 0
-    advantage. Returns (advantages (N, T) float32, 0 where masked; stats as
-    `group_advantages`'s, of the responses' mean rewards).
+    group_size laid out contiguously. A group whose token rewards are all equal (under
+    "position": equal at each position) has exactly 0 advantage. Returns (advantages (N, T)
+    float32, 0 where masked; stats as `group_advantages`'s, of the responses' mean rewards).
     """
     import torch
 
@@ -108,6 +123,8 @@ def token_group_advantages(
         )
     if scale not in SCALES:
         raise ValueError(f"scale must be one of {', '.join(SCALES)}; got {scale!r}")
+    if baseline not in BASELINES:
+        raise ValueError(f"baseline must be one of {', '.join(BASELINES)}; got {baseline!r}")
     if token_rewards.dim() != 2 or token_rewards.shape != mask.shape:
         raise ValueError(
             f"token_rewards and mask must be (N, T) alike; got {tuple(token_rewards.shape)} "
@@ -135,11 +152,24 @@ def token_group_advantages(
         sigma = (dev2.sum() / max(dev2.numel() - 1, 1)).sqrt().expand_as(sigma)
     divisor = sigma + eps if scale != "none" else torch.ones_like(sigma)
     inf = torch.full_like(r, float("inf"))
-    high = torch.where(mask, r, -inf).view(-1, group_size * T).amax(1)
-    low = torch.where(mask, r, inf).view(-1, group_size * T).amin(1)
-    zero_spread = high <= low  # (groups,): every token alike (or no tokens)
-    adv = (r - mu_tok) / divisor.repeat_interleave(group_size)[:, None]
-    keep = mask & ~zero_spread.repeat_interleave(group_size)[:, None]
+    if baseline == "position":
+        grouped, present = r.view(-1, group_size, T), mask.view(-1, group_size, T)
+        reach = present.sum(1)  # (groups, T): responses with a token at t
+        base = grouped.sum(1) / reach.clamp(min=1)  # (groups, T); masked r are 0
+        high = torch.where(present, grouped, -inf.view_as(grouped)).amax(1)
+        low = torch.where(present, grouped, inf.view_as(grouped)).amin(1)
+        alike = high <= low  # (groups, T): every response reaching t scores alike there
+        zero_spread = alike.all(1)  # (groups,)
+        adv = (r - base.repeat_interleave(group_size, 0)) / divisor.repeat_interleave(group_size)[
+            :, None
+        ]
+        keep = mask & ~alike.repeat_interleave(group_size, 0)
+    else:
+        high = torch.where(mask, r, -inf).view(-1, group_size * T).amax(1)
+        low = torch.where(mask, r, inf).view(-1, group_size * T).amin(1)
+        zero_spread = high <= low  # (groups,): every token alike (or no tokens)
+        adv = (r - mu_tok) / divisor.repeat_interleave(group_size)[:, None]
+        keep = mask & ~zero_spread.repeat_interleave(group_size)[:, None]
     adv = torch.where(keep, adv, 0.0)
     stats = {
         "zero_advantage_fraction": zero_spread.float().mean(),

@@ -302,7 +302,11 @@ class Learner:
             return group_advantages(packed.rewards, alg.group_size, scale=scale)
         if alg.loss_level == "gspo-token":
             return token_group_advantages(
-                packed.token_rewards, packed.mask, alg.group_size, scale=scale
+                packed.token_rewards,
+                packed.mask,
+                alg.group_size,
+                scale=scale,
+                baseline=alg.token_baseline,
             )
         if self.rank == 0 and not self.warned_token_rewards:
             log.warning(

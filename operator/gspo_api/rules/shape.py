@@ -79,6 +79,17 @@ SHAPE_RULES = (
     ),
     Rule(
         at="algorithm",
+        field="tokenBaseline",
+        cel="self.tokenBaseline == 'group' || self.lossLevel == 'gspo-token'",
+        check=lambda s: (
+            s.algorithm.token_baseline == "group" or s.algorithm.loss_level == "gspo-token"
+        ),
+        message="position compares per-token rewards, which only lossLevel gspo-token trains "
+        "on; set lossLevel to gspo-token or tokenBaseline to group",
+        reason=FORBIDDEN,
+    ),
+    Rule(
+        at="algorithm",
         field="miniBatches",
         cel="(self.promptsPerStep * self.groupSize) % self.miniBatches == 0",
         check=lambda s: _responses(s) % s.algorithm.mini_batches == 0,
