@@ -266,27 +266,6 @@ def test_a_lock_file_that_is_not_a_regular_file_is_refused(tmp_path: Path, kind:
     assert victim.read_text() == "keep me\n"
 
 
-def test_the_token_file_is_its_owners_alone(tmp_path: Path) -> None:
-    """A token file left readable by others (or longer) by an earlier run is truncated and made
-    0600: opening with a mode sets it only on a new file."""
-    path = tmp_path / train.TOKEN_FILE
-    path.write_text("an earlier run's much longer token\n")
-    path.chmod(0o644)
-    train.write_token_file(path, "t0ken")
-    assert path.read_text() == "t0ken\n"
-    assert path.stat().st_mode & 0o777 == 0o600
-
-
-def test_a_token_file_that_is_a_symbolic_link_is_refused(tmp_path: Path) -> None:
-    """Followed, the link would put the token in (and truncate) any file the user can write."""
-    victim = tmp_path / "notes.txt"
-    victim.write_text("keep me\n")
-    (tmp_path / train.TOKEN_FILE).symlink_to(victim)
-    with pytest.raises(RuntimeError, match="is a symbolic link; remove it"):
-        train.write_token_file(tmp_path / train.TOKEN_FILE, "t0ken")
-    assert victim.read_text() == "keep me\n"
-
-
 def test_a_manifest_without_a_spec_is_named_as_one(tmp_path: Path) -> None:
     """kind: GSPOJob with no spec was read as a bare spec: 'spec.kind: unknown field'."""
     job = tmp_path / "job.yaml"
