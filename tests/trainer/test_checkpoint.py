@@ -319,6 +319,19 @@ def test_a_resume_after_a_mini_batches_edit_keeps_the_schedules_share(
     assert run(resumed) == 0 and resumed.engine.lr_scheduler.last_epoch == 16
 
 
+def test_the_resumed_schedule_position_is_the_checkpoints_in_the_specs_units() -> None:
+    """The checkpoint's count stands (under fp16 it trails step x miniBatches by the updates
+    DeepSpeed skipped for a loss-scale overflow, and the resumed run goes on as the
+    uninterrupted one would), rescaled by a miniBatches edit; without one, step x miniBatches."""
+    from gspo_trainer.engine import resumed_updates
+
+    assert resumed_updates(10, 2, 17, 2) == 17  # 3 overflow skips kept
+    assert resumed_updates(10, 4, 20, 2) == 40
+    assert resumed_updates(10, 1, 17, 2) == 8  # rounded
+    assert resumed_updates(10, 2, 17, None) == 17  # an earlier release's state: kept
+    assert resumed_updates(10, 2, None, None) == 20
+
+
 def test_a_checkpoint_at_a_constant_rate_holds_the_schedules_position(
     cache: Path, tmp_path: Path
 ) -> None:

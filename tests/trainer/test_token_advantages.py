@@ -202,11 +202,12 @@ def test_a_position_baseline_compares_each_token_with_its_position() -> None:
 
 def test_under_a_position_baseline_agreeing_responses_have_no_advantage() -> None:
     """Responses alike at every position have exactly 0, however each token scores (0.7
-    thrice does not average to exactly 0.7 in floats), and count as a group without signal;
-    so does a token past every other response's end."""
-    G = 3
+    seven times does not average to exactly 0.7 in float32: unguarded, the rounding would be
+    divided by the group's spread), and count as a group without signal; so does a token
+    past every other response's end."""
+    G = 7
     same = [[0.7, 0.1, 1.0]] * G  # identical responses, tokens scored unalike
-    longer = [[1.0, 0.0], [1.0, 0.0], [1.0, 0.0, 0.0]]  # one runs a token past the others
+    longer = [[1.0, 0.0]] * (G - 1) + [[1.0, 0.0, 0.0]]  # one runs a token past the others
     r, mask = padded([*same, *longer])
     adv, stats = token_group_advantages(r, mask, group_size=G, baseline="position")
     assert torch.equal(adv, torch.zeros_like(adv))
@@ -419,3 +420,28 @@ def test_a_learner_step_trains_gspo_token_on_per_token_advantages(
     assert seen[-1][1].shape == seen[-1][0].rewards.shape
     notes = [r for r in caplog.records if "spec.algorithm.lossLevel to gspo-token" in r.message]
     assert len(notes) == 1
+
+
+def test_a_position_baseline_over_one_reward_per_response_is_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """tokenBaseline position with a reward that scored each response with one number (a
+    math reward, say): the group's mean is the baseline, and rank 0 says so once."""
+    from types import SimpleNamespace
+
+    from learner_helpers import tiny_spec
+
+    from gspo_api.validation import parse_spec
+    from gspo_trainer.learner import Learner
+
+    manifest = tiny_spec(lossLevel="gspo-token", tokenBaseline="position", groupSize=2)
+    learner = SimpleNamespace(
+        spec=parse_spec(manifest["spec"]), rank=0, warned_token_baseline=False
+    )
+    packed = SimpleNamespace(token_rewards=None, rewards=torch.tensor([0.0, 1.0, 1.0, 1.0]))
+    with caplog.at_level(logging.WARNING, logger="gspo.learner"):
+        for _ in range(2):
+            adv, _ = Learner._advantages(learner, packed)  # type: ignore[arg-type]
+    torch.testing.assert_close(adv, group_advantages(packed.rewards, 2)[0])
+    notes = [r for r in caplog.records if "tokenBaseline position compares" in r.message]
+    assert len(notes) == 1 and "set tokenBaseline to group" in notes[0].message

@@ -2,12 +2,15 @@
 (`group_advantages`, GSPO's Eq. 6), or one per response token from per-token rewards
 (`token_group_advantages`, for GSPO-token's Eq. 13-14).
 
-Each is a reward less its group's mean, divided by a spread that algorithm.scaleRewards picks
-(TRL's `scale_rewards`, verl's `norm_adv_by_std_in_grpo`): "group", the group's standard
-deviation (the paper's); "batch", the whole batch's (Hu et al. 2025, PPO Lite), so groups keep
-their relative sizes; "none", nothing (Liu et al. 2025, Dr. GRPO): dividing by the group's own
-spread gives a group whose responses score nearly alike advantages as large as any's, so the
-policy is pushed hardest where it already agrees with itself."""
+Each is a reward less a baseline (the group's mean; per token, optionally the mean at the
+token's position: algorithm.tokenBaseline), divided by a spread that algorithm.scaleRewards
+picks (TRL's `scale_rewards`, verl's `norm_adv_by_std_in_grpo`): "group", the group's standard
+deviation (the paper's); "batch", the whole batch's (Lite PPO, Liu et al. 2025, arXiv
+2508.08221), so groups keep their relative sizes; "none", nothing (the advantage of Dr. GRPO,
+Liu et al. 2025, arXiv 2503.20783, which also drops the length normalisation kept here):
+dividing by the group's own spread gives a group whose responses score nearly alike
+advantages as large as any's, so the policy is pushed hardest where it already agrees with
+itself."""
 
 from __future__ import annotations
 

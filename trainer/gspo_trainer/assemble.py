@@ -150,7 +150,7 @@ def assemble(
         ranks,
         metrics,
         state,
-        functools.partial(trainer_state, state, draws),
+        functools.partial(trainer_state, state, draws, spec.algorithm.mini_batches),
     )
     report = StepReport(metrics, state, trackers, Path(history_path) if history_path else None)
     pad_id = tokenizer.pad_token_id
@@ -209,13 +209,14 @@ def eval_examples(
     return examples
 
 
-def trainer_state(state: LearnerState, draws: PromptDraws) -> dict[str, Any]:
+def trainer_state(state: LearnerState, draws: PromptDraws, mini_batches: int) -> dict[str, Any]:
     """What a checkpoint keeps beside the engine: the data position is the one after the
     last trained step's draw (prompts drawn ahead for run-ahead collection are drawn again
-    on resume)."""
+    on resume); the mini-batches a step made, which the lr schedule's position counts in."""
     return {
         "step": state.step,
         "data": draws.position(state.step),
         "rng": ckpt.rng_state(),
         "policy_version": state.policy_version,
+        "mini_batches": mini_batches,
     }

@@ -285,18 +285,20 @@ def save_state(
     return hash_files(tmp, sorted(rels), rank)
 
 
-def load_state(engine: Any, ckpt: Path, rank: int) -> dict[str, Any]:
-    """The engine loaded from `ckpt`, and this rank's trainer state. A checkpoint an earlier
-    release wrote under a constant rate holds no lr schedule position, and DeepSpeed would hand
-    LambdaLR.load_state_dict that None: it is skipped, as the position is set from the step
-    resumed at anyway (engine.apply_optimizer_settings)."""
+def load_state(engine: Any, ckpt: Path, rank: int) -> tuple[dict[str, Any], int | None]:
+    """The engine loaded from `ckpt`, and this rank's trainer state and the lr schedule's
+    position (the optimizer updates it counted), None when the checkpoint holds none: one an
+    earlier release wrote under a constant rate, for which DeepSpeed would hand
+    LambdaLR.load_state_dict that None (engine.resumed_updates says what is used then)."""
     import torch
 
-    scheduler = engine.lr_scheduler
+    scheduler, found = engine.lr_scheduler, [True]
     load_schedule = scheduler.load_state_dict
 
     def load_position(state: dict[str, Any] | None) -> None:
-        if state is not None:
+        if state is None:
+            found[0] = False
+        else:
             load_schedule(state)
 
     scheduler.load_state_dict = load_position
@@ -308,7 +310,8 @@ def load_state(engine: Any, ckpt: Path, rank: int) -> dict[str, Any]:
         del scheduler.load_state_dict  # the class's own again
     if path is None:
         raise RuntimeError(f"checkpoint {ckpt}: DeepSpeed could not load {ENGINE_TAG}/")
-    return torch.load(ckpt / f"trainer-rank{rank}.pt", weights_only=False)
+    state = torch.load(ckpt / f"trainer-rank{rank}.pt", weights_only=False)
+    return state, int(scheduler.last_epoch) if found[0] else None
 
 
 def rng_state() -> dict[str, Any]:

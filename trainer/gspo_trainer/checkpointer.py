@@ -48,6 +48,7 @@ class Checkpointer:
         self.ranks, self.metrics, self.state = ranks, metrics, state
         self.trainer_state = trainer_state
         self.failures = 0  # consecutive
+        self.schedule_position: int | None = None  # the resumed checkpoint's (load_state)
 
     def checkpoint(self, *, final: bool = False) -> None:
         """Save, and stop the run rather than train on without checkpoints: a final one that
@@ -135,7 +136,7 @@ class Checkpointer:
         found = self._newest_intact()
         if found is None:
             return None
-        state = ckpt.load_state(self.engine, found, self.ranks.rank)
+        state, self.schedule_position = ckpt.load_state(self.engine, found, self.ranks.rank)
         ckpt.set_rng_state(state["rng"])
         self.state.step = int(state["step"])
         self.state.last_checkpoint, self.state.last_checkpoint_step = found.name, self.state.step

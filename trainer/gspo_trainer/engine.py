@@ -185,17 +185,30 @@ def schedule_updates(spec: GSPOJobSpec) -> tuple[int, int]:
     return spec.algorithm.warmup_steps * per_step, spec.algorithm.max_steps * per_step
 
 
+def resumed_updates(
+    step: int, mini_batches: int, position: int | None, saved_mini_batches: int | None
+) -> int:
+    """The lr schedule's position on a resume at `step`: the checkpoint's `position` (the
+    updates its scheduler counted: under fp16 DeepSpeed does not count an update skipped
+    for a loss-scale overflow, so it may trail step x miniBatches, and the run goes on as
+    it would have), rescaled when the checkpoint's run made `saved_mini_batches` updates a
+    step and the spec now makes `mini_batches`, so the schedule stands at the same share of
+    its warm-up and decay as the step does; step x miniBatches for a checkpoint without one
+    (an earlier release's, under a constant rate)."""
+    if position is None:
+        return step * mini_batches
+    if saved_mini_batches and saved_mini_batches != mini_batches:
+        return round(position * mini_batches / saved_mini_batches)
+    return position
+
+
 def apply_optimizer_settings(engine: Any, spec: GSPOJobSpec, updates: int) -> None:
     """The spec's learning rate, betas, weight decay, gradient clip and schedule position on
     an engine just resumed. torch's Optimizer.load_state_dict restores every group's
     hyperparameters, LambdaLR its base rates and position, and DeepSpeed's ZeRO-1/2 and bf16
     optimizers their clip, from the checkpoint: without this, `gspo train` run again on an
     edited job file (a lower learningRate, another adamBeta2) would go on with the old values
-    and say nothing. `updates`: the optimizer updates the steps made count at the spec's
-    algorithm.miniBatches (schedule_updates' unit), so a schedule resumed after a miniBatches
-    edit stands at the same share of its warm-up and decay as the step does; the checkpoint's
-    position counts the old mini-batches (and one an earlier release wrote under a constant
-    rate holds none)."""
+    and say nothing. `updates`: the schedule's position (resumed_updates)."""
     alg, scheduler = spec.algorithm, engine.lr_scheduler
     scheduler.last_epoch = updates
     for i, group in enumerate(engine.optimizer.param_groups):

@@ -27,7 +27,7 @@ from gspo_api.progress import LearnerProgress
 from gspo_api.spec import GSPOJobSpec
 from gspo_trainer import device
 from gspo_trainer.assemble import LearnerParts, assemble
-from gspo_trainer.engine import apply_optimizer_settings
+from gspo_trainer.engine import apply_optimizer_settings, resumed_updates
 from gspo_trainer.metrics import LearnerMetrics
 from gspo_trainer.samples import pick_samples
 from gspo_trainer.step.batch import Packed, pack
@@ -70,6 +70,7 @@ class Learner:
         self.checkpointer, self.report = parts.checkpointer, parts.report
         self.draws, self.eval_examples = parts.draws, parts.eval_examples
         self.warned_token_rewards = False  # per-token rewards under a per-response lossLevel
+        self.warned_token_baseline = False  # tokenBaseline position, one reward per response
 
     @classmethod
     def build(
@@ -172,8 +173,13 @@ class Learner:
         state = self.checkpointer.resume()
         if state is not None:
             self.draws.resume(state["data"], self.state.step)
-            made = self.state.step * self.spec.algorithm.mini_batches
-            apply_optimizer_settings(self.engine, self.spec, made)
+            updates = resumed_updates(
+                self.state.step,
+                self.spec.algorithm.mini_batches,
+                self.checkpointer.schedule_position,
+                state.get("mini_batches"),
+            )
+            apply_optimizer_settings(self.engine, self.spec, updates)
         return self.state.step
 
     async def _await_fleet(self, *, starting: bool = False) -> None:
@@ -299,6 +305,15 @@ class Learner:
 
         alg, scale = self.spec.algorithm, self.spec.algorithm.scale_rewards
         if packed.token_rewards is None:
+            if alg.token_baseline == "position" and self.rank == 0:
+                if not self.warned_token_baseline:
+                    log.warning(
+                        "algorithm.tokenBaseline position compares per-token rewards, but "
+                        "the reward scored each response with one number: its advantage is "
+                        "against the group's mean; return one score per token (reward.kind "
+                        "positional, or a python reward's list) or set tokenBaseline to group"
+                    )
+                self.warned_token_baseline = True
             return group_advantages(packed.rewards, alg.group_size, scale=scale)
         if alg.loss_level == "gspo-token":
             return token_group_advantages(

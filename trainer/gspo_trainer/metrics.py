@@ -42,7 +42,8 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
     "response_length": ("gspo_response_length_mean", "Mean response length in tokens."),
     "zero_advantage_fraction": (
         "gspo_zero_advantage_fraction",
-        "Share of prompt groups whose rewards all agree (no learning signal).",
+        "Share of prompt groups with no learning signal: rewards all alike (under "
+        "algorithm.tokenBaseline position, alike at every position).",
     ),
     "logprob_mismatch": (
         "gspo_logprob_mismatch",
