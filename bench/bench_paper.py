@@ -2,7 +2,7 @@
 GSPO-token on a task with long answers and a 16-expert MoE, the same compute per run.
 
 Runs `gspo train` (real vLLM rollout server, real learner) once per variant and seed on the
-same job (examples/sort-distinct.yaml: sort 7-10 distinct digits, partial credit per
+same job (examples/sort-distinct.yaml: sort 6-10 distinct digits, partial credit per
 position: the built-in long-answer task learned furthest here, BENCHMARKS.md) with the model
 swapped for builtin:tiny-qwen3-moe-16e (16 experts, top-2, 4 layers) and the routing drift
 measured every step (metrics.diagnosticsEverySteps 1), one run after the other. Every run has
@@ -12,7 +12,8 @@ the same steps, batch and learning rate; the variants differ only in the objecti
     grpo          token ratio, clip 0.2/0.27 (the paper's baseline)
     grpo-replay   grpo with algorithm.routingReplay: the update routes each token to the
                   experts πold chose (the paper's §5.3)
-    gspo-token    GSPO-token, per-token advantages from the positional reward (Eq. 13-14)
+    gspo-token    GSPO-token, per-token advantages from the positional reward (Eq. 13-14),
+                  under the job's algorithm.tokenBaseline
 
 It prints per variant and seed the final greedy (exact-answer) accuracy, the steps and
 training seconds to TARGET, the mean clipped-token fraction, the mean routing drift per
@@ -44,10 +45,13 @@ from bench_train import run as run_train  # noqa: E402
 
 from gspo_trainer.plot import moving_average, read_history  # noqa: E402
 
+# The objectives with one advantage per response compare each response with its group's
+# mean (tokenBaseline group); gspo-token keeps the job's own (the example's: position).
+_GROUP = ["--set", "algorithm.tokenBaseline=group"]
 VARIANTS: dict[str, tuple[str, list[str]]] = {  # name: (lossLevel, more gspo train arguments)
-    "gspo": ("gspo", []),
-    "grpo": ("grpo", []),
-    "grpo-replay": ("grpo", ["--set", "algorithm.routingReplay=true"]),
+    "gspo": ("gspo", _GROUP),
+    "grpo": ("grpo", _GROUP),
+    "grpo-replay": ("grpo", [*_GROUP, "--set", "algorithm.routingReplay=true"]),
     "gspo-token": ("gspo-token", []),
 }
 

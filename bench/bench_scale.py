@@ -6,7 +6,7 @@ halves of the machine) outweigh its work. This bench runs both sides (bench_peer
 1.16's GRPOTrainer set up as GSPO, `gspo train` with its vLLM server and learner) on the
 same job at growing widths of the built-in Qwen3-MoE shape (2 layers, 4 experts, top-2;
 model_shape.tiny_config_fields) and on two tasks: the embedded default's addition (one digit
-and EOS) and builtin:sort-distinct (examples/sort-distinct.yaml: 8 to 11 response tokens;
+and EOS) and builtin:sort-distinct (examples/sort-distinct.yaml: 7 to 11 response tokens;
 lossLevel gspo on both sides, TRL's GSPO taking one reward per response). Both load one
 model directory per width and seed, so the initial weights are the same.
 
@@ -75,7 +75,9 @@ def job_file(task: str, model: Path, steps: int, out: Path) -> Path:
     manifest = copy.deepcopy(read_job_file(str(source)) if source else tiny_manifest())
     spec = manifest["spec"]
     spec["model"]["name"] = str(model)
-    spec["algorithm"].update(maxSteps=steps, evalEverySteps=0, lossLevel="gspo")
+    spec["algorithm"].update(
+        maxSteps=steps, evalEverySteps=0, lossLevel="gspo", tokenBaseline="group"
+    )
     spec.setdefault("checkpoint", {})["everySteps"] = steps
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{task}-{model.name}.yaml"

@@ -24,14 +24,16 @@ each), so every built-in model and the rollout servers' copy of its tokenizer se
   EOS (11) GSPO learns it further than builtin:sort on this CPU, and builtin:sort-distinct
   further still (BENCHMARKS.md). Split
   like builtin:sort: 10,000 training problems, 100 held-out ones.
-- `builtin:sort-distinct`: 7 to 10 distinct digits in random order, answered by the same
-  digits in ascending order ("39420157=" -> "01234579"): 9.5 response tokens on average, EOS
-  included, from 8 to 11. Each answer token is the smallest prompt digit above the one before
+- `builtin:sort-distinct`: 6 to 10 distinct digits in random order, answered by the same
+  digits in ascending order ("39420157=" -> "01234579"): 9 response tokens on average, EOS
+  included, from 7 to 11. Each answer token is the smallest prompt digit above the one before
   it, and EOS follows the largest: a lookup that attention does in one step, where
   builtin:sort3's counts are a sum over the whole prompt. The policy learns that answers run
-  up from 0 early; what remains is to skip the 0 to 3 digits the prompt lacks (and the
-  held-out prompts are orders never trained on, of sets the training saw). Split like
-  builtin:sort.
+  up from 0 early; what remains is to skip the 0 to 4 digits the prompt lacks (and the
+  held-out prompts are orders never trained on, of sets the training saw). From 6 digits, not
+  7: a prompt then lacks 2 digits on average, not 1.5 (the 0 one prompt in 5, not 7), so
+  counting up from 0 is wrong often enough that the policy learns the lookup before it makes
+  the count deterministic (BENCHMARKS.md). Split like builtin:sort.
 
 Pure and without torch: validation reads the lengths, data.py the problems.
 """
@@ -47,7 +49,7 @@ Problem = tuple[str, str]  # (prompt, answer): the answer without EOS
 SORT_MIN_DIGITS, SORT_MAX_DIGITS = 5, 12
 SORT_TRAIN_PROBLEMS, SORT_EVAL_PROBLEMS = 10_000, 100
 SORT3_SYMBOLS, SORT3_MIN_DIGITS, SORT3_MAX_DIGITS = "012", 7, 10
-DISTINCT_MIN_DIGITS, DISTINCT_MAX_DIGITS = 7, 10
+DISTINCT_MIN_DIGITS, DISTINCT_MAX_DIGITS = 6, 10
 
 
 @dataclass(frozen=True)
@@ -123,9 +125,8 @@ class DistinctSortProblems(SortProblems):
 
 SORT = SortProblems("builtin:sort", "0123456789", SORT_MIN_DIGITS, SORT_MAX_DIGITS)
 SORT3 = SortProblems("builtin:sort3", SORT3_SYMBOLS, SORT3_MIN_DIGITS, SORT3_MAX_DIGITS)
-# Seeded with the name its benchmarks ran under (BENCHMARKS.md): the same problems as theirs.
 SORT_DISTINCT = DistinctSortProblems(
-    "builtin:sort-distinct", "0123456789", DISTINCT_MIN_DIGITS, DISTINCT_MAX_DIGITS, "builtin:sortd"
+    "builtin:sort-distinct", "0123456789", DISTINCT_MIN_DIGITS, DISTINCT_MAX_DIGITS
 )
 sort_eval_problems, sort_train_problems = SORT.evaluation, SORT.train
 
