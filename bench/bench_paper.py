@@ -6,7 +6,8 @@ same job (examples/sort-distinct.yaml: sort 6-10 distinct digits, partial credit
 position: the built-in long-answer task learned furthest here, BENCHMARKS.md) with the model
 swapped for builtin:tiny-qwen3-moe-16e (16 experts, top-2, 4 layers) and the routing drift
 measured every step (metrics.diagnosticsEverySteps 1), one run after the other. Every run has
-the same steps, batch and learning rate; the variants differ only in the objective:
+the same steps, batch and learning rate; the variants differ only in the objective (and
+gspo-token's per-token baseline, the job's tokenBaseline; the others take the group's):
 
     gspo          sequence ratio, clip 3e-4/4e-4 (the paper's Eq. 5-7)
     grpo          token ratio, clip 0.2/0.27 (the paper's baseline)

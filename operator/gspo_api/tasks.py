@@ -31,9 +31,10 @@ each), so every built-in model and the rollout servers' copy of its tokenizer se
   builtin:sort3's counts are a sum over the whole prompt. The policy learns that answers run
   up from 0 early; what remains is to skip the 0 to 4 digits the prompt lacks (and the
   held-out prompts are orders never trained on, of sets the training saw). From 6 digits, not
-  7: a prompt then lacks 2 digits on average, not 1.5 (the 0 one prompt in 5, not 7), so
-  counting up from 0 is wrong often enough that the policy learns the lookup before it makes
-  the count deterministic (BENCHMARKS.md). Split like builtin:sort.
+  7: a prompt then lacks 2 digits on average, not 1.5 (the 0 one prompt in 5, not 7), so that
+  counting up from 0 is wrong more often, for the policy to learn the lookup before it makes
+  the count deterministic (with the group baseline alone it did not, on the seeds measured:
+  BENCHMARKS.md). Split like builtin:sort.
 
 Pure and without torch: validation reads the lengths, data.py the problems.
 """

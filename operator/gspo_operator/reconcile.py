@@ -267,7 +267,12 @@ async def _ensure_children(
         desired = [o for o in desired if o["kind"] != "JobSet"]
     observed = _children_seen(ctx, key, body["metadata"].get("uid"))
     uid = body["metadata"]["uid"]
-    observed.update(await _unwatched_children(ctx, key, uid, desired))
+    try:
+        observed.update(await _unwatched_children(ctx, key, uid, desired))
+    except _ReadRefused as refused:  # RBAC without get on Secrets, say: into the status
+        ctx.job(key).unwatched = None
+        read = _refusal(refused.what, "read", refused.error)  # a transient one raises
+        return status.ChildrenSeen(desired=len(desired), refusal=read)
     plan = plan_children(desired, observed, uid)
     made: list[str] = []
     unserved: list[str] = []  # kinds the cluster does not serve
@@ -496,6 +501,14 @@ def _expect(ctx: Context, key: Key, obj: Obj, *, created: bool) -> None:
     ctx.job(key).expected[(view.kind, view.name)] = (view, until, created)
 
 
+class _ReadRefused(Exception):
+    """A read of an unwatched child answered with an error: which child, and the error."""
+
+    def __init__(self, what: str, error: ApiError) -> None:
+        super().__init__(f"{what}: {error}")
+        self.what, self.error = what, error
+
+
 async def _unwatched_children(
     ctx: Context, key: Key, uid: str, desired: list[Obj]
 ) -> dict[ChildKey, ChildView]:
@@ -515,7 +528,7 @@ async def _unwatched_children(
         except ApiError as exc:
             if exc.status == 404:
                 return None  # the kind itself is not served
-            raise
+            raise _ReadRefused(f"{obj['kind']} {obj['metadata']['name']}", exc) from exc
         return None if found is None else ChildView.from_object(found)
 
     views = await asyncio.gather(*(get(o) for o in wanted))

@@ -219,8 +219,9 @@ class Store(dict[tuple[Key, str, str], Obj]):
 @attrs.define
 class Fault:
     """An error answer a test makes the API server give, `times` times, to requests of one verb
-    on one resource (plural), the way kube-apiserver words it: a Status body with the code,
-    reason and message, and Retry-After on 429 as its priority-and-fairness filter sends it."""
+    on one resource (plural), or on one object of it by `name`, the way kube-apiserver words
+    it: a Status body with the code, reason and message, and Retry-After on 429 as its
+    priority-and-fairness filter sends it."""
 
     method: str  # POST, GET, PATCH, PUT, DELETE
     plural: str
@@ -229,6 +230,7 @@ class Fault:
     message: str
     times: int = 1_000_000
     retry_after_s: int | None = None
+    name: str | None = None  # only requests naming this object (RBAC's resourceNames)
 
     def response(self) -> aiohttp.web.Response:
         body = {
@@ -501,7 +503,12 @@ class ApiServer(kmock.KubernetesScaffold):
         self.served += 1
         method = request.method.value if request.method else "GET"
         for fault in self.faults:
-            if fault.times > 0 and fault.method == method and fault.plural == key[2]:
+            if (
+                fault.times > 0
+                and fault.method == method
+                and fault.plural == key[2]
+                and fault.name in (None, request.name)
+            ):
                 fault.times -= 1
                 return fault.response()
         ns = request.namespace or ""

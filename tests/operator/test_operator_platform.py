@@ -72,6 +72,33 @@ async def test_a_refusal_that_can_clear_blocks_the_job_until_it_clears(
         assert job_status(api)["phase"] == "Pending"
 
 
+@pytest.mark.parametrize("secret", ["tiny-job-token", "tiny-sync-token"])
+async def test_a_refused_read_of_a_token_secret_blocks_the_job_naming_it(
+    run_operator, progress, secret
+) -> None:
+    """The operator reads the job's Secret by name (Secrets are not watched) and, before
+    creating it, the one an earlier release named J-sync-token (its pods may still hold that
+    token). RBAC refusing either read blocks the job naming the Secret and the verb, where it
+    used to back off and retry with only a log line; nothing runs meanwhile, and once the read
+    is allowed the job goes on."""
+    message = f'secrets "{secret}" is forbidden: User "gspo" cannot get resource "secrets"'
+    async with api_server() as api, run_operator(api):
+        api.faults.append(Fault("GET", "secrets", 403, "Forbidden", message, name=secret))
+        await create(api, tiny_job(progress_port=progress.port))
+        blocked = await eventually(
+            lambda: (c := cond(api, "Blocked")) and c["status"] == "True" and c, what="Blocked"
+        )
+        assert blocked["reason"] == "Forbidden", blocked
+        assert f"Secret {secret}" in blocked["message"] and message in blocked["message"]
+        assert job_status(api)["phase"] == "Blocked"
+        assert not api.list_kind("Pod", NS)
+
+        api.faults.clear()
+        await created(api)
+        assert api.get("Secret", NS, "tiny-job-token") is not None
+        await eventually(lambda: len(pods_of(api, "learner")) == 2, what="learner pods")
+
+
 async def test_an_invalid_child_422_fails_the_job_with_the_api_servers_words(
     run_operator, progress
 ) -> None:

@@ -329,6 +329,7 @@ def test_the_resumed_schedule_position_is_the_checkpoints_in_the_specs_units() -
     assert resumed_updates(10, 4, 20, 2) == 40
     assert resumed_updates(10, 1, 17, 2) == 8  # rounded
     assert resumed_updates(10, 2, 17, None) == 17  # an earlier release's state: kept
+    assert resumed_updates(10, 4, 20, None) == 40  # ... its 2 a step read off the count
     assert resumed_updates(10, 2, None, None) == 20
 
 

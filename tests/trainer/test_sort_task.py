@@ -301,3 +301,25 @@ def test_the_sort_distinct_example_is_valid_and_capped_at_the_longest_answer() -
     assert spec.data.source == "builtin:sort-distinct"
     assert spec.algorithm.max_response_tokens == DISTINCT_MAX_DIGITS + 1  # the answer, EOS
     assert spec.reward.kind == "positional" and spec.algorithm.loss_level == "gspo-token"
+    assert spec.algorithm.token_baseline == "position"
+
+
+@pytest.mark.parametrize("level", ["gspo", "grpo", "gspo-token"])
+def test_the_loss_level_flag_on_the_example_keeps_a_valid_spec(level: str) -> None:
+    """`gspo train examples/sort-distinct.yaml --loss-level gspo` (bench_train's default
+    levels): a per-response objective takes the group's baseline, which the example's
+    tokenBaseline position would refuse; gspo-token keeps it."""
+    import argparse
+
+    from gspo_trainer.train import job_manifest
+
+    args = argparse.Namespace(
+        config=str(REPO / "examples/sort-distinct.yaml"),
+        overrides=[],
+        max_steps=None,
+        seed=None,
+        loss_level=level,
+    )
+    spec = parse_spec(job_manifest(args)["spec"])
+    assert spec.algorithm.loss_level == level
+    assert spec.algorithm.token_baseline == ("position" if level == "gspo-token" else "group")

@@ -193,10 +193,13 @@ def resumed_updates(
     for a loss-scale overflow, so it may trail step x miniBatches, and the run goes on as
     it would have), rescaled when the checkpoint's run made `saved_mini_batches` updates a
     step and the spec now makes `mini_batches`, so the schedule stands at the same share of
-    its warm-up and decay as the step does; step x miniBatches for a checkpoint without one
-    (an earlier release's, under a constant rate)."""
+    its warm-up and decay as the step does (a checkpoint an earlier release wrote records no
+    miniBatches: read off its count when that is a whole number a step); step x miniBatches
+    for a checkpoint without a position (an earlier release's, under a constant rate)."""
     if position is None:
         return step * mini_batches
+    if saved_mini_batches is None and step > 0 and position % step == 0:
+        saved_mini_batches = position // step  # an earlier release's checkpoint: no record
     if saved_mini_batches and saved_mini_batches != mini_batches:
         return round(position * mini_batches / saved_mini_batches)
     return position

@@ -66,7 +66,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--loss-level",
         choices=["gspo", "gspo-token", "grpo"],
-        help="override spec.algorithm.lossLevel (and its clip range)",
+        help="override spec.algorithm.lossLevel (its clip range, and tokenBaseline group "
+        "for gspo and grpo)",
     )
     p.add_argument("--seed", type=int, help="override spec.algorithm.seed")
     p.add_argument(
@@ -144,6 +145,8 @@ def job_manifest(args: argparse.Namespace) -> dict[str, Any]:
         alg["lossLevel"] = args.loss_level
         alg.pop("clipLow", None)  # the level's own default range
         alg.pop("clipHigh", None)
+        if args.loss_level != "gspo-token":  # per-token baselines are gspo-token's alone
+            alg.pop("tokenBaseline", None)
     return manifest
 
 
