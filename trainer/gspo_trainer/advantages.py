@@ -14,13 +14,15 @@ itself."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
+
+from gspo_api.spec import ScaleRewards, TokenBaseline
 
 if TYPE_CHECKING:
     import torch
 
-SCALES = ("group", "batch", "none")  # algorithm.scaleRewards (gspo_api.spec.ScaleRewards)
-BASELINES = ("group", "position")  # algorithm.tokenBaseline (gspo_api.spec.TokenBaseline)
+SCALES: tuple[str, ...] = get_args(ScaleRewards)  # algorithm.scaleRewards
+BASELINES: tuple[str, ...] = get_args(TokenBaseline)  # algorithm.tokenBaseline
 
 
 def group_advantages(
@@ -154,25 +156,21 @@ def token_group_advantages(
         dev2 = torch.where(mask, (r - seq.mean()) ** 2, 0.0).sum(-1) / counts
         sigma = (dev2.sum() / max(dev2.numel() - 1, 1)).sqrt().expand_as(sigma)
     divisor = sigma + eps if scale != "none" else torch.ones_like(sigma)
-    inf = torch.full_like(r, float("inf"))
+    grouped, present = r.view(-1, group_size, T), mask.view(-1, group_size, T)
+    inf = torch.full_like(grouped, float("inf"))
+    high = torch.where(present, grouped, -inf).amax(1)  # (groups, T): over responses at t
+    low = torch.where(present, grouped, inf).amin(1)  # (a position no one reaches: inf)
     if baseline == "position":
-        grouped, present = r.view(-1, group_size, T), mask.view(-1, group_size, T)
-        reach = present.sum(1)  # (groups, T): responses with a token at t
-        base = grouped.sum(1) / reach.clamp(min=1)  # (groups, T); masked r are 0
-        high = torch.where(present, grouped, -inf.view_as(grouped)).amax(1)
-        low = torch.where(present, grouped, inf.view_as(grouped)).amin(1)
         alike = high <= low  # (groups, T): every response reaching t scores alike there
         zero_spread = alike.all(1)  # (groups,)
-        adv = (r - base.repeat_interleave(group_size, 0)) / divisor.repeat_interleave(group_size)[
-            :, None
-        ]
+        base = grouped.sum(1) / present.sum(1).clamp(min=1)  # (groups, T); masked r are 0
+        base_tok = base.repeat_interleave(group_size, 0)  # (N, T)
         keep = mask & ~alike.repeat_interleave(group_size, 0)
     else:
-        high = torch.where(mask, r, -inf).view(-1, group_size * T).amax(1)
-        low = torch.where(mask, r, inf).view(-1, group_size * T).amin(1)
-        zero_spread = high <= low  # (groups,): every token alike (or no tokens)
-        adv = (r - mu_tok) / divisor.repeat_interleave(group_size)[:, None]
+        zero_spread = high.amax(1) <= low.amin(1)  # (groups,): every token alike (or none)
+        base_tok = mu_tok
         keep = mask & ~zero_spread.repeat_interleave(group_size)[:, None]
+    adv = (r - base_tok) / divisor.repeat_interleave(group_size)[:, None]
     adv = torch.where(keep, adv, 0.0)
     stats = {
         "zero_advantage_fraction": zero_spread.float().mean(),
