@@ -46,13 +46,12 @@ from bench_train import run as run_train  # noqa: E402
 
 from gspo_trainer.plot import moving_average, read_history  # noqa: E402
 
-# The objectives with one advantage per response compare each response with its group's
-# mean (tokenBaseline group); gspo-token keeps the job's own (the example's: position).
-_GROUP = ["--set", "algorithm.tokenBaseline=group"]
+# `--loss-level gspo|grpo` gives the per-response objectives the group's baseline (train.py's
+# job_manifest drops the job's tokenBaseline); gspo-token keeps the example's (position).
 VARIANTS: dict[str, tuple[str, list[str]]] = {  # name: (lossLevel, more gspo train arguments)
-    "gspo": ("gspo", _GROUP),
-    "grpo": ("grpo", _GROUP),
-    "grpo-replay": ("grpo", [*_GROUP, "--set", "algorithm.routingReplay=true"]),
+    "gspo": ("gspo", []),
+    "grpo": ("grpo", []),
+    "grpo-replay": ("grpo", ["--set", "algorithm.routingReplay=true"]),
     "gspo-token": ("gspo-token", []),
 }
 
