@@ -80,10 +80,9 @@ class SortProblems:
     symbols: str
     shortest: int
     longest: int
-    seed_name: str | None = None  # what the draws are seeded with, if not `name`
 
     def _rng(self, which: str) -> random.Random:
-        return random.Random(f"{self.seed_name or self.name}/{which}")
+        return random.Random(f"{self.name}/{which}")
 
     def _draw(self, which: str, count: int, exclude: set[str]) -> list[Problem]:
         rng, out, seen = self._rng(which), list[Problem](), set(exclude)
