@@ -7,7 +7,10 @@ position: the built-in long-answer task learned furthest here, BENCHMARKS.md) wi
 swapped for builtin:tiny-qwen3-moe-16e (16 experts, top-2, 4 layers) and the routing drift
 measured every step (metrics.diagnosticsEverySteps 1), one run after the other. Every run has
 the same steps, batch and learning rate; the variants differ only in the objective (and
-gspo-token's per-token baseline, the job's tokenBaseline; the others take the group's):
+gspo-token's per-token baseline, the job's tokenBaseline; the others take the group's).
+Everything else is the job's for every variant, the example's unscaled advantages
+(scaleRewards none) and entropy bonus (entropyCoef 0.1) included, which the paper does not
+use: pass a job without them to compare under the paper's Eq. 6 alone.
 
     gspo          sequence ratio, clip 3e-4/4e-4 (the paper's Eq. 5-7)
     grpo          token ratio, clip 0.2/0.27 (the paper's baseline)
