@@ -8,9 +8,11 @@ swapped for builtin:tiny-qwen3-moe-16e (16 experts, top-2, 4 layers) and the rou
 measured every step (metrics.diagnosticsEverySteps 1), one run after the other. Every run has
 the same steps, batch and learning rate; the variants differ only in the objective (and
 gspo-token's per-token baseline, the job's tokenBaseline; the others take the group's).
-Everything else is the job's for every variant, the example's unscaled advantages
-(scaleRewards none) and entropy bonus (entropyCoef 0.1) included, which the paper does not
-use: pass a job without them to compare under the paper's Eq. 6 alone.
+Every variant runs under the paper's advantage (Eq. 6: each divided by its group's sigma,
+`scaleRewards: group`) and no entropy bonus (PAPER_SETTINGS), whatever the job sets: the
+example keeps its policy sampling with unscaled advantages and an entropy bonus of 0.1, which
+on a per-response reward of a few hundredths at the start outweighs the advantages and keeps
+plain GSPO's policy uniform (entropy 2.69 of a possible 2.71 at step 200 on this model).
 
     gspo          sequence ratio, clip 3e-4/4e-4 (the paper's Eq. 5-7)
     grpo          token ratio, clip 0.2/0.27 (the paper's baseline)
@@ -51,6 +53,9 @@ from gspo_trainer.plot import moving_average, read_history  # noqa: E402
 
 # `--loss-level gspo|grpo` gives the per-response objectives the group's baseline (train.py's
 # job_manifest drops the job's tokenBaseline); gspo-token keeps the example's (position).
+# The paper's Eq. 6 advantage and no entropy bonus, for every variant (the example's own
+# settings are for one objective, GSPO-token on per-token rewards).
+PAPER_SETTINGS = ["--set", "algorithm.scaleRewards=group", "--set", "algorithm.entropyCoef=0"]
 VARIANTS: dict[str, tuple[str, list[str]]] = {  # name: (lossLevel, more gspo train arguments)
     "gspo": ("gspo", []),
     "grpo": ("grpo", []),
@@ -90,6 +95,7 @@ def run(
     level, extra = VARIANTS[variant]
     extra = [
         *extra,
+        *PAPER_SETTINGS,
         "--set",
         f"model.name={args.model}",
         "--set",
