@@ -8,8 +8,8 @@ swapped for builtin:tiny-qwen3-moe-16e (16 experts, top-2, 4 layers) and the rou
 measured every step (metrics.diagnosticsEverySteps 1), one run after the other. Every run has
 the same steps, batch and learning rate; the variants differ only in the objective (and
 gspo-token's per-token baseline, the job's tokenBaseline; the others take the group's).
-Every variant runs under the paper's advantage (Eq. 6: each divided by its group's sigma,
-`scaleRewards: group`) and no entropy bonus (PAPER_SETTINGS), whatever the job sets: the
+Every variant divides its advantages by the group's sigma as the paper's Eq. 6 does
+(`scaleRewards: group`) and has no entropy bonus (PAPER_SETTINGS), whatever the job sets: the
 example keeps its policy sampling with unscaled advantages and an entropy bonus of 0.1, which
 on a per-response reward of a few hundredths at the start outweighs the advantages and keeps
 plain GSPO's policy uniform (entropy 2.69 of a possible 2.71 at step 200 on this model).
@@ -53,8 +53,8 @@ from gspo_trainer.plot import moving_average, read_history  # noqa: E402
 
 # `--loss-level gspo|grpo` gives the per-response objectives the group's baseline (train.py's
 # job_manifest drops the job's tokenBaseline); gspo-token keeps the example's (position).
-# The paper's Eq. 6 advantage and no entropy bonus, for every variant (the example's own
-# settings are for one objective, GSPO-token on per-token rewards).
+# Advantages divided by the group's sigma (as in the paper's Eq. 6) and no entropy bonus, for
+# every variant (the example's own settings suit one objective, GSPO-token on per-token rewards).
 PAPER_SETTINGS = ["--set", "algorithm.scaleRewards=group", "--set", "algorithm.entropyCoef=0"]
 VARIANTS: dict[str, tuple[str, list[str]]] = {  # name: (lossLevel, more gspo train arguments)
     "gspo": ("gspo", []),

@@ -76,7 +76,13 @@ def job_file(task: str, model: Path, steps: int, out: Path) -> Path:
     spec = manifest["spec"]
     spec["model"]["name"] = str(model)
     spec["algorithm"].update(
-        maxSteps=steps, evalEverySteps=0, lossLevel="gspo", tokenBaseline="group"
+        maxSteps=steps,
+        evalEverySteps=0,
+        lossLevel="gspo",
+        tokenBaseline="group",
+        # as the embedded default: no entropy bonus (TRL has none), the group's std (TRL gets it)
+        scaleRewards="group",
+        entropyCoef=0.0,
     )
     spec.setdefault("checkpoint", {})["everySteps"] = steps
     out.mkdir(parents=True, exist_ok=True)
