@@ -36,7 +36,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for source in ("learner", "engine"):
             manifest = tiny_manifest()
-            manifest["spec"]["algorithm"].update(oldLogprobSource=source, evalEverySteps=0)
+            manifest["spec"]["algorithm"].update(
+                oldLogprobSource=source, evalEverySteps=0, maxStaleness=0
+            )
             learners[source] = make_learner(Path(tmp), None, manifest)
             asyncio.run(learners[source].sync(0))
         for step in range(1, args.steps + 1):

@@ -83,6 +83,9 @@ def job_file(task: str, model: Path, steps: int, out: Path) -> Path:
         # as the embedded default: no entropy bonus (TRL has none), the group's std (TRL gets it)
         scaleRewards="group",
         entropyCoef=0.0,
+        # synchronous, as TRL's step and as these figures were taken (the embedded default
+        # itself runs one step ahead: bench_peer.py)
+        maxStaleness=0,
     )
     spec.setdefault("checkpoint", {})["everySteps"] = steps
     out.mkdir(parents=True, exist_ok=True)

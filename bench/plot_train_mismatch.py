@@ -25,7 +25,9 @@ def main() -> int:
     p.add_argument("--title", default="gspo train (tiny MoE default)")
     p.add_argument("--window", type=int, default=20)
     args = p.parse_args()
-    records = read_history(args.history)
+    # Steps that measured it: every step but where the first mini-batch's πold came from its
+    # update (oldLogprobSource learner with one mini-batch) or from the engine.
+    records = [r for r in read_history(args.history) if "logprob_mismatch" in r]
     steps = [int(r["step"]) for r in records]
     rewards = [r["reward_mean"] for r in records]
     mismatch = [max(r["logprob_mismatch"], 1e-9) for r in records]  # log axis: no zeros

@@ -20,11 +20,14 @@ def tiny_spec(**algorithm: Any) -> Any:
     default's wider model and groups of 16 learn faster but cost three times the time per
     step, which these tests do not need). Evaluation is off unless asked for
     (evalEverySteps): these tests are about training, and an evaluation would add its own
-    generations and reward calls to what they count."""
+    generations and reward calls to what they count. Collection is synchronous
+    (maxStaleness 0, where the embedded default runs one step ahead) unless asked for: these
+    tests compare runs step for step, resumed against straight through, which holds exactly
+    only when every step samples with the weights it updates."""
     manifest = copy.deepcopy(tiny_manifest())
     manifest["spec"]["model"]["name"] = "builtin:tiny-qwen3-moe"
     manifest["spec"]["algorithm"].update(
-        {"evalEverySteps": 0, "groupSize": 8, "learningRate": 3e-4, **algorithm}
+        {"evalEverySteps": 0, "groupSize": 8, "learningRate": 3e-4, "maxStaleness": 0, **algorithm}
     )
     return manifest
 

@@ -1,6 +1,7 @@
 """Diagnostics that need the learner's own extra work run every metrics.diagnosticsEverySteps
 on the first mini-batch: the log-prob mismatch and routing drift as the GSPO paper counts
-it. With oldLogprobSource engine, the steps between skip the πold forward pass."""
+it. With oldLogprobSource engine, the steps between skip the πold forward pass; with learner,
+its forward on the first mini-batch, whose πold the update's own forward gives."""
 
 from __future__ import annotations
 
@@ -74,12 +75,13 @@ def test_diagnostics_run_at_step_one_and_every_n_steps(cache: Path, source: str)
             assert stats["logprob_mismatch"] < 1e-4  # same weights in the rollout source
     sample = learner.metrics.registry.get_sample_value
     assert sample("gspo_moe_layer_routing_drift", {"layer": "1"}) is not None
-    # Forward passes of the policy a step: 2 updates (one a mini-batch); πold adds 2 with the
-    # learner's recompute and none with the engine's between diagnostics; a diagnostics step
-    # adds the drift forward (and, with the engine's πold, the first mini-batch's πold).
+    # Forward passes of the policy a step: 2 updates (one a mini-batch); πold adds, between
+    # diagnostics, 1 with the learner's recompute (the first mini-batch's is its update's own
+    # forward) and none with the engine's; a diagnostics step recomputes the first
+    # mini-batch's πold too (the learner's: both) and adds the drift forward.
     forwards = [n for _, n in steps]
     if source == "learner":
-        assert forwards == [5, 4, 5, 4]
+        assert forwards == [5, 3, 5, 3]
     else:
         assert forwards == [4, 2, 4, 2]
 
@@ -98,3 +100,43 @@ def test_engine_old_logprobs_train_to_the_same_weights_as_before(cache: Path) ->
     measured = dict(measuring.engine.module.named_parameters())
     for name, value in skipping.engine.module.named_parameters():
         assert torch.equal(value, measured[name]), name
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_the_first_mini_batchs_pi_old_from_its_update_trains_as_a_recompute_does(
+    cache: Path, staleness: int
+) -> None:
+    """Between diagnostics the first mini-batch takes πold from its update's own forward, on
+    the same weights a recompute would run on: the weights trained match a learner that
+    recomputes it every step (diagnostics every step), on- and off-policy (the recompute is
+    then the proximal policy, weighted against the engine's log-probs)."""
+    import copy
+
+    manifest = tiny_spec(miniBatches=2, maxStaleness=staleness)
+    manifest["spec"]["metrics"]["diagnosticsEverySteps"] = 100
+    skipping = make_learner(cache, None, manifest)
+    every = copy.deepcopy(manifest)
+    every["spec"]["metrics"]["diagnosticsEverySteps"] = 1
+    measuring = make_learner(cache, None, every)
+    steps = run_steps(skipping, 3)
+    assert [n for _, n in steps][1:] == [3, 3]  # the skip happened
+    run_steps(measuring, 3)
+    measured = dict(measuring.engine.module.named_parameters())
+    start = dict(make_learner(cache, None, manifest).engine.module.named_parameters())
+    for name, value in skipping.engine.module.named_parameters():
+        moved = (measured[name] - start[name]).abs().max()
+        assert moved > 0, name  # the steps updated it
+        torch.testing.assert_close(value, measured[name], rtol=0, atol=1e-6 * float(moved))
+    # The experts' load is reported every step either way: from the update's forward where it
+    # stood in for πold's, with the routing πold's forward records.
+    loads = [
+        [
+            learner.metrics.registry.get_sample_value(
+                "gspo_moe_expert_load", {"layer": str(layer), "expert": str(e)}
+            )
+            for layer in range(2)
+            for e in range(4)
+        ]
+        for learner in (skipping, measuring)
+    ]
+    assert None not in loads[0] and loads[0] == pytest.approx(loads[1], abs=0.01)

@@ -10,7 +10,7 @@ import pytest
 from gspo_api.validation import parse_spec
 from gspo_operator.render import render_job
 from gspo_trainer.jobs import tiny_manifest
-from gspo_trainer.train import place_on_cpus, process_env, server_env, spawn
+from gspo_trainer.train import place_on_cpus, process_env, server_cpus, server_env, spawn
 
 
 def spec_with(name: str, offline: bool = False):  # type: ignore[no-untyped-def]
@@ -79,12 +79,20 @@ def test_servers_and_learner_get_disjoint_cores(
     assert placement.servers == bind and placement.learner == learner
     env = server_env({"A": "1"}, placement, servers - 1)
     assert env == {"A": "1", "VLLM_CPU_OMP_THREADS_BIND": bind[-1]}
+    # Synchronous: only the worker is bound, the server's other processes float; overlapped,
+    # all of them stay on the server's share, off the learner's cores.
+    assert [server_cpus(placement, i) for i in range(servers)] == [None] * servers
+    overlapped = place_on_cpus(cpus, servers, ranks, overlapped=True)
+    assert overlapped is not None and overlapped.servers == bind
+    shares = [server_cpus(overlapped, i) for i in range(servers)]
+    assert [",".join(map(str, share or [])) for share in shares] == bind
+    assert not set(overlapped.learner) & {c for share in shares for c in share or []}
 
 
 def test_too_few_cores_leave_vllm_its_own_binding() -> None:
     assert place_on_cpus([0, 1], 1, 2) is None  # two learner ranks and a server
     assert place_on_cpus([0], 1, 1) is None
-    assert server_env({"A": "1"}, None, 0) == {"A": "1"}
+    assert server_env({"A": "1"}, None, 0) == {"A": "1"} and server_cpus(None, 0) is None
 
 
 def test_a_spawned_process_runs_on_the_cores_it_was_given(tmp_path: Path) -> None:

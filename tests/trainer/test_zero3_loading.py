@@ -195,7 +195,8 @@ def test_the_zero3_reference_scores_as_zero0s_and_stays_the_starting_policy(
         # πold is the reference before any update.
         for old, ref in zip(first.logp, first.ref, strict=True):
             torch.testing.assert_close(ref, old, rtol=0, atol=1e-6)
-        again = real(learner.policy, packed, plan, alg, diagnose=False)
+        # Recomputed on every mini-batch (a diagnostics step's πold: none from an update).
+        again = real(learner.policy, packed, plan, alg, diagnose=True)
         assert any(not torch.equal(a, b) for a, b in zip(first.logp, again.logp, strict=True))
         for a, b in zip(first.ref, again.ref, strict=True):
             assert torch.equal(a, b)  # the update left the reference alone
@@ -203,7 +204,7 @@ def test_the_zero3_reference_scores_as_zero0s_and_stays_the_starting_policy(
         learner.checkpointer.checkpoint()
         resumed = make_learner(cache, tmp_path / f"z{stage}", m)
         assert resumed.resume() == 1
-        back = real(resumed.policy, packed, plan, alg, diagnose=False)
+        back = real(resumed.policy, packed, plan, alg, diagnose=True)
         for a, b in zip(again.logp, back.logp, strict=True):
             torch.testing.assert_close(b, a, rtol=0, atol=1e-6)  # the policy resumed...
         for a, b in zip(first.ref, back.ref, strict=True):

@@ -89,7 +89,7 @@ def policy_loss_from_hidden(
     lm_head_weight: torch.Tensor,
     tokens: torch.Tensor,
     mask: torch.Tensor,
-    old_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
     advantages: torch.Tensor,
     options: LossOptions,
     *,
@@ -107,6 +107,10 @@ def policy_loss_from_hidden(
     form, weighted per token where the advantages are per token, else per response). Returns
     (loss, stats, detached TokenScores) where the scores (log-probs and, by default, entropy)
     are what the learner logs. Gradients reach hidden and the weight.
+
+    old_logprobs None: πold is these log-probs themselves, detached (the weights have not
+    changed since πold: the ratio is 1, its gradient the policy gradient), with no forward
+    of its own.
 
     With options.entropy_coef > 0 the loss is that minus entropy_coef x the mean over
     responses of each response's mean token entropy (GSPO's own averaging, so a long response
@@ -169,7 +173,7 @@ def policy_loss_from_hidden(
                 mu = behaviour_logprobs[a:b] if behaviour_logprobs is not None else None
                 part, _ = options.loss(
                     leaf,
-                    old_logprobs[a:b],
+                    old_logprobs[a:b] if old_logprobs is not None else leaf.detach(),
                     advantages[a:b],
                     mask[a:b],
                     ref_logprobs=ref,
@@ -199,7 +203,7 @@ def policy_loss_from_hidden(
     # Value and stats from the finished log-probs (cheap: (B, T) work, no vocabulary).
     value, stats = options.loss(
         logp_bt,
-        old_logprobs,
+        old_logprobs if old_logprobs is not None else logp_bt,
         advantages,
         mask,
         ref_logprobs=ref_logprobs,

@@ -10,7 +10,11 @@ needed 700 steps and still turned deterministic on wrong answers in one seed of 
 the same (0.85); at 1.5e-4 every seed passed a greedy accuracy of 0.9 by step 250 and ended
 at 0.97-1.0. An evaluation every 50 steps covers all 100 problems of the task, greedily,
 and the last one closes the run. Every 50 steps too, four sample completions go to the
-learner's log and history.jsonl (metrics.samplesEverySteps).
+learner's log and history.jsonl (metrics.samplesEverySteps). Collection runs one step ahead
+of the update (algorithm.maxStaleness 1): on two cores the next step's rollouts are generated
+while this one updates, 0.67x the synchronous step's time, and seeds 0-4 still passed 0.9 by
+steps 150-250 (median 200, as synchronous) and ended at 0.99-1.00 (BENCHMARKS.md, "Against
+TRL on the embedded default").
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ def tiny_manifest() -> dict[str, Any]:
             "maxResponseTokens": 4,
             "temperature": 1.0,
             "maxSteps": 350,
+            "maxStaleness": 1,
             "evalEverySteps": 50,
             "seed": 0,
         },

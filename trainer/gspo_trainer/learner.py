@@ -291,7 +291,7 @@ class Learner:
                 stats,
                 seconds,
                 float(packed.lengths.sum()),
-                self._expert_load(learned.old),
+                self._expert_load(learned.old.experts or learned.update.experts),
                 learned.update.drift,
             )
         return stats
@@ -433,12 +433,12 @@ class Learner:
         )
         return Learned(old, stats, {"old_policy": t1 - t0, "update": time.perf_counter() - t1})
 
-    def _expert_load(self, old: OldPolicy) -> dict[int, list[float]] | None:
+    def _expert_load(self, experts: list[torch.Tensor]) -> dict[int, list[float]] | None:
         """Each expert's share of the first mini-batch's routing (model.moe.reportExpertLoad),
-        when its πold forward ran."""
+        from whichever forward ran first on it (πold's, or its update's standing in)."""
         from gspo_trainer.moe import expert_load
 
         moe = self.spec.model.moe
-        if not old.experts or self.policy.moe is None or not (moe and moe.report_expert_load):
+        if not experts or self.policy.moe is None or not (moe and moe.report_expert_load):
             return None
-        return expert_load(old.experts, self.policy.moe.experts)
+        return expert_load(experts, self.policy.moe.experts)

@@ -47,7 +47,9 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
     ),
     "logprob_mismatch": (
         "gspo_logprob_mismatch",
-        "Mean |log πengine - log πlearner| per token on the same weights.",
+        "Mean |log πengine - log πlearner| per token on the same weights (with collection "
+        "running ahead, algorithm.maxStaleness, the engine's are a version older: it then "
+        "also holds the policy's change).",
     ),
     "tokens_per_second": ("gspo_tokens_per_second", "Generated tokens per second of step time."),
     "padded_token_fraction": (

@@ -77,8 +77,15 @@ async def test_order_and_spread_over_two_servers() -> None:
             if rid.startswith(ROUTE_REQUESTS)
         )
         assert seeds == sorted((p, 1000 + i * 3) for i, p in enumerate(PROMPTS))
-        for engine in engines:  # the plugin warmed each engine up once, at start-up
-            assert len(engine.warm_ups) == 1 and engine.requests[0][0] == engine.warm_ups[0]
+        for engine in engines:  # the plugin warmed each engine up at start-up, before any
+            # request: one greedy generation, then sampled ones with the log-probs the learner
+            # asks for at two batch sizes (vLLM's sampler compiles again for the second).
+            warm = engine.requests[: len(engine.warm_ups)]
+            assert [rid for rid, _, _ in warm] == engine.warm_ups and len(warm) == 3
+            params = [p for _, _, p in warm]
+            assert params[0].temperature == 0 and params[0].logprobs is None
+            assert all(p.temperature > 0 and p.logprobs == 0 for p in params[1:])
+            assert len({p.n for p in params[1:]}) == 2
     finally:
         for server, _ in started:
             await server.stop()

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 WARMUP_PROMPT_TOKENS = 8  # the CPU backend dies on a first forward of <= 4 tokens
+WARMUP_SAMPLED_BATCHES = (1, 3)  # two batch sizes: the second compile is the dynamic one
 RPC_GRACE_S = 60.0
 
 
@@ -22,15 +23,27 @@ def rpc_timeout(op_timeout_s: float) -> float:
 
 
 async def warm_up(llm: Any) -> None:
-    """One short generation at start-up: the CPU backend's first forward must be a prompt of
-    at least 5 tokens (a shorter one kills the worker), so it is made here, not by a user."""
+    """Generations at start-up that a user's first request would otherwise pay for:
+    - a greedy one: the CPU backend's first forward must be a prompt of at least 5 tokens
+      (a shorter one kills the worker);
+    - two sampled ones with each token's log-prob, as the learner asks (`generate_body`):
+      vLLM's sampler torch.compiles `batched_count_greater_than` (vllm/v1/sample/ops/
+      logprobs.py) on its first log-prob request and again, with a dynamic batch size, on
+      the first one of another batch size. On the 2-core CPU that is about 3 s, which
+      otherwise lands in a run's first step while the learner waits; here it overlaps the
+      learner's own start."""
     from vllm import SamplingParams as VLLMSamplingParams
 
     vocab = int(llm.model_config.get_vocab_size())
     prompt = [i % vocab for i in range(3, 3 + WARMUP_PROMPT_TOKENS)]
-    params = VLLMSamplingParams(n=1, max_tokens=2, temperature=0.0)
-    async for _ in llm.generate({"prompt_token_ids": prompt}, params, request_id="gspo-warm-up"):
-        pass
+    warm_ups = [VLLMSamplingParams(n=1, max_tokens=2, temperature=0.0)] + [
+        VLLMSamplingParams(n=n, max_tokens=2, temperature=1.0, seed=n, logprobs=0)
+        for n in WARMUP_SAMPLED_BATCHES
+    ]
+    for k, params in enumerate(warm_ups):
+        request_id = "gspo-warm-up" if k == 0 else f"gspo-warm-up-{k}"
+        async for _ in llm.generate({"prompt_token_ids": prompt}, params, request_id=request_id):
+            pass
 
 
 async def init_sync_group(llm: Any, **coords: Any) -> int:

@@ -7,6 +7,13 @@ algorithm.oldLogprobSource: engine, which saves the policy's forward pass here e
 diagnostics steps (metrics.diagnosticsEverySteps). Off-policy (a rollout sampled by an
 older version), the recompute is the proximal policy of the decoupled objective and the
 engine's log-probs are the behaviour policy's (see loss.py).
+
+The first mini-batch's recompute is skipped where the update's own forward gives it
+(`first_from_update`): that mini-batch is updated first, on the very weights πold is, so its
+πold is the update forward's log-probs, detached (fused_loss, `old_logprobs=None`), as TRL
+takes πold when nothing has been updated since sampling. Not on a diagnostics step (its πold
+forward measures the mismatch and records the experts for drift) nor with routing replay (the
+update replays the experts that forward records).
 """
 
 from __future__ import annotations
@@ -27,10 +34,18 @@ if TYPE_CHECKING:
 
 @dataclass
 class OldPolicy:
-    logp: list[torch.Tensor]  # per mini-batch, (rows, width - 1): πold at the response tokens
+    # Per mini-batch, (rows, width - 1): πold at the response tokens; None: the update's own
+    # forward gives it (first_from_update).
+    logp: list[torch.Tensor | None]
     ref: list[torch.Tensor] | None  # the same for the reference; None without a KL term
     experts: list[torch.Tensor]  # per MoE layer, the first mini-batch's; [] when not measured
     mismatch: float | None  # mean |learner - engine| per response token; None: not measured
+
+
+def first_from_update(alg: AlgorithmConfig, *, diagnose: bool) -> bool:
+    """Whether the first mini-batch's πold is the update forward's own log-probs rather than
+    a recompute (see the module's docstring)."""
+    return alg.old_logprob_source == "learner" and not alg.routing_replay and not diagnose
 
 
 def old_policy(
@@ -38,11 +53,14 @@ def old_policy(
 ) -> OldPolicy:
     """πold of every mini-batch. With oldLogprobSource engine the policy's forward runs only
     on a diagnostics step (`diagnose`), and then on the first mini-batch alone (the sample the
-    mismatch and routing drift are measured on); the reference's runs whenever KL needs it."""
+    mismatch and routing drift are measured on); with learner, on every mini-batch but the
+    first where `first_from_update`. The reference's runs whenever KL needs it."""
     import torch
 
     engine_source = alg.old_logprob_source == "engine"
-    logps, refs, experts = [], [], []
+    from_update = first_from_update(alg, diagnose=diagnose)
+    logps: list[torch.Tensor | None] = []
+    refs, experts = [], []
     mismatch_sum = mismatch_n = None  # on the device, read once at the end
     with torch.no_grad():
         for k, mb in enumerate(plan):
@@ -50,7 +68,8 @@ def old_policy(
                 mb.rows.stop - mb.rows.start, packed.width(mb.rows) - 1, device=packed.ids.device
             )
             ref = torch.zeros_like(old) if policy.reference is not None else None
-            forward = not engine_source or (diagnose and k == 0)
+            own = k == 0 and from_update
+            forward = (not engine_source or (diagnose and k == 0)) and not own
             chosen = []
             for sub in mb.micro:
                 here, L = mb.local(sub), packed.width(sub)
@@ -88,7 +107,7 @@ def old_policy(
                         alg.temperature,
                         policy.chunk_tokens,
                     )
-            logps.append(old)
+            logps.append(None if own else old)
             if ref is not None:
                 refs.append(ref)
             if chosen:

@@ -42,6 +42,9 @@ class UpdateStats:
     maxima: dict[str, float] = field(default_factory=dict)
     grad_norm: float | None = None
     drift: list[float] | None = None  # per MoE layer; None when not measured
+    # Per MoE layer, the first mini-batch's experts as its update's forward chose them, when
+    # that forward stood in for πold's (first_from_update); [] otherwise.
+    experts: list[torch.Tensor] = field(default_factory=list)
     positions: int = 0  # token positions the updates' forwards ran (padding included)
     tokens: int = 0  # real tokens among them
 
@@ -76,22 +79,31 @@ def update(
     maxima: dict[str, torch.Tensor] = {}
     options = loss_options(alg, behaviour=behaviour)
     engine = policy.engine
+    chosen = []
     for k, mb in enumerate(plan):
+        # This forward is also πold's (first_from_update): its router logits give the
+        # experts the first mini-batch chose, as πold's forward would have recorded them.
+        own = k == 0 and old.logp[0] is None and policy.moe is not None
         for j, sub in enumerate(mb.micro):
             here, share = mb.local(sub), mb.share(sub)
-            fwd = policy.forward(packed, sub, router=aux_coef > 0, routing="replay")
+            fwd = policy.forward(packed, sub, router=aux_coef > 0 or own, routing="replay")
+            if own and fwd.router is not None:
+                with torch.no_grad():
+                    chosen.append(policy.experts(packed, sub, fwd))
             out.positions, out.tokens = out.positions + fwd.positions, out.tokens + fwd.tokens
             mask, targets = fwd.mask(packed, sub), fwd.targets(packed, sub)
             ref = old.ref[k][here, : fwd.L - 1] if old.ref is not None else None
             mu = packed.engine_logp[sub, : fwd.L - 1] if behaviour else None
             adv = advantages[sub] if advantages.dim() == 1 else advantages[sub, : fwd.L - 1]
+            first = old.logp[k]  # None: this forward's own log-probs (first_from_update)
+            old_logp = first[here, : fwd.L - 1] if first is not None else None
             loss, stats, scores = score_with_head(
                 policy.module,
                 _fused,
                 fwd.hidden,
                 targets,
                 mask,
-                old.logp[k][here, : fwd.L - 1],
+                old_logp,
                 adv,
                 options,
                 ref,
@@ -121,6 +133,8 @@ def update(
                 _add(sums, "entropy", share * ent)
         if k == 0 and diagnose and old.experts:
             out.drift = routing_drift_after(policy, packed, mb, old.experts)
+    if chosen:
+        out.experts = per_layer(chosen)
     read = _read(
         {
             **{("sum", k): v for k, v in sums.items()},
@@ -195,7 +209,7 @@ def _fused(
     weight: torch.Tensor,
     targets: torch.Tensor,
     mask: torch.Tensor,
-    old_logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
     advantages: torch.Tensor,
     options: LossOptions,
     ref_logprobs: torch.Tensor | None,
