@@ -378,7 +378,9 @@ def zero3_update(kind: str, sizes: Sizes, keep: dict) -> dict:
     def step() -> tuple[float, float]:
         synchronize()
         t0 = time.perf_counter()
-        old = old_policy(policy, packed, plan, alg, diagnose=False)
+        # diagnose: the πold pass runs (between diagnostics steps the learner lets the one
+        # mini-batch's update forward stand in for it); its time is what this reports.
+        old = old_policy(policy, packed, plan, alg, diagnose=True)
         synchronize()
         t1 = time.perf_counter()
         update(

@@ -613,7 +613,9 @@ class AlgorithmConfig(Section):
     old_logprob_source: OldLogprobSource = Field(
         "learner",
         description=(
-            "learner: recompute pi_old before the first update; engine: use rollout logprobs."
+            "learner: recompute pi_old before the first update (the first mini-batch's is its "
+            "update's own forward, on the same weights, except on diagnostics steps and with "
+            "routingReplay); engine: use rollout logprobs."
         ),
     )
     routing_replay: bool = Field(
@@ -955,7 +957,8 @@ class MetricsConfig(Section):
         description=(
             "At step 1 and every N steps (0: never) the learner measures on the first "
             "mini-batch what needs its own extra work: the engine-learner log-prob mismatch "
-            "(a πold forward pass that algorithm.oldLogprobSource engine otherwise skips) and, "
+            "(a πold forward pass of that mini-batch, which otherwise its update's forward "
+            "stands in for, or with algorithm.oldLogprobSource engine none runs) and, "
             "for MoE models, routing drift (a forward after that mini-batch's update)."
         ),
     )

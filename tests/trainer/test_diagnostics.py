@@ -65,7 +65,7 @@ def test_diagnostics_run_at_step_one_and_every_n_steps(cache: Path, source: str)
     learner = make_learner(cache, None, manifest)
     steps = run_steps(learner, 4)
     measured = [("routing_drift" in s, "logprob_mismatch" in s) for s, _ in steps]
-    if source == "learner":  # its πold forward gives the mismatch every step for free
+    if source == "learner":  # its πold forward of the second mini-batch gives it every step
         assert measured == [(True, True), (False, True), (True, True), (False, True)]
     else:
         assert measured == [(True, True), (False, False), (True, True), (False, False)]

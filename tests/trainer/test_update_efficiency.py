@@ -146,5 +146,6 @@ def test_host_syncs_per_micro_batch(zero3_policy: Policy, host_reads: Counter) -
         )
         totals.append(dict(host_reads))
     per_micro = (sum(totals[1].values()) - sum(totals[0].values())) / 2
-    # The πold forward and the update's each read the scored tokens' layout once.
+    # The update's forward reads the scored tokens' layout once, and a πold forward, where it
+    # runs (not here: the one mini-batch's πold is its update's own), once more.
     assert per_micro <= 2, totals
