@@ -183,8 +183,15 @@ async def test_a_job_trains_through_faults_suspend_and_resume_to_succeeded(tmp_p
         )
 
         # --- the rollout server SIGKILLed: replaced alone, synced before it serves -----------
-        server = cluster.pods(JOB, "rollout")[0]["metadata"]["name"]
-        assert server != first_server  # the JobSet restart replaced every pod
+        # The JobSet restart replaced every pod; the learner's resume (and the phase) can come
+        # before the new rollout pod runs, so wait for it, and for the old one to be gone.
+        def restarted_servers() -> list[str]:
+            names = [p["metadata"]["name"] for p in cluster.pods(JOB, "rollout", running=True)]
+            return names if names and first_server not in names else []
+
+        (server,) = await cluster.wait(
+            restarted_servers, 300, "the restarted group's rollout pod, alone", JOB
+        )
         cluster.node.kill_process("default", server)
         await cluster.wait(
             lambda: [
