@@ -58,7 +58,8 @@ Modelled:
   ports, tcpSocket, exec inside the container's namespaces) run from the root namespace with
   initialDelaySeconds/periodSeconds multiplied by `probe_period_scale`, timeoutSeconds,
   success/failureThreshold; a failed liveness/startup probe kills the container (SIGTERM, the
-  grace period, SIGKILL) and restartPolicy decides.
+  grace period, SIGKILL) and restartPolicy decides; a container's probes stop when its
+  process exits (as the prober's workers do), not only when their task is cancelled.
 - restartPolicy Always/OnFailure: in-place restarts with the kubelet's CrashLoopBackOff
   (backoff.py: the first restart at once, then 10 s doubling to 5 min, back to 10 s after 10
   minutes of running; every duration times `time_scale`, TIME_SCALE by default, on `clock`),
@@ -237,6 +238,19 @@ def pod_requests(pod: Obj) -> dict[str, float]:
         total[k] += parse_quantity(v)
     total["pods"] = 1
     return dict(total)
+
+
+def awaiting(task: asyncio.Task[Any]) -> str:
+    """Where a pending task waits: its coroutines' chain of awaits, outermost first (a
+    task's get_stack() gives only the outermost frame of a suspended coroutine)."""
+    parts, coro = [], task.get_coro()
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            break
+        parts.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return " -> ".join(parts)
 
 
 def node_capacity(
@@ -960,6 +974,7 @@ class ProcessKubelet:
         self._events_seen: set[tuple[str, str, str]] = set()
         self._started = False
         self._closed = False
+        self.last_pass = time.monotonic()  # when the loop last finished a pass (diagnose())
         self._failures: list[asyncio.Task[None]] = []
         self._policy_lock = asyncio.Lock()
         # Mount points made on the host, listed beside the network's lock (which guards it).
@@ -984,8 +999,21 @@ class ProcessKubelet:
             self._ledger.unlink(missing_ok=True)
         while not stop.is_set():
             await self._reconcile()
+            self.last_pass = time.monotonic()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.poll_s)
+
+    def diagnose(self) -> str:
+        """How long since the loop's last pass, and where each pod's task waits: what a test
+        that timed out needs to tell a stalled node from a slow pod."""
+        lines = [f"kubelet: last pass {time.monotonic() - self.last_pass:.1f} s ago"]
+        for rt in self._pods.values():
+            state = f"done={rt.done} terminating={rt.terminating} removed={rt.removed}"
+            where = ""
+            if rt.task is not None and not rt.task.done():
+                where = " at " + awaiting(rt.task)
+            lines.append(f"pod {rt.ns}/{rt.name}: {state}{where}")
+        return "\n".join(lines)
 
     async def close(self) -> None:
         """Kill every pod's processes (SIGKILL), then remove namespaces, bridge, mount points."""
@@ -1579,7 +1607,12 @@ class ProcessKubelet:
         delay = float(probe.get("initialDelaySeconds", 0)) * scale
         period = max(float(probe.get("periodSeconds", 10)) * scale, 0.01)
         await asyncio.sleep(max(0.0, t0 + delay - loop.time()))
-        while True:
+        # Probes end with the container's process, as the kubelet's prober workers stop with
+        # the container, not only when cancelled: on Python 3.11, asyncio.wait_for drops a
+        # cancellation that arrives as its inner call completes (gh-86296, fixed in 3.12), so
+        # a probe answered by a dying server could keep this loop, and the pod, alive.
+        proc = c.proc
+        while proc is not None and proc.returncode is None:
             ok, message = await self._probe_once(rt, c, probe)
             if not ok:
                 self._event(rt.pod, "Warning", "Unhealthy", f"{kind} probe failed: {message}")

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kubectl import Kubectl
-from kubelet import ProcessKubelet
+from kubelet import ProcessKubelet, awaiting
 from operator_harness import NS, _keep_running, api_server, kueue_api_server, operator
 from storage import LOCAL_CLASSES, StorageController
 
@@ -60,6 +60,7 @@ class LocalCluster:
     workdir: Path
     phases: list[tuple[str, float]] = field(default_factory=list)  # (what, seconds)
     kueue: Any = None  # kueue.KueueController when the cluster runs Kueue
+    node_task: asyncio.Task[None] | None = None  # the node's loop (node.run)
     _t0: float = field(default_factory=time.monotonic)
 
     def mark(self, what: str) -> None:
@@ -109,6 +110,58 @@ class LocalCluster:
             out.append(f"--- {path.name}\n" + "\n".join(text))
         return "\n".join(out)
 
+    def objects(self, job: str, events: int = 25) -> str:
+        """The job's JobSet, Jobs and pods as the controllers see them, and its newest Events:
+        what a failed wait needs to say which controller stopped (a pod never created, one
+        Pending or still terminating, a Job's name held by its predecessor)."""
+        lines = []
+        for js in self.api.list_kind("JobSet", NS):
+            if js["metadata"]["name"] == job:
+                st = js.get("status") or {}
+                conds = [
+                    (c["type"], c["status"], c.get("reason")) for c in st.get("conditions") or []
+                ]
+                lines.append(f"JobSet restarts={st.get('restarts')} conditions={conds}")
+        for kind in ("Job", "Pod"):
+            for obj in self.api.list_kind(kind, NS):
+                meta, st = obj["metadata"], obj.get("status") or {}
+                if not meta["name"].startswith(f"{job}-"):
+                    continue
+                owner = ",".join(r["uid"][:8] for r in meta.get("ownerReferences") or [])
+                attempt = (meta.get("labels") or {}).get("jobset.sigs.k8s.io/restart-attempt")
+                if kind == "Job":
+                    state = [c["type"] for c in st.get("conditions") or [] if c["status"] == "True"]
+                    counts = {
+                        k: st[k] for k in ("active", "ready", "failed", "terminating") if st.get(k)
+                    }
+                    what = f"{counts} {state}"
+                else:
+                    waiting = [
+                        (c.get("state") or {}).get("waiting", {}).get("reason")
+                        for c in st.get("containerStatuses") or []
+                    ]
+                    what = f"{st.get('phase')} node={obj.get('spec', {}).get('nodeName')} {waiting}"
+                deleting = " deleting" if meta.get("deletionTimestamp") else ""
+                lines.append(
+                    f"{kind} {meta['name']} uid={meta['uid'][:8]} owner={owner} "
+                    f"attempt={attempt}{deleting} {what}"
+                )
+        evs = sorted(
+            (
+                e
+                for e in self.api.list_kind("Event", NS)
+                if (e.get("involvedObject") or {}).get("name", "").startswith(job)
+            ),
+            key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "",
+        )[-events:]
+        for e in evs:
+            obj = e.get("involvedObject") or {}
+            lines.append(
+                f"Event {e.get('lastTimestamp') or e.get('eventTime')} {obj.get('kind')} "
+                f"{obj.get('name')} {e.get('type')} {e.get('reason')}: {e.get('message')}"
+            )
+        return "\n".join(lines)
+
     async def wait(self, check: Any, timeout_s: float, what: str, job: str = "") -> Any:
         """Poll `check()` until truthy; on timeout, or when `job` failed meanwhile, fail with
         the job's status and its pods' logs."""
@@ -122,9 +175,28 @@ class LocalCluster:
             if job and self.status(job).get("phase") == "Failed":
                 why = "the job failed"
                 break
+            if self.node_task is not None and self.node_task.done():
+                why = "the node's loop ended"
+                break
             await asyncio.sleep(0.2)
-        detail = f"\nstatus: {self.status(job)}\n{self.logs_tail(job)}" if job else ""
+        detail = (
+            f"\nstatus: {self.status(job)}\n{self.objects(job)}\n{self.node_state()}\n"
+            f"{self.logs_tail(job)}"
+            if job
+            else ""
+        )
         raise AssertionError(f"{why} waiting for {what}{detail}")
+
+    def node_state(self) -> str:
+        """The node's loop (ended, and why; or where it waits) and its pods' tasks."""
+        lines = [self.node.diagnose()]
+        task = self.node_task
+        if task is not None and task.done():
+            exc = None if task.cancelled() else task.exception()
+            lines.append(f"node loop ended: {'cancelled' if task.cancelled() else repr(exc)}")
+        elif task is not None:
+            lines.append(f"node loop at {awaiting(task)}")
+        return "\n".join(lines)
 
 
 @contextlib.asynccontextmanager
@@ -156,7 +228,9 @@ async def local_cluster(
         try:
             async with operator(api, interval_s=interval_s) as ctx:
                 kubectl = Kubectl(api.base_url, workdir)
-                yield LocalCluster(api, node, ctx, kubectl, workdir, kueue=controller)
+                yield LocalCluster(
+                    api, node, ctx, kubectl, workdir, kueue=controller, node_task=node_task
+                )
         finally:
             stop.set()
             await asyncio.wait([node_task, storage_task], timeout=30)

@@ -602,6 +602,35 @@ async def test_graceful_delete_runs_the_sigterm_handler_then_removes_the_pod(
     assert last["phase"] == "Failed"  # a deleted pod ends terminal, as kubelets write it
 
 
+async def test_a_probe_that_loses_its_cancellation_still_lets_the_pod_go(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On Python 3.11 asyncio.wait_for drops a cancellation that lands as its inner call
+    completes (gh-86296): a readiness probe answered by a server as it exits kept the probe
+    loop, the pod's task, and so the pod (holding its Job's name) alive for good. The probes
+    now end with the container's process; here every cancellation is lost, to show it."""
+    probing = ProcessKubelet._probe_container
+
+    async def deaf(self: ProcessKubelet, *args: Any) -> None:
+        task = asyncio.ensure_future(probing(self, *args))
+        while True:
+            try:
+                return await asyncio.shield(task)
+            except asyncio.CancelledError:
+                continue  # the cancellation wait_for dropped
+
+    monkeypatch.setattr(ProcessKubelet, "_probe_container", deaf)
+    probe = {"httpGet": {"path": "/", "port": 8081}, "periodSeconds": 1}
+    container = {"readinessProbe": probe}
+    await cluster.api.create(pod("served", SLOW_SERVER, container=container))
+    await cluster.wait(
+        lambda: condition(cluster.status("served"), "Ready").get("status") == "True",
+        "the pod Ready",
+    )
+    await cluster.api.delete("Pod", NS, "served", grace_s=5)
+    await cluster.wait(lambda: cluster.pod("served") is None, "the pod removed", timeout=15)
+
+
 async def test_grace_period_expiry_sends_sigkill(cluster: Cluster) -> None:
     api = cluster.api
     await api.create(pod("stubborn", IGNORE_TERM, terminationGracePeriodSeconds=1))

@@ -244,7 +244,7 @@ class CpuPlacement:
     (`gspo train`, 100 steps, medians): overlapped 0.254 s a step pinned against 0.289 s
     floating; synchronous 0.445 s pinned against 0.410 s floating."""
 
-    servers: list[str]  # VLLM_CPU_OMP_THREADS_BIND of each rollout server, e.g. "0-6"
+    servers: list[list[int]]  # each rollout server's cores
     learner: list[int]  # the learner's CPUs
     pin_servers: bool = False  # each server's processes on its own share, not only its worker
 
@@ -268,7 +268,7 @@ def place_on_cpus(
     rest, learner = cpus[: len(cpus) - learner_ranks], cpus[len(cpus) - learner_ranks :]
     per = len(rest) // n_servers
     shares = [rest[i * per : (i + 1) * per] for i in range(n_servers)]
-    return CpuPlacement([",".join(map(str, share)) for share in shares], learner, overlapped)
+    return CpuPlacement(shares, learner, overlapped)
 
 
 @dataclass(frozen=True)
@@ -602,7 +602,7 @@ def server_env(
         return {**env, "CUDA_VISIBLE_DEVICES": placement.servers[index]}
     if placement is None:
         return env
-    return {**env, "VLLM_CPU_OMP_THREADS_BIND": placement.servers[index]}
+    return {**env, "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, placement.servers[index]))}
 
 
 def server_cpus(placement: CpuPlacement | GpuPlacement | None, index: int) -> list[int] | None:
@@ -610,7 +610,7 @@ def server_cpus(placement: CpuPlacement | GpuPlacement | None, index: int) -> li
     with `pin_servers` (see CpuPlacement); None: they float."""
     if not isinstance(placement, CpuPlacement) or not placement.pin_servers:
         return None
-    return [int(c) for c in placement.servers[index].split(",")]
+    return placement.servers[index]
 
 
 def server_gpu_args(spec: GSPOJobSpec, placement: GpuPlacement | None) -> list[str]:
