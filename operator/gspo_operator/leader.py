@@ -331,7 +331,8 @@ class LeaderElector:
     async def _round(self, timeout_s: float) -> bool:
         """A round that fails rather than hangs or raises (the API may be down)."""
         try:
-            return await asyncio.wait_for(self.try_acquire_or_renew(), max(timeout_s, 0.1))
+            async with asyncio.timeout(max(timeout_s, 0.1)):
+                return await self.try_acquire_or_renew()
         except TimeoutError:
             log.error(
                 "Lease %s: no answer from the API within %.1fs", self.lock.describe(), timeout_s
@@ -378,7 +379,8 @@ class LeaderElector:
             return True
         record = released(self.observed.record, self.wall())
         try:
-            lease = await asyncio.wait_for(self._release(record), self.timing.renew_deadline_s)
+            async with asyncio.timeout(self.timing.renew_deadline_s):
+                lease = await self._release(record)
         except Conflict:
             lease = None
         except (TimeoutError, ApiError, OSError) as exc:
@@ -407,7 +409,8 @@ class LeaderElector:
 async def _wait(flag: asyncio.Event, timeout_s: float) -> bool:
     """Sleep `timeout_s` unless `flag` is set first; True when it is set."""
     try:
-        await asyncio.wait_for(flag.wait(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await flag.wait()
     except TimeoutError:
         return False
     return True

@@ -50,7 +50,8 @@ class DrainGate:
 
     @asynccontextmanager
     async def admit(self, timeout_s: float) -> AsyncIterator[None]:
-        await asyncio.wait_for(self._open.wait(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await self._open.wait()
         self.active += 1
         self._idle.clear()
         try:
@@ -62,7 +63,8 @@ class DrainGate:
 
     async def pause(self, timeout_s: float) -> None:
         self._open.clear()
-        await asyncio.wait_for(self._idle.wait(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await self._idle.wait()
 
     def resume(self) -> None:
         self._open.set()
