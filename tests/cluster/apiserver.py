@@ -6,9 +6,11 @@ semantics) with what the local cluster needs beyond it:
 - graceful pod deletion, as kube-apiserver does it: DELETE of a Pod sets
   `metadata.deletionTimestamp` and `deletionGracePeriodSeconds` (the DeleteOptions'
   gracePeriodSeconds, else the pod's `terminationGracePeriodSeconds`, else 30) and leaves the
-  object in place; the kubelet stops the containers and then removes the pod with a grace
-  period of 0 (`remove_pod`), which deletes it at once. A pod that no kubelet ever started
-  (`spec.nodeName` unset) is removed at once, as kube-apiserver does for unscheduled pods.
+  object in place, through updates too (kmock_apiserver: an update removes only an object
+  whose deletion is not graceful); the kubelet stops the containers and then removes the pod
+  with a grace period of 0 (`remove_pod`), which deletes it at once. A pod that no kubelet
+  ever started (`spec.nodeName` unset) is removed at once, as kube-apiserver does for
+  unscheduled pods.
 - Secrets: `stringData` is merged into base64 `data` on create, as kube-apiserver does;
 - JobSet's CRD (jobset_crd.py, from JobSet's published models), so JobSets are pruned,
   defaulted and validated as custom resources (kmock_apiserver.py: every write, the

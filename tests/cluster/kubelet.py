@@ -69,11 +69,11 @@ Modelled:
 - graceful deletion: SIGTERM to each container's main process (what the runtime sends to
   PID 1), deletionGracePeriodSeconds x `grace_scale`, then SIGKILL to its process group; exit
   codes as runtimes report them (128+signal); the final status (terminal phase, as kubelets
-  with PodDisruptionConditions write it) goes into the store and the pod is removed. Because
-  `ClusterApiServer` removes a terminating pod on any update, the kubelet writes no status
-  while a pod terminates and its final status write is the removal itself (the DELETED
-  event carries it). `evict()` is the Eviction API (DisruptionTarget condition, then a
-  graceful delete); `kill_process()` is a crash.
+  with PodDisruptionConditions write it) goes into the store, then the pod is removed with
+  a grace period of 0 (the DELETED event carries that status). While a pod terminates this
+  kubelet writes no other status (a real one does: containers' states as they stop).
+  `evict()` is the Eviction API (DisruptionTarget condition, then a graceful delete);
+  `kill_process()` is a crash.
 - DNS (CoreDNS stand-in, through each pod's /etc/hosts): `<svc>`, `<svc>.<ns>`, `<svc>.<ns>.svc`
   and `<svc>.<ns>.svc.cluster.local` for every Service with a selector, resolving to the IPs
   of the selected pods that are Ready (or all when publishNotReadyAddresses); for headless
@@ -1282,8 +1282,8 @@ class ProcessKubelet:
         if rt.terminating:
             pod = self.api.get("Pod", rt.ns, rt.name)
             if pod is not None and pod["metadata"]["uid"] == rt.uid:
-                # Any write to a terminating pod removes it (ClusterApiServer): this one
-                # records the final status in the DELETED event; remove_pod is the fallback.
+                # The final status, then the removal (the kubelet's DELETE with grace 0),
+                # whose DELETED event carries it.
                 with contextlib.suppress(AssertionError):
                     await self.api.patch_status("Pod", rt.ns, rt.name, self._pod_status(rt, pod))
                 pod = self.api.get("Pod", rt.ns, rt.name)
@@ -1747,7 +1747,7 @@ class ProcessKubelet:
             if pod is None or pod["metadata"]["uid"] != rt.uid:
                 continue
             if pod["metadata"].get("deletionTimestamp"):
-                continue  # any write would remove it (see the module docstring)
+                continue  # terminating: only the final status (see the module docstring)
             status = self._pod_status(rt, pod)
             if status != rt.last_status:
                 with contextlib.suppress(AssertionError):

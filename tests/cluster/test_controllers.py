@@ -424,6 +424,38 @@ async def test_deleted_pod_is_terminating_and_replacement_policy(api: ClusterApi
     assert pod_at(api, "fld", 0)["metadata"]["name"] != old["metadata"]["name"]
 
 
+async def test_an_update_keeps_a_pod_in_its_grace_period_and_ends_a_finalized_delete(
+    api: ClusterApiServer,
+) -> None:
+    """kube-apiserver's shouldDeleteDuringUpdate: a status write to a pod being deleted with
+    a grace period leaves it (only the kubelet's DELETE with grace 0 removes it); an object
+    whose deletion waited on finalizers goes with the update that clears them."""
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "p", "namespace": NS},
+        "spec": {"nodeName": "node-1", "containers": [{"name": "c", "image": "x"}]},
+    }
+    await api.create(pod)
+    await api.delete("Pod", NS, "p", grace_s=30)
+    await api.patch_status("Pod", NS, "p", {"phase": "Running"})
+    kept = api.get("Pod", NS, "p")
+    assert kept is not None and kept["metadata"]["deletionGracePeriodSeconds"] == 30
+    api.remove_pod(NS, "p")
+    assert api.get("Pod", NS, "p") is None
+
+    cm = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "held", "namespace": NS, "finalizers": ["example.com/hold"]},
+    }
+    await api.create(cm)
+    await api.delete("ConfigMap", NS, "held")
+    assert api.get("ConfigMap", NS, "held")["metadata"]["deletionTimestamp"]
+    await api.patch("ConfigMap", NS, "held", {"metadata": {"finalizers": None}})
+    assert api.get("ConfigMap", NS, "held") is None
+
+
 async def test_suspend_and_resume_job(api: ClusterApiServer) -> None:
     jc = JobController(api)
     await api.create(indexed_job("sus", 2))

@@ -433,7 +433,12 @@ class ApiServer(kmock.KubernetesScaffold):
             return old
         new["metadata"]["resourceVersion"] = self._next_rv()
         meta = new["metadata"]
-        if meta.get("deletionTimestamp") and not meta.get("finalizers"):
+        # kube-apiserver's Store.shouldDeleteDuringUpdate (staging/src/k8s.io/apiserver/pkg/
+        # registry/generic/registry/store.go): an update deletes an object being deleted once
+        # it has no finalizers left, unless its deletion is graceful (a pod's
+        # deletionGracePeriodSeconds > 0): that one goes only when its final DELETE comes.
+        graceful = bool(old["metadata"].get("deletionGracePeriodSeconds"))
+        if meta.get("deletionTimestamp") and not meta.get("finalizers") and not graceful:
             self._remove(key, namespace, name, new)
             return new
         self.objects[(key, namespace, name)] = new
