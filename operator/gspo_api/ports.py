@@ -3,8 +3,10 @@
 One place, so the operator never guesses what the learner or the rollout server listens on.
 """
 
+import random
 import socket
 from collections.abc import Mapping
+from pathlib import Path
 
 ROLLOUT_HTTP_PORT = 8000  # rollout server: generation, health, control, /metrics
 RENDEZVOUS_PORT = 29500  # torch.distributed rendezvous of the learner group (MASTER_PORT)
@@ -97,10 +99,32 @@ SANDBOX_TOKEN_DIR = "/var/run/gspo/sandbox"
 SANDBOX_STARTUP_SECONDS = 600
 
 
-def free_port() -> int:
-    """A TCP port free on the loopback now, for a process of this machine to bind next (the
-    local run's servers and learner, the tests' rendezvous). Another process may take it
-    between this call and that bind: callers that must not fail retry or bind it at once."""
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+PORT_WINDOW = 16384  # ports just below the kernel's ephemeral range that free_port draws from
+
+
+def free_port(ephemeral: Path = EPHEMERAL_RANGE_FILE) -> int:
+    """A TCP port free on this machine now, for a process of it to bind next (the local
+    run's servers and learner, the tests' rendezvous). Drawn at random below the kernel's
+    ephemeral range, not from it: the kernel hands that range out to every outgoing
+    connection, so a port it gave `bind(0)` and that was closed again can be any process's
+    next connection's before a server that imports vLLM for 30 s binds it (two runs side by
+    side, their gloo meshes and HTTP clients, took one so: "Address already in use"). Another
+    process may still bind it first: callers that must not fail retry or bind it at once.
+    Without the range (not Linux), the kernel's choice."""
+    try:
+        low = int(ephemeral.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    start = max(1024, low - PORT_WINDOW)
+    for _ in range(64 if low > start else 0):
+        port = random.randrange(start, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))  # every address: free for a loopback bind and a wildcard one
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

@@ -247,3 +247,25 @@ def test_the_run_starts_on_the_first_server_up_and_a_server_lost_before_any_ends
         for proc in procs:
             proc.popen.kill()
             proc.popen.wait()
+
+
+def test_free_ports_come_from_below_the_ephemeral_range(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not from the range the kernel hands every outgoing connection: a port from there that
+    a server binds 30 s later (vLLM's start) can be another process's connection by then."""
+    import socket
+
+    from gspo_api import ports
+
+    span = tmp_path / "ip_local_port_range"
+    span.write_text("40000\t60999\n")
+    drawn = {ports.free_port(span) for _ in range(50)}
+    assert all(40000 - ports.PORT_WINDOW <= p < 40000 for p in drawn) and len(drawn) > 40
+    with socket.socket() as held:  # a taken port is passed over; none left: the kernel's
+        held.bind(("", ports.free_port(span)))
+        taken = held.getsockname()[1]
+        span.write_text(f"{taken + 1} 60999\n")
+        monkeypatch.setattr(ports, "PORT_WINDOW", 1)  # the window is the taken port alone
+        assert ports.free_port(span) not in (taken, 0)
+    assert ports.free_port(tmp_path / "missing") >= 1024  # not Linux: the kernel's choice
