@@ -10,12 +10,11 @@ temperature, response length and router load-balancing coefficient; sequence-lev
 importance ratios (TRL: `importance_sampling_level="sequence"`, `loss_type="grpo"`,
 `beta=0`). TRL generates with transformers in its own process; `gspo train` runs its vLLM
 rollout server and DeepSpeed learner as separate processes, as a cluster's pods do. Each
-side runs in a fresh interpreter, so "run s" is command to finish on both. Two differences
-stay: algorithm.maxStaleness applies to our side only (the embedded default's 1 generates the
+side runs in a fresh interpreter, so "run s" is command to finish on both. One difference
+stays: algorithm.maxStaleness applies to our side only (the embedded default's 1 generates the
 next step's rollouts while this one updates, under the decoupled objective; TRL's trainer
-steps synchronously), and our evaluations also sample groupSize answers per prompt
-(eval_mean_at_k) where TRL's answer greedily only; both sides' evaluations count in their
-training seconds.
+steps synchronously). Both sides evaluate greedily, 100 answers (algorithm.evalMeanAtK is 0
+in the embedded default), and their evaluations count in their training seconds.
 
 What it prints per seed and side: the first evaluated step whose greedy accuracy on all 100
 problems is >= TARGET, training seconds to it (from the start of the first step), the

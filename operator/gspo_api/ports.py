@@ -101,6 +101,11 @@ SANDBOX_STARTUP_SECONDS = 600
 
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 PORT_WINDOW = 16384  # ports just below the kernel's ephemeral range that free_port draws from
+# Kubernetes' NodePort range starts here: on a machine that is also a node (k3s, minikube)
+# kube-proxy forwards those ports on every address with no socket bound to show it.
+NODE_PORTS = 30000
+_drawn: set[int] = set()  # what this process handed out: not bound yet, so not seen as taken
+_random = random.SystemRandom()  # not the random module's state, which a caller may seed
 
 
 def free_port(ephemeral: Path = EPHEMERAL_RANGE_FILE) -> int:
@@ -111,20 +116,25 @@ def free_port(ephemeral: Path = EPHEMERAL_RANGE_FILE) -> int:
     next connection's before a server that imports vLLM for 30 s binds it (two runs side by
     side, their gloo meshes and HTTP clients, took one so: "Address already in use"). Another
     process may still bind it first: callers that must not fail retry or bind it at once.
-    Without the range (not Linux), the kernel's choice."""
+    Below NodePorts too, and never one this process handed out already. Without the range
+    (not Linux), the kernel's choice."""
     try:
         low = int(ephemeral.read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 0
-    start = max(1024, low - PORT_WINDOW)
-    for _ in range(64 if low > start else 0):
-        port = random.randrange(start, low)
+    top = min(low, NODE_PORTS)
+    start = max(1024, top - PORT_WINDOW)
+    for _ in range(64 if top > start else 0):
+        port = _random.randrange(start, top)
+        if port in _drawn:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("", port))  # every address: free for a loopback bind and a wildcard one
             except OSError:
                 continue
-            return port
+        _drawn.add(port)
+        return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

@@ -656,8 +656,18 @@ class AlgorithmConfig(Section):
         ge=0,
         description=(
             "Evaluate every N steps and after the last (0: never): greedy accuracy (temperature "
-            "0, one answer per prompt) and mean@k (k = groupSize samples at the training "
-            "temperature) on data.evalSource, by rank 0 through the rollout servers."
+            "0, one answer per prompt) on data.evalSource, by rank 0 through the rollout "
+            "servers; with evalMeanAtK, also the mean reward of sampled answers."
+        ),
+    )
+    eval_mean_at_k: int = Field(
+        0,
+        ge=0,
+        description=(
+            "At each evaluation also sample k answers per prompt at the training temperature "
+            "and report their mean reward as eval_mean_at_k (0: greedy accuracy only, as "
+            "verl's validation defaults). k times the generation of the greedy pass: "
+            "groupSize shows what training samples."
         ),
     )
     seed: int = Field(0, description="Seed for sampling, shuffling and initialisation.")

@@ -1546,6 +1546,8 @@ class ProcessKubelet:
                 if failures >= int(startup.get("failureThreshold", 3)):
                     await self._probe_kill(rt, c, proc, startup, "startup")
                     return
+            else:
+                return  # the process ended before its startup probe passed: never started
         c.started = True
         readiness, liveness = c.spec.get("readinessProbe"), c.spec.get("livenessProbe")
         if readiness is None:

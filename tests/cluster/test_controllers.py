@@ -443,6 +443,15 @@ async def test_an_update_keeps_a_pod_in_its_grace_period_and_ends_a_finalized_de
     assert kept is not None and kept["metadata"]["deletionGracePeriodSeconds"] == 30
     api.remove_pod(NS, "p")
     assert api.get("Pod", NS, "p") is None
+    # Held by a finalizer, the kubelet's grace-0 DELETE lowers the grace period to 0, so the
+    # update that clears the finalizer then deletes it.
+    await api.create({**pod, "metadata": {**pod["metadata"], "finalizers": ["example.com/x"]}})
+    await api.delete("Pod", NS, "p", grace_s=30)
+    api.remove_pod(NS, "p")
+    held = api.get("Pod", NS, "p")
+    assert held is not None and held["metadata"]["deletionGracePeriodSeconds"] == 0
+    await api.patch("Pod", NS, "p", {"metadata": {"finalizers": None}})
+    assert api.get("Pod", NS, "p") is None
 
     cm = {
         "apiVersion": "v1",

@@ -438,7 +438,10 @@ class ApiServer(kmock.KubernetesScaffold):
         # it has no finalizers left, unless its deletion is graceful (a pod's
         # deletionGracePeriodSeconds > 0): that one goes only when its final DELETE comes.
         graceful = bool(old["metadata"].get("deletionGracePeriodSeconds"))
-        if meta.get("deletionTimestamp") and not meta.get("finalizers") and not graceful:
+        deleting = old["metadata"].get("deletionTimestamp")  # a patch cannot undo it
+        if deleting:
+            meta["deletionTimestamp"] = deleting
+        if deleting and not meta.get("finalizers") and not graceful:
             self._remove(key, namespace, name, new)
             return new
         self.objects[(key, namespace, name)] = new
@@ -469,9 +472,17 @@ class ApiServer(kmock.KubernetesScaffold):
         if obj is None:
             raise kmock.KubernetesObjectNotFoundError()
         if obj["metadata"].get("finalizers"):
-            if not obj["metadata"].get("deletionTimestamp"):
+            immediate = (options or {}).get("gracePeriodSeconds") == 0
+            if not obj["metadata"].get("deletionTimestamp") or (
+                immediate and obj["metadata"].get("deletionGracePeriodSeconds")
+            ):
+                # A DELETE with grace 0 of an object held by finalizers lowers its grace
+                # period to 0: the update that clears the last finalizer then deletes it.
                 obj = copy.deepcopy(obj)
-                obj["metadata"].update(deletionTimestamp=_now(), resourceVersion=self._next_rv())
+                obj["metadata"].setdefault("deletionTimestamp", _now())
+                if immediate:
+                    obj["metadata"]["deletionGracePeriodSeconds"] = 0
+                obj["metadata"]["resourceVersion"] = self._next_rv()
                 self.objects[(key, namespace, name)] = obj
                 self._emit(key, "MODIFIED", obj)
             return obj

@@ -70,24 +70,34 @@ class Spy(WrappedFleet):
         return await self.inner.sync_weights(named, version)
 
 
+@pytest.mark.parametrize("k", [0, 5])
 def test_evaluation_runs_on_the_rollout_engine_every_n_steps_and_last(
-    cache: Path, tmp_path: Path
+    cache: Path, tmp_path: Path, k: int
 ) -> None:
-    learner = make_learner(cache, tmp_path, tiny_spec(maxSteps=3, evalEverySteps=2))
+    """Greedy accuracy at every evaluation; the k sampled answers per prompt of
+    eval_mean_at_k only when algorithm.evalMeanAtK asks (k, not groupSize, of them)."""
+    spec = tiny_spec(maxSteps=3, evalEverySteps=2, evalMeanAtK=k)
+    learner = make_learner(cache, tmp_path, spec)
     spy = Spy(learner.rollout)  # type: ignore[arg-type]
     learner.rollout = spy
     assert run(learner) == 0
     evals = [r for r in learner.state.history if "eval_accuracy" in r]
     assert [int(r["step"]) for r in evals] == [2, 3]  # every 2 steps, and after the last
-    for r in evals:
-        assert 0.0 <= r["eval_accuracy"] <= 1.0 and 0.0 <= r["eval_mean_at_k"] <= 1.0
     greedy = [(n, p) for n, p in spy.calls if p.temperature == 0]
     assert len(greedy) == 2 and all(n == 100 and p.n == 1 for n, p in greedy)
     sampled = [(n, p) for n, p in spy.calls if n == 100 and p.temperature > 0]
-    assert len(sampled) == 2 and all(p.n == learner.spec.algorithm.group_size for _, p in sampled)
     sample = learner.metrics.registry.get_sample_value
     assert sample("gspo_eval_accuracy") == evals[-1]["eval_accuracy"]
-    assert sample("gspo_eval_mean_at_k") == evals[-1]["eval_mean_at_k"]
+    for r in evals:
+        assert 0.0 <= r["eval_accuracy"] <= 1.0
+        assert ("eval_mean_at_k" in r) == (k > 0)
+    if k:
+        assert len(sampled) == 2 and all(p.n == k for _, p in sampled)
+        assert all(0.0 <= r["eval_mean_at_k"] <= 1.0 for r in evals)
+        assert sample("gspo_eval_mean_at_k") == evals[-1]["eval_mean_at_k"]
+    else:
+        assert sampled == []  # one greedy pass: 100 answers, not 100 x (1 + groupSize)
+        assert not sample("gspo_eval_mean_at_k")
 
 
 def test_greedy_is_deterministic_and_the_argmax(cache: Path) -> None:

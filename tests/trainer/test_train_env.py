@@ -3,6 +3,7 @@ cores of their own on a machine without GPUs."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -260,8 +261,11 @@ def test_free_ports_come_from_below_the_ephemeral_range(
 
     span = tmp_path / "ip_local_port_range"
     span.write_text("40000\t60999\n")
-    drawn = {ports.free_port(span) for _ in range(50)}
-    assert all(40000 - ports.PORT_WINDOW <= p < 40000 for p in drawn) and len(drawn) > 40
+    drawn = [ports.free_port(span) for _ in range(50)]
+    top = ports.NODE_PORTS  # below Kubernetes' NodePorts too (30000-32767)
+    assert all(top - ports.PORT_WINDOW <= p < top for p in drawn) and len(set(drawn)) == 50
+    span.write_text("20000 60999\n")  # a lower range: the window ends where it starts
+    assert all(20000 - ports.PORT_WINDOW <= ports.free_port(span) < 20000 for _ in range(5))
     with socket.socket() as held:  # a taken port is passed over; none left: the kernel's
         held.bind(("", ports.free_port(span)))
         taken = held.getsockname()[1]
@@ -269,3 +273,50 @@ def test_free_ports_come_from_below_the_ephemeral_range(
         monkeypatch.setattr(ports, "PORT_WINDOW", 1)  # the window is the taken port alone
         assert ports.free_port(span) not in (taken, 0)
     assert ports.free_port(tmp_path / "missing") >= 1024  # not Linux: the kernel's choice
+
+
+def test_a_spawned_process_is_stopped_when_gspo_train_dies_outright(tmp_path: Path) -> None:
+    """gspo train killed outright (SIGKILL) cannot stop its learner and servers: they get
+    SIGTERM from the kernel (PR_SET_PDEATHSIG) instead of running on in their own sessions."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from checkout import checkout_env
+
+    if sys.platform != "linux":
+        pytest.skip("PR_SET_PDEATHSIG is Linux's")
+    fake = tmp_path / "python"  # the child: a shell that says it got SIGTERM, then exits
+    fake.write_text(
+        "#!/bin/sh\ntrap 'echo got TERM; exit 0' TERM\necho up\nwhile :; do sleep 0.1; done\n"
+    )
+    fake.chmod(0o755)
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, sys; from pathlib import Path; from gspo_trainer import train; "
+            f"sys.executable = {str(fake)!r}; "
+            f"p = train.spawn('child', [], dict(os.environ), Path({str(tmp_path / 'c.log')!r})); "
+            "print(p.popen.pid, flush=True); sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=checkout_env(),
+        text=True,
+    )
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    log = tmp_path / "c.log"
+    deadline = time.monotonic() + 30
+    while "up" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait(timeout=30)
+    while "got TERM" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "got TERM" in log.read_text()
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(child, signal.SIGKILL)  # should it still run: not left behind by the test

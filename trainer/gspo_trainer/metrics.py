@@ -89,7 +89,8 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
     ),
     "eval_mean_at_k": (
         "gspo_eval_mean_at_k",
-        "Mean reward of k = groupSize samples per evaluation prompt at the training temperature.",
+        "Mean reward of k = algorithm.evalMeanAtK samples per evaluation prompt at the training "
+        "temperature (0 while evalMeanAtK is 0).",
     ),
 }
 

@@ -102,14 +102,15 @@ def plot_training(
                 label=f"{label} eval_accuracy (greedy)",
             )
             at_k = [r for r in evals if "eval_mean_at_k" in r]
-            top.plot(
-                [int(r["step"]) for r in at_k],
-                [r["eval_mean_at_k"] for r in at_k],
-                "x",
-                color=color,
-                markersize=4,
-                label=f"{label} eval_mean_at_k",
-            )
+            if at_k:  # algorithm.evalMeanAtK > 0
+                top.plot(
+                    [int(r["step"]) for r in at_k],
+                    [r["eval_mean_at_k"] for r in at_k],
+                    "x",
+                    color=color,
+                    markersize=4,
+                    label=f"{label} eval_mean_at_k",
+                )
         ent = [(int(r["step"]), r["entropy"]) for r in records if "entropy" in r]
         if ent:
             bottom.plot(

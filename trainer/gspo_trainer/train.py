@@ -201,6 +201,33 @@ class Proc:
             return f.read().decode(errors="replace")
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def child_setup(cpus: list[int] | None, parent: int) -> Callable[[], None] | None:
+    """What a spawned child runs between fork and exec: its cores, and on Linux SIGTERM when
+    its parent dies (prctl PR_SET_PDEATHSIG; a parent already gone before the prctl is
+    caught by the ppid check). None where there is nothing to do."""
+    prctl = None
+    if sys.platform == "linux":
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            prctl = ctypes.CDLL(None, use_errno=True).prctl  # loaded before the fork
+    if prctl is None and not cpus:
+        return None
+
+    def setup() -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+            if os.getppid() != parent:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    return setup
+
+
 def spawn(
     name: str,
     args: list[str],
@@ -211,13 +238,15 @@ def spawn(
 ) -> Proc:
     """`gspo ARGS` in its own session, appending to `log` after a header (a resumed run keeps
     the previous attempt's log); on `cpus` only when given (set in the child before it runs
-    anything, so every thread and process it starts inherits it). `keep_fds` stay open in
-    the child: the run lock's, so a child that outlives `gspo train` (killed outright, its
-    children run on in their own sessions) keeps the output directory locked."""
+    anything, so every thread and process it starts inherits it). The child gets SIGTERM if
+    `gspo train` dies without stopping it (killed outright): a learner then saves a final
+    checkpoint and a server shuts down, as a deleted pod's would, instead of running on
+    unattended in a session of its own. `keep_fds` stay open in the child: the run lock's,
+    so a child still stopping keeps the output directory locked."""
     repo = Path(__file__).resolve().parents[2]
     paths = [str(repo / "operator"), str(repo / "trainer"), env.get("PYTHONPATH", "")]
     env = {**env, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
-    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    pin = child_setup(cpus, os.getpid())
     f, start = output_dir.open_log(log, name)
     with f:
         cmd = [sys.executable, "-m", "gspo_operator.cli", *args]

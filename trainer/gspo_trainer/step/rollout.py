@@ -202,34 +202,40 @@ class Collector:
     async def evaluate(self, step: int, examples: list[Any]) -> dict[str, float]:
         """The policy the rollout servers hold on the evaluation set, through the same engine
         as the rollouts: `eval_accuracy`, the share of prompts whose greedy answer
-        (temperature 0) scores full reward, and `eval_mean_at_k`, the mean reward of k =
-        groupSize samples per prompt at the training temperature (what training sees, without
-        its prompt order). {} when no server could serve (logged; training goes on)."""
+        (temperature 0) scores full reward, and with algorithm.evalMeanAtK = k > 0
+        `eval_mean_at_k`, the mean reward of k samples per prompt at the training temperature
+        (what training sees, without its prompt order). {} when no server could serve
+        (logged; training goes on)."""
         alg = self.alg
         prompts = self.prompt_ids(examples)
-        greedy = SamplingParams(
-            n=1,
-            max_tokens=alg.max_response_tokens,
-            temperature=0.0,
-            stop_token_ids=(self.tokenizer.eos_token_id,),
-        )
-        sampled = replace(self.sampling(step), seed=step_seed(alg.seed, step, "eval"))
+        passes = {
+            "greedy": SamplingParams(
+                n=1,
+                max_tokens=alg.max_response_tokens,
+                temperature=0.0,
+                stop_token_ids=(self.tokenizer.eos_token_id,),
+            )
+        }
+        if alg.eval_mean_at_k > 0:
+            passes["sampled"] = replace(
+                self.sampling(step), n=alg.eval_mean_at_k, seed=step_seed(alg.seed, step, "eval")
+            )
         t0 = time.perf_counter()
+        scores: dict[str, list[float]] = {}
         try:
-            scores = []
-            for params in (greedy, sampled):
+            for name, params in passes.items():
                 batch = await self.generate(prompts, params)
                 completions = [c for group in batch.groups for c in group]
-                scores.append(self.scorer.score(self.scored(examples, completions)))
+                scores[name] = self.scorer.score(self.scored(examples, completions))
         except RolloutError as exc:
             log.warning("Step %d: evaluation skipped: %s", step, exc)
             return {}
-        greedy_scores, sampled_scores = scores
-        return {
-            "eval_accuracy": sum(r >= 1.0 for r in greedy_scores) / len(greedy_scores),
-            "eval_mean_at_k": sum(sampled_scores) / len(sampled_scores),
-            "eval_seconds": time.perf_counter() - t0,
-        }
+        greedy = scores["greedy"]
+        out = {"eval_accuracy": sum(r >= 1.0 for r in greedy) / len(greedy)}
+        if "sampled" in scores:
+            out["eval_mean_at_k"] = sum(scores["sampled"]) / len(scores["sampled"])
+        out["eval_seconds"] = time.perf_counter() - t0
+        return out
 
 
 class RunAhead:
