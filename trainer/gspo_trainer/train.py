@@ -207,7 +207,8 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 def child_setup(cpus: list[int] | None, parent: int) -> Callable[[], None] | None:
     """What a spawned child runs between fork and exec: its cores, and on Linux SIGTERM when
     its parent dies (prctl PR_SET_PDEATHSIG; a parent already gone before the prctl is
-    caught by the ppid check). None where there is nothing to do."""
+    caught by the ppid check). The kernel sends it when the thread that forked exits, so
+    spawn runs on gspo train's main thread only. None where there is nothing to do."""
     prctl = None
     if sys.platform == "linux":
         import ctypes
