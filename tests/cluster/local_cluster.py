@@ -192,8 +192,8 @@ class LocalCluster:
         lines = [self.node.diagnose()]
         task = self.node_task
         if task is not None and task.done():
-            exc = None if task.cancelled() else task.exception()
-            lines.append(f"node loop ended: {'cancelled' if task.cancelled() else repr(exc)}")
+            why = "cancelled" if task.cancelled() else repr(task.exception())
+            lines.append(f"node loop ended: {why}")
         elif task is not None:
             lines.append(f"node loop at {awaiting(task)}")
         return "\n".join(lines)
