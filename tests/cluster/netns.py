@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import functools
 import ipaddress
 import os
 import shutil
@@ -56,14 +57,19 @@ class Endpoint:
         return NETNS_ETC / self.netns
 
 
+@functools.cache
 def unavailable_reason() -> str | None:
-    """Why a pod network cannot be built here (None when it can): for pytest skips."""
+    """Why a pod network cannot be built here (None when it can): for pytest skips.
+
+    The probe namespace is named for this process: pytest-xdist's workers collect the same
+    modules at once, and a shared name made one worker's `ip netns add` fail ("File exists")
+    and skip every cluster test it later ran."""
     if os.geteuid() != 0:
         return "needs root (network and mount namespaces)"
     for tool in ("ip", "unshare", "nsenter"):
         if shutil.which(tool) is None:
             return f"`{tool}` is not installed"
-    probe = "gspo-probe-ns"
+    probe = f"gspo-probe-{os.getpid()}"
     add = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if add.returncode != 0:
         return f"`ip netns add` fails: {add.stderr.strip()}"
