@@ -60,6 +60,17 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return Scheduling(config, log)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """On an xdist worker, torch computes on one thread: three workers each running a team of
+    one thread per core, beside the servers and learners the process tests start, spent more
+    time switching than computing (a checkpoint module took 131 s against 10 s alone). The
+    processes the tests start keep their own settings."""
+    if hasattr(config, "workerinput"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """On an xdist worker, the order scopes are handed out in: the machine-wide scope, then the
