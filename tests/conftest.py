@@ -41,15 +41,18 @@ def xdist_scope(nodeid: str) -> str:
     """The scope a test runs in (see above), from its node id ("tests/dir/test_x.py::...")."""
     path = nodeid.split("::", 1)[0]
     parts = path.split("/")
-    if parts[1:2] == ["cluster"] or parts[-1].startswith("test_code_"):
+    if "cluster" in parts[:-1] or parts[-1].startswith("test_code_"):
         return MACHINE_WIDE
     return path
 
 
+@pytest.hookimpl(optionalhook=True)  # a run without xdist knows no such hook
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """`--dist loadscope` with the scopes above. (xdist's own `loadgroup` marks cannot do
-    it under pytest 9: it renames `item._nodeid`, which pytest 9 no longer reads.)"""
-    if config.getvalue("dist") != "loadscope":
+    """`--dist loadscope` with the scopes above, for `-n N` alone too (xdist's `load`, which
+    would run two cluster tests at once). Other modes are the caller's choice. (xdist's
+    `loadgroup` marks cannot do it under pytest 9: it renames `item._nodeid`, which pytest 9
+    no longer reads.)"""
+    if config.getvalue("dist") not in ("load", "loadscope"):
         return None
     from xdist.scheduler import LoadScopeScheduling
 

@@ -64,16 +64,33 @@ def run(program: str, expected: str, stdin: str = "") -> tuple[CaseResult, float
 
 
 def sandboxed_processes() -> set[int]:
-    """Processes of the sandbox's user on the host (nobody when the learner is root)."""
+    """Processes of the sandbox's user on the host (nobody when the learner is root), less
+    those another pytest-xdist worker started: run as a user, the sandbox's user is the
+    tester's own, whose servers and learners on the other workers come and go meanwhile."""
     uid = 65534 if os.geteuid() == 0 else os.geteuid()
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
     out = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if os.stat(f"/proc/{pid}").st_uid == uid and int(pid) != os.getpid():
-                out.add(int(pid))
-        except FileNotFoundError:
+            if os.stat(f"/proc/{pid}").st_uid != uid or int(pid) == os.getpid():
+                continue
+            if worker is not None and _other_workers(int(pid), worker):
+                continue
+            out.add(int(pid))
+        except (FileNotFoundError, ProcessLookupError):
             pass
     return out
+
+
+def _other_workers(pid: int, worker: str) -> bool:
+    """Whether `pid` carries another xdist worker's name in its environment (a process
+    whose environment cannot be read is not another worker's)."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    ours = f"PYTEST_XDIST_WORKER={worker}".encode()
+    return any(e.startswith(b"PYTEST_XDIST_WORKER=") and e != ours for e in env)
 
 
 @pytest.fixture(autouse=True)
