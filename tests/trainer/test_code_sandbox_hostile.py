@@ -77,7 +77,7 @@ def sandboxed_processes() -> set[int]:
             if worker is not None and _other_workers(int(pid), worker):
                 continue
             out.add(int(pid))
-        except (FileNotFoundError, ProcessLookupError):
+        except FileNotFoundError:  # the process ended meanwhile
             pass
     return out
 
