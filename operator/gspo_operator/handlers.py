@@ -109,11 +109,19 @@ def register(registry: kopf.OperatorRegistry, ctx: Context) -> None:
         return {_job_of(namespace, labels): ChildView.from_object(body)}
 
     async def child_changed(
-        namespace: str | None, labels: Mapping[str, str], **kwargs: Any
+        namespace: str | None,
+        labels: Mapping[str, str],
+        type: str | None,
+        body: Any,
+        name: str | None,
+        **kwargs: Any,
     ) -> None:
         start(kwargs)
         if names.JOB_LABEL in labels:
-            queue.add(_job_of(namespace, labels))
+            key = _job_of(namespace, labels)
+            if type == "DELETED":
+                reconcile.child_deleted(ctx, key, (body.get("kind", ""), name or ""))
+            queue.add(key)
 
     present = {names.JOB_LABEL: kopf.PRESENT}
     watched = [(PODS, "pods", pod_view), *((c, "children", child_view) for c in WATCHED_CHILDREN)]

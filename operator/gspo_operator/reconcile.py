@@ -493,6 +493,18 @@ def _children_seen(ctx: Context, key: Key, uid: str | None) -> dict[ChildKey, Ch
     return out
 
 
+def child_deleted(ctx: Context, key: Key, child: ChildKey) -> None:
+    """The watch showed `child` deleted: nothing this operator created or repaired of it is
+    there any more, so the next reconcile creates it again now, not when the memory expires.
+    (controller-runtime and kube-controller-manager lower their expectations on a deletion
+    they observe the same way: pkg/controller/controller_utils.go, DeletionObserved.) Without
+    it, a child repaired and then deleted before a reconcile saw the repair stayed missing
+    for 30 s: its remembered repair counted as there."""
+    memory = ctx.jobs.get(key)
+    if memory is not None:
+        memory.expected.pop(child, None)
+
+
 def _expect(ctx: Context, key: Key, obj: Obj, *, created: bool) -> None:
     if obj["kind"] in UNWATCHED_KINDS:
         return

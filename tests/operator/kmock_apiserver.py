@@ -14,6 +14,13 @@ a PUT without one is unconditional. Merge and JSON patches carry no precondition
 coordination.k8s.io/v1 Leases are served, so two operator replicas can elect a leader
 (gspo_operator.leader) against this stand-in.
 
+Watches lag as kube-apiserver's can: its watch cache (staging/src/k8s.io/apiserver/pkg/
+storage/cacher/cacher.go, v1.31) sends each watcher the events in order but with no bound on
+the delay after the write that made them, so a client may read its own write's answer long
+before its watch shows it (why client-go's controllers keep "expectations"). `lagging(plural)`
+holds every watch of one resource until the block ends, then sends what was held, in order.
+Not modelled: the cache's bookmarks and its "too old resource version" (410) answers.
+
 Custom resources are admitted as kube-apiserver admits them, by the stored CRD's schema: every
 write (create, PUT, PATCH, /status too) is pruned of the fields the schema does not declare,
 under the request's `fieldValidation` (Strict: 400 naming each unknown field; Warn, the
@@ -28,13 +35,14 @@ whose CRD predates the rules. `add` itself admits nothing: it stores what a test
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import datetime as dt
 import itertools
 import json
 import re
 import uuid
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import aiohttp.web
@@ -260,6 +268,7 @@ class ApiServer(kmock.KubernetesScaffold):
     _kinds: dict[Key, tuple[str, bool, bool]] = attrs.field(factory=dict, init=False)
     faults: list[Fault] = attrs.field(factory=list, init=False)  # tests add error answers
     _uids: set[str] = attrs.field(factory=set, init=False)  # seen uids (garbage collection)
+    _lagging: set[str] = attrs.field(factory=set, init=False)  # plurals whose watches wait
     # Warning headers of the request being answered (admission runs without an await point
     # between the request's start and its answer, so one list serves every request in turn).
     _warnings: list[str] = attrs.field(factory=list, init=False)
@@ -341,6 +350,18 @@ class ApiServer(kmock.KubernetesScaffold):
             if key[0] == group and key[1] == version and kind == obj["kind"]:
                 return key
         raise KeyError(f"unknown kind {obj['apiVersion']} {obj['kind']}")
+
+    @contextlib.asynccontextmanager
+    async def lagging(self, plural: str) -> AsyncIterator[None]:
+        """Every watch of `plural` shows nothing new until the block ends, then all it held."""
+        self._lagging.add(plural)
+        try:
+            yield
+        finally:
+            self._lagging.discard(plural)
+            if self._changed is not None:
+                changed, self._changed = self._changed, asyncio.Event()
+                changed.set()
 
     # --- the store ----------------------------------------------------------------------------
 
@@ -736,7 +757,8 @@ class ApiServer(kmock.KubernetesScaffold):
         try:
             while loop.time() < deadline:
                 changed = self._changed  # taken before the scan: a change after it sets this
-                for rv, k, type_, obj in self.history[self._index_after(cursor) :]:
+                held = key[2] in self._lagging
+                for rv, k, type_, obj in [] if held else self.history[self._index_after(cursor) :]:
                     cursor = rv
                     if k == key and wanted(obj):
                         await send(type_, obj)

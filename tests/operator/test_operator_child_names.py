@@ -181,3 +181,18 @@ def test_a_hand_edit_before_the_watch_showed_the_create_is_not_hidden_by_it() ->
     ctx.indices = {"children": {(NS, "exp"): [edited]}}
     seen = reconcile._children_seen(ctx, (NS, "exp"), "uid-exp")
     assert seen[("ConfigMap", names.config_map("exp"))] == edited
+
+
+def test_a_child_repaired_then_deleted_is_missing_once_the_watch_shows_the_deletion() -> None:
+    """What the operator repaired counts as repaired until its watch shows the repair. A
+    deletion the watch shows first ends that: the child is missing (created again at the
+    next reconcile), not repaired and there for 30 s more."""
+    ctx = reconcile.Context(kube=Kube.for_host("http://127.0.0.1:1"))
+    job = tiny_job("exp")
+    job["metadata"].update(namespace=NS, uid="uid-exp")
+    repaired = config_map_of(job)
+    reconcile._expect(ctx, (NS, "exp"), repaired, created=False)
+    child = ("ConfigMap", names.config_map("exp"))
+    assert child in reconcile._children_seen(ctx, (NS, "exp"), "uid-exp")  # the watch lags
+    reconcile.child_deleted(ctx, (NS, "exp"), child)
+    assert reconcile._children_seen(ctx, (NS, "exp"), "uid-exp") == {}

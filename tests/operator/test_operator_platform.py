@@ -233,6 +233,31 @@ async def test_children_deleted_or_changed_by_hand_are_put_back(run_operator, pr
             )
 
 
+async def test_a_child_deleted_before_the_watch_showed_it_is_created_again(
+    run_operator, progress
+) -> None:
+    """The API server's watch can lag its writes: the operator counts what it created as
+    there until its watch shows it. One deleted before that (the watch then shows its
+    creation and deletion together) is created again at once, not when that memory expires
+    (30 s later)."""
+    async with api_server() as api, run_operator(api):
+        async with api.lagging("configmaps"):
+            await create(api, tiny_job(progress_port=progress.port))
+            made = await eventually(
+                lambda: api.get("ConfigMap", NS, f"{JOB}-config"), what="ConfigMap created"
+            )
+            await eventually(lambda: api.get("JobSet", NS, JOB), what="JobSet")
+            await api.delete("ConfigMap", NS, f"{JOB}-config")
+        await eventually(
+            lambda: (
+                (o := api.get("ConfigMap", NS, f"{JOB}-config"))
+                and o["metadata"]["uid"] != made["metadata"]["uid"]
+            ),
+            timeout_s=10.0,
+            what="ConfigMap created again",
+        )
+
+
 # --- event-driven, no finalizer -------------------------------------------------------------
 
 
