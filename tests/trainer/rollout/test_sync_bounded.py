@@ -225,6 +225,47 @@ def test_a_sync_that_fails_twice_aborts_both_groups(monkeypatch: pytest.MonkeyPa
     assert [pg.ended for pg in pgs] == [["abort"], ["abort"]]
 
 
+def test_a_server_refusing_its_update_ends_the_sync_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A server answers /control/sync/update with an error and never joins the broadcast
+    (its engine died, say): the learner's send stops waiting for it at once, both attempts'
+    groups are aborted, and the sync fails naming the server, long before the group's
+    timeout (600 s by default; 60 s here, on the real clock)."""
+    pgs = [PG(good=1), PG(good=1)]  # each attempt's join, then broadcasts that never finish
+    formed: list[Any] = []
+
+    def open_group(*a: Any, **kw: Any) -> ws.SyncGroup:
+        group = group_on(pgs[len(formed)], timeout_s=kw["timeout_s"])
+        group.broadcast(torch.zeros(1, dtype=torch.uint8))
+        formed.append(group)
+        return group
+
+    async def post(self: Any, url: str, path: str, body: Any, timeout_s: float) -> Any:
+        if path == "/control/sync/update":
+            raise RolloutError(f"{url}{path}: HTTP 500: EngineCore encountered an issue")
+        return {"policy_version": 0}
+
+    monkeypatch.setattr(ws, "open_group", open_group)
+    monkeypatch.setattr(ws, "connect_store", lambda *a, **k: object())
+    monkeypatch.setattr(client_mod.RolloutClient, "_post", post)
+
+    async def scenario() -> None:
+        client = RolloutClient(["http://a"], sync=SyncOptions("127.0.0.1", 1, timeout_s=60))
+
+        async def refresh(only_down: bool = False) -> None:
+            client.servers["http://a"].alive = True  # its /health still answers
+
+        client.refresh = refresh  # type: ignore[method-assign]
+        with pytest.raises(RolloutError, match="http://a failed its part of the update"):
+            await client.sync_weights(WEIGHTS, 1)
+
+    started = time.monotonic()
+    asyncio.run(scenario())
+    assert time.monotonic() - started < 20.0  # the timeout would be 60 s per attempt
+    assert [pg.ended for pg in pgs] == [["abort"], ["abort"]]
+
+
 def test_the_torch_calls_nccl_needs_exist_and_end_a_real_group() -> None:
     """What the CPU build can show: the c10d ProcessGroup API NCCL implements has abort and
     shutdown, a Work answers is_completed without blocking, backend options carry the

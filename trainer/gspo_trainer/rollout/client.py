@@ -19,6 +19,7 @@ whenever the set of live servers changes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -571,9 +572,15 @@ class RolloutClient:
         t0 = time.perf_counter()
         send = device.to_thread(sender.send, tensors, version)  # gathers on the rank's GPU
         calls = [
-            self._post(s.url, "/control/sync/update", {"timeout_s": timeout_s}, timeout_s + 10)
+            asyncio.ensure_future(
+                self._post(s.url, "/control/sync/update", {"timeout_s": timeout_s}, timeout_s + 10)
+            )
             for s in servers
         ]
+        for s, call in zip(servers, calls, strict=True):
+            # A server that answers with an error before the broadcast finished never joins
+            # it: end the send now, not after weightSync.timeoutSeconds (600 s by default).
+            call.add_done_callback(functools.partial(_cancel_on_refusal, self._group.group, s.url))
         outcomes = await asyncio.gather(send, *calls, return_exceptions=True)
         bcast_s = time.perf_counter() - t0
         errors = [o for o in outcomes if isinstance(o, BaseException)]
@@ -589,6 +596,11 @@ class RolloutClient:
         sent = outcomes[0]
         assert not isinstance(sent, BaseException)  # none raised
         return sent.bytes_total, bcast_s
+
+
+def _cancel_on_refusal(group: SyncGroup, url: str, call: asyncio.Future[Any]) -> None:
+    if not call.cancelled() and (exc := call.exception()) is not None:
+        group.cancel(f"{url} failed its part of the update: {exc}")
 
 
 def _error_text(payload: Any) -> str:

@@ -20,7 +20,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -337,11 +337,25 @@ class SyncTimeout(RuntimeError):
     """A collective of the sync group did not complete in time (a peer died or hangs)."""
 
 
+class SyncCancelled(RuntimeError):
+    """A peer refused its part before the collective could finish: waiting out the group's
+    timeout for a broadcast it never joins would only delay the same failure."""
+
+
 POLL_FIRST_S, POLL_MAX_S = 5e-5, 1e-3
 
 
+def _never() -> str | None:
+    return None
+
+
 def wait_bounded(
-    work: Any, timeout_s: float, *, clock: Any = time.monotonic, sleep: Any = time.sleep
+    work: Any,
+    timeout_s: float,
+    *,
+    clock: Any = time.monotonic,
+    sleep: Any = time.sleep,
+    cancelled: Callable[[], str | None] = _never,
 ) -> None:
     """Block this thread until `work` completes, for at most `timeout_s`; then `work.wait()`.
 
@@ -351,9 +365,12 @@ def wait_bounded(
     without blocking (NCCL: has its end event fired; gloo: has it finished, with or without
     an error), so the host polls it against a deadline and calls `wait()` only on finished
     work (gloo raises its error there; NCCL orders the current stream after it). SyncTimeout
-    if it does not finish: the caller aborts the group."""
+    if it does not finish, SyncCancelled as soon as `cancelled()` names a reason (a peer that
+    answered it will not join): the caller aborts the group either way."""
     deadline, delay = clock() + timeout_s, POLL_FIRST_S
     while not work.is_completed():
+        if (why := cancelled()) is not None:
+            raise SyncCancelled(why)
         if clock() >= deadline:
             raise SyncTimeout(
                 f"a weight-sync collective did not complete in {timeout_s:.0f} s "
@@ -377,6 +394,7 @@ class SyncGroup:
         self.device, self.timeout_s = device, timeout_s
         self.closed = False
         self.clock, self.sleep = time.monotonic, time.sleep  # what bounds the waits
+        self.cancelled: str | None = None  # why the collective being waited on cannot finish
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         self.wait(self.broadcast_async(tensor))
@@ -389,8 +407,20 @@ class SyncGroup:
         return self.pg.broadcast([tensor], opts)
 
     def wait(self, work: Any) -> None:
-        """Until `work` completes, at most the group's timeout (SyncTimeout otherwise)."""
-        wait_bounded(work, self.timeout_s, clock=self.clock, sleep=self.sleep)
+        """Until `work` completes, at most the group's timeout (SyncTimeout otherwise), or
+        until `cancel` (SyncCancelled)."""
+        wait_bounded(
+            work,
+            self.timeout_s,
+            clock=self.clock,
+            sleep=self.sleep,
+            cancelled=lambda: self.cancelled,
+        )
+
+    def cancel(self, why: str) -> None:
+        """From any thread: the wait in progress, and every later one, ends with
+        SyncCancelled(`why`); the caller then aborts the group."""
+        self.cancelled = why
 
     def close(self, *, abort: bool) -> None:
         """End the group (once): `abort` after a failed or timed-out collective, or when the
