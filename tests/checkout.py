@@ -24,14 +24,16 @@ def checkout_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_gspo(*args: str, timeout_s: float = 120, **kwargs) -> subprocess.CompletedProcess[str]:
-    """Run `gspo ARGS...` in a subprocess, as the console script would."""
+def run_gspo(
+    *args: str, timeout_s: float = 120, env: dict[str, str] | None = None, **kwargs
+) -> subprocess.CompletedProcess[str]:
+    """Run `gspo ARGS...` in a subprocess, as the console script would (`env`: more variables)."""
     return subprocess.run(
         [sys.executable, "-m", "gspo_operator.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout_s,
-        env=checkout_env(),
+        env={**checkout_env(), **(env or {})},
         cwd=kwargs.pop("cwd", REPO),
         **kwargs,
     )

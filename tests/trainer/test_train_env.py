@@ -4,6 +4,8 @@ cores of their own on a machine without GPUs."""
 from __future__ import annotations
 
 import contextlib
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,15 @@ import pytest
 from gspo_api.validation import parse_spec
 from gspo_operator.render import render_job
 from gspo_trainer.jobs import tiny_manifest
-from gspo_trainer.train import place_on_cpus, process_env, server_cpus, server_env, spawn
+from gspo_trainer.train import (
+    place_on_cpus,
+    process_env,
+    scratch_dir,
+    scratch_env,
+    server_cpus,
+    server_env,
+    spawn,
+)
 
 
 def spec_with(name: str, offline: bool = False):  # type: ignore[no-untyped-def]
@@ -320,3 +330,43 @@ def test_a_spawned_process_is_stopped_when_gspo_train_dies_outright(tmp_path: Pa
     assert "got TERM" in log.read_text()
     with contextlib.suppress(ProcessLookupError):
         os.kill(child, signal.SIGKILL)  # should it still run: not left behind by the test
+
+
+def test_the_servers_temporary_files_go_to_the_runs_own_directory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TMPDIR moves (vLLM's sockets go with it); torch's compile cache stays where torch
+    would put it, or where the user put it."""
+    monkeypatch.setattr("tempfile.tempdir", "/var/tmp")
+    monkeypatch.setattr("getpass.getuser", lambda: "ada")
+    env = scratch_env(Path("/tmp/gspo-x"), {})
+    assert env == {"TMPDIR": "/tmp/gspo-x", "TORCHINDUCTOR_CACHE_DIR": "/var/tmp/torchinductor_ada"}
+    mine = scratch_env(Path("/tmp/gspo-x"), {"TORCHINDUCTOR_CACHE_DIR": "/cache/inductor"})
+    assert mine["TORCHINDUCTOR_CACHE_DIR"] == "/cache/inductor"
+
+
+def test_the_compile_cache_kept_is_the_one_torch_itself_would_use() -> None:
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    assert scratch_env(Path("/tmp/gspo-x"), {})["TORCHINDUCTOR_CACHE_DIR"] == default_cache_dir()
+
+
+def test_the_servers_directory_leaves_room_for_vllms_socket_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Unix socket path holds 107 bytes: under a deep TMPDIR the directory goes to /tmp."""
+    deep = tmp_path / ("d" * 80)
+    deep.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(deep))
+    made = scratch_dir()
+    try:
+        assert made.parent == Path("/tmp") and len(str(made / ("u" * 36))) <= 107
+        assert not list(deep.iterdir())  # nothing left where it was not kept
+    finally:
+        made.rmdir()
+    short = Path(tempfile.mkdtemp(dir="/tmp"))
+    monkeypatch.setattr("tempfile.tempdir", str(short))
+    try:
+        assert scratch_dir().parent == short  # room enough: where TMPDIR says
+    finally:
+        shutil.rmtree(short)

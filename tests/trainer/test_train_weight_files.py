@@ -3,6 +3,7 @@ to the checkpoint volume and the real vLLM server loads it from there; no sync g
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -12,6 +13,7 @@ from checkout import run_gspo
 from gspo_api import ports
 from gspo_trainer.jobs import tiny_manifest
 from gspo_trainer.plot import read_history
+from gspo_trainer.train import scratch_env
 
 pytestmark = pytest.mark.e2e
 STEPS = 3
@@ -24,9 +26,12 @@ def test_train_syncs_every_step_through_the_shared_volume(tmp_path) -> None:  # 
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(manifest))
     out = tmp_path / "run"
+    tmp = tmp_path / "tmp"  # the run's temporary directory: left as it was found
+    tmp.mkdir()
+    env = scratch_env(tmp, os.environ)  # TMPDIR there, torch's compile cache where it was
     # fmt: skip: each flag beside its value, as on a command line (ruff splits the pairs).
     done = run_gspo("train", str(config), "--output-dir", str(out), "--max-steps", str(STEPS),
-                    "--no-progress", timeout_s=400)  # fmt: skip
+                    "--no-progress", timeout_s=400, env=env)  # fmt: skip
     learner_log = (out / "logs" / "learner.log").read_text()
     assert done.returncode == 0, done.stderr[-2000:] + learner_log[-3000:]
     assert [r["step"] for r in read_history(out / "checkpoints" / "history.jsonl")] == [1, 2, 3]
@@ -39,6 +44,8 @@ def test_train_syncs_every_step_through_the_shared_volume(tmp_path) -> None:  # 
     weights = out / "checkpoints" / ports.WEIGHTS_SUBDIR
     assert [p.name for p in weights.iterdir()] == [f"v{STEPS:08d}"]  # only the newest kept
     assert "sync group" not in learner_log.lower()
+    # vLLM's ZeroMQ sockets and rendezvous file went with its servers' own directory.
+    assert sorted(p.name for p in tmp.iterdir()) == []
 
 
 def test_the_reload_warning_of_computed_layers_is_dropped_and_no_other() -> None:

@@ -15,13 +15,16 @@ import argparse
 import contextlib
 import copy
 import errno
+import getpass
 import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -635,6 +638,39 @@ def server_env(
     return {**env, "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, placement.servers[index]))}
 
 
+# A Unix socket's path holds at most 107 bytes (sockaddr_un.sun_path): vLLM's ZeroMQ sockets
+# are the directory plus "/" and a 36-character uuid (vllm/utils/network_utils.py).
+SOCKET_DIR_MAX = 107 - 37
+
+
+def scratch_dir() -> Path:
+    """A new directory for the rollout servers' temporary files: in the temporary directory,
+    or in /tmp where that one's path would leave vLLM's socket paths too long."""
+    scratch = Path(tempfile.mkdtemp(prefix="gspo-"))
+    if len(os.fsencode(scratch)) <= SOCKET_DIR_MAX or not os.path.isdir("/tmp"):
+        return scratch
+    scratch.rmdir()
+    return Path(tempfile.mkdtemp(prefix="gspo-", dir="/tmp"))
+
+
+def scratch_env(scratch: Path, environ: Mapping[str, str]) -> dict[str, str]:
+    """What points a rollout server's temporary files into `scratch`, a directory of the run's
+    own that `gspo train` removes once its servers are gone: vLLM leaves its ZeroMQ sockets
+    and a rendezvous file (eight a server) in the temporary directory when it stops. torch's
+    compile cache stays where it was (torch 2.13's `cache_dir_utils.default_cache_dir`), kept
+    across runs."""
+    cache = environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not cache:
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):
+            user = f"uid_{os.getuid()}"
+        cache = os.path.join(
+            tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user)
+        )
+    return {"TMPDIR": str(scratch), "TORCHINDUCTOR_CACHE_DIR": cache}
+
+
 def server_cpus(placement: CpuPlacement | GpuPlacement | None, index: int) -> list[int] | None:
     """The cores a rollout server's processes are confined to, when `gspo train` placed them
     with `pin_servers` (see CpuPlacement); None: they float."""
@@ -773,6 +809,7 @@ def run(
         )
     servers: list[tuple[Proc, str]] = []
     learner: Proc | None = None
+    scratch = scratch_dir()  # the servers' temporary files
     start = time.monotonic()
     view: ProgressView | None = None
     code = 1
@@ -800,7 +837,7 @@ def run(
                 "--max-num-seqs", str(spec.rollout.max_num_seqs),
                 *[f"--engine-arg={k}={json.dumps(v)}" for k, v in spec.rollout.engine_args.items()],
                 *weights_dir, *server_gpu_args(spec, gpus),
-            ], server_env(base_env, gpus or placement, i),
+            ], {**server_env(base_env, gpus or placement, i), **scratch_env(scratch, os.environ)},
                out / "logs" / f"rollout-{i}.log", server_cpus(placement, i), lock_fds)  # fmt: skip
             servers.append((proc, f"http://127.0.0.1:{port}"))
         learner_env = {
@@ -884,6 +921,7 @@ def run(
             learner.stop(timeout_s=LEARNER_STOP_TIMEOUT_S)
         for proc, _ in servers:
             proc.stop(timeout_s=30)
+        shutil.rmtree(scratch, ignore_errors=True)
         for s, handler in old.items():
             signal.signal(s, handler)
     from gspo_trainer.plot import plot_training, read_history
