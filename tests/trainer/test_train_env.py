@@ -17,10 +17,10 @@ from gspo_trainer.train import (
     place_on_cpus,
     process_env,
     scratch_dir,
-    scratch_env,
     server_cpus,
     server_env,
     spawn,
+    torch_cache_dir,
 )
 
 
@@ -98,6 +98,9 @@ def test_servers_and_learner_get_disjoint_cores(
     assert overlapped is not None and overlapped.servers == placement.servers
     shares = [server_cpus(overlapped, i) for i in range(servers)]
     assert [",".join(map(str, share or [])) for share in shares] == bind
+    # Confined to one core, the server's model worker needs no process of its own.
+    inproc = server_env({"A": "1"}, overlapped, servers - 1).get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    assert inproc == ("0" if bind[-1].isdigit() else None)
     assert not set(overlapped.learner) & {c for share in shares for c in share or []}
 
 
@@ -332,23 +335,26 @@ def test_a_spawned_process_is_stopped_when_gspo_train_dies_outright(tmp_path: Pa
         os.kill(child, signal.SIGKILL)  # should it still run: not left behind by the test
 
 
-def test_the_servers_temporary_files_go_to_the_runs_own_directory(
+def test_the_servers_directory_links_torchs_own_and_removes_cleanly(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """TMPDIR moves (vLLM's sockets go with it); torch's compile cache stays where torch
-    would put it, or where the user put it."""
-    monkeypatch.setattr("tempfile.tempdir", "/var/tmp")
-    monkeypatch.setattr("getpass.getuser", lambda: "ada")
-    env = scratch_env(Path("/tmp/gspo-x"), {})
-    assert env == {"TMPDIR": "/tmp/gspo-x", "TORCHINDUCTOR_CACHE_DIR": "/var/tmp/torchinductor_ada"}
-    mine = scratch_env(Path("/tmp/gspo-x"), {"TORCHINDUCTOR_CACHE_DIR": "/cache/inductor"})
-    assert mine["TORCHINDUCTOR_CACHE_DIR"] == "/cache/inductor"
-
-
-def test_the_compile_cache_kept_is_the_one_torch_itself_would_use() -> None:
+    """torch keeps its compiled headers under the temporary directory's torchinductor_<user>
+    whatever TORCHINDUCTOR_CACHE_DIR says: the servers' directory links it, so they are built
+    once, and removing the directory removes the link, not what it points to."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    assert scratch_env(Path("/tmp/gspo-x"), {})["TORCHINDUCTOR_CACHE_DIR"] == default_cache_dir()
+    short = Path(tempfile.mkdtemp(dir="/tmp"))
+    monkeypatch.setattr("tempfile.tempdir", str(short))
+    try:
+        assert torch_cache_dir() == default_cache_dir()  # torch's own rule, for this TMPDIR
+        made = scratch_dir()
+        link = made / Path(default_cache_dir()).name
+        assert made.parent == short and link.resolve() == Path(default_cache_dir()).resolve()
+        (link / "kept").write_text("x")
+        shutil.rmtree(made)
+        assert (Path(default_cache_dir()) / "kept").read_text() == "x"
+    finally:
+        shutil.rmtree(short)
 
 
 def test_the_servers_directory_leaves_room_for_vllms_socket_paths(
@@ -361,12 +367,18 @@ def test_the_servers_directory_leaves_room_for_vllms_socket_paths(
     made = scratch_dir()
     try:
         assert made.parent == Path("/tmp") and len(str(made / ("u" * 36))) <= 107
-        assert not list(deep.iterdir())  # nothing left where it was not kept
+        assert [p.name for p in deep.iterdir()] == [Path(torch_cache_dir()).name]  # torch's
     finally:
-        made.rmdir()
+        shutil.rmtree(made)
     short = Path(tempfile.mkdtemp(dir="/tmp"))
     monkeypatch.setattr("tempfile.tempdir", str(short))
     try:
         assert scratch_dir().parent == short  # room enough: where TMPDIR says
     finally:
         shutil.rmtree(short)
+
+
+def test_the_users_choice_of_vllms_worker_process_wins() -> None:
+    overlapped = place_on_cpus([0, 1], 1, 1, overlapped=True)
+    env = server_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, overlapped, 0)
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"

@@ -3,8 +3,8 @@ to the checkpoint volume and the real vLLM server loads it from there; no sync g
 
 from __future__ import annotations
 
-import os
 import re
+from pathlib import Path
 
 import pytest
 import yaml
@@ -13,7 +13,7 @@ from checkout import run_gspo
 from gspo_api import ports
 from gspo_trainer.jobs import tiny_manifest
 from gspo_trainer.plot import read_history
-from gspo_trainer.train import scratch_env
+from gspo_trainer.train import torch_cache_dir
 
 pytestmark = pytest.mark.e2e
 STEPS = 3
@@ -28,10 +28,11 @@ def test_train_syncs_every_step_through_the_shared_volume(tmp_path) -> None:  # 
     out = tmp_path / "run"
     tmp = tmp_path / "tmp"  # the run's temporary directory: left as it was found
     tmp.mkdir()
-    env = scratch_env(tmp, os.environ)  # TMPDIR there, torch's compile cache where it was
+    kept = tmp / Path(torch_cache_dir()).name  # torch's directory there: the one it keeps
+    kept.symlink_to(torch_cache_dir(), target_is_directory=True)
     # fmt: skip: each flag beside its value, as on a command line (ruff splits the pairs).
     done = run_gspo("train", str(config), "--output-dir", str(out), "--max-steps", str(STEPS),
-                    "--no-progress", timeout_s=400, env=env)  # fmt: skip
+                    "--no-progress", timeout_s=400, env={"TMPDIR": str(tmp)})  # fmt: skip
     learner_log = (out / "logs" / "learner.log").read_text()
     assert done.returncode == 0, done.stderr[-2000:] + learner_log[-3000:]
     assert [r["step"] for r in read_history(out / "checkpoints" / "history.jsonl")] == [1, 2, 3]
@@ -45,7 +46,7 @@ def test_train_syncs_every_step_through_the_shared_volume(tmp_path) -> None:  # 
     assert [p.name for p in weights.iterdir()] == [f"v{STEPS:08d}"]  # only the newest kept
     assert "sync group" not in learner_log.lower()
     # vLLM's ZeroMQ sockets and rendezvous file went with its servers' own directory.
-    assert sorted(p.name for p in tmp.iterdir()) == []
+    assert [p.name for p in tmp.iterdir()] == [kept.name]
 
 
 def test_the_reload_warning_of_computed_layers_is_dropped_and_no_other() -> None:

@@ -630,12 +630,26 @@ def write_token_file(path: Path, token: str) -> None:
 def server_env(
     env: dict[str, str], placement: CpuPlacement | GpuPlacement | None, index: int
 ) -> dict[str, str]:
-    """A rollout server's environment: its cores or its GPUs when `gspo train` placed them."""
+    """A rollout server's environment: its cores or its GPUs when `gspo train` placed them.
+
+    A server confined to one core (`server_cpus`: pinned, a share of one) runs vLLM's model
+    worker in its engine-core process: vLLM's CPU platform spawns the worker a process of its
+    own only to bind its OpenMP threads there (vllm/platforms/cpu.py, which keeps the
+    uniproc executor once VLLM_ENABLE_V1_MULTIPROCESSING is 0), and on one core the
+    confinement is that binding. One import fewer in the start (about 6 s here), and no
+    worker spinning on its message queue beside the scheduler on the same core: the embedded
+    default starts 6 s sooner and steps 6% faster, with the same history to the last bit
+    (BENCHMARKS.md). Floating, or on several cores, the threads would be unbound: vLLM's
+    own layout is kept. The user's setting wins."""
     if isinstance(placement, GpuPlacement):
         return {**env, "CUDA_VISIBLE_DEVICES": placement.servers[index]}
     if placement is None:
         return env
-    return {**env, "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, placement.servers[index]))}
+    share = placement.servers[index]
+    out = {**env, "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, share))}
+    if placement.pin_servers and len(share) == 1:
+        out.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    return out
 
 
 # A Unix socket's path holds at most 107 bytes (sockaddr_un.sun_path): vLLM's ZeroMQ sockets
@@ -644,31 +658,39 @@ SOCKET_DIR_MAX = 107 - 37
 
 
 def scratch_dir() -> Path:
-    """A new directory for the rollout servers' temporary files: in the temporary directory,
-    or in /tmp where that one's path would leave vLLM's socket paths too long."""
+    """A new directory for the rollout servers' temporary files (their TMPDIR), which
+    `gspo train` removes once they are gone: vLLM leaves its ZeroMQ sockets and a rendezvous
+    file in the temporary directory when it stops, eight a server. In the temporary
+    directory, or in /tmp where that one's path would leave vLLM's socket paths too long.
+
+    It links torch's own directory there: torch keeps its compiled headers under
+    `<temporary directory>/torchinductor_<user>` whatever TORCHINDUCTOR_CACHE_DIR says
+    (torch 2.13, torch/_inductor/codecache.py `_HEADER_DIR`), and vLLM's sampler compiles
+    against them at the server's warm-up: in a fresh directory every run would build them
+    again (150 MB, 4 s of the start here)."""
     scratch = Path(tempfile.mkdtemp(prefix="gspo-"))
-    if len(os.fsencode(scratch)) <= SOCKET_DIR_MAX or not os.path.isdir("/tmp"):
-        return scratch
-    scratch.rmdir()
-    return Path(tempfile.mkdtemp(prefix="gspo-", dir="/tmp"))
+    if len(os.fsencode(scratch)) > SOCKET_DIR_MAX and os.path.isdir("/tmp"):
+        scratch.rmdir()
+        scratch = Path(tempfile.mkdtemp(prefix="gspo-", dir="/tmp"))
+    kept = Path(torch_cache_dir())
+    try:
+        kept.mkdir(parents=True, exist_ok=True)
+        (scratch / kept.name).symlink_to(kept, target_is_directory=True)
+    except OSError:  # torch builds them in the scratch directory: slower, not wrong
+        pass
+    return scratch
 
 
-def scratch_env(scratch: Path, environ: Mapping[str, str]) -> dict[str, str]:
-    """What points a rollout server's temporary files into `scratch`, a directory of the run's
-    own that `gspo train` removes once its servers are gone: vLLM leaves its ZeroMQ sockets
-    and a rendezvous file (eight a server) in the temporary directory when it stops. torch's
-    compile cache stays where it was (torch 2.13's `cache_dir_utils.default_cache_dir`), kept
-    across runs."""
-    cache = environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if not cache:
-        try:
-            user = getpass.getuser()
-        except (KeyError, OSError):
-            user = f"uid_{os.getuid()}"
-        cache = os.path.join(
-            tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user)
-        )
-    return {"TMPDIR": str(scratch), "TORCHINDUCTOR_CACHE_DIR": cache}
+def torch_cache_dir() -> str:
+    """torch's default compile cache directory (torch 2.13's `default_cache_dir`), read
+    without importing torch."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(
+        tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user)
+    )
 
 
 def server_cpus(placement: CpuPlacement | GpuPlacement | None, index: int) -> list[int] | None:
@@ -837,7 +859,7 @@ def run(
                 "--max-num-seqs", str(spec.rollout.max_num_seqs),
                 *[f"--engine-arg={k}={json.dumps(v)}" for k, v in spec.rollout.engine_args.items()],
                 *weights_dir, *server_gpu_args(spec, gpus),
-            ], {**server_env(base_env, gpus or placement, i), **scratch_env(scratch, os.environ)},
+            ], {**server_env(base_env, gpus or placement, i), "TMPDIR": str(scratch)},
                out / "logs" / f"rollout-{i}.log", server_cpus(placement, i), lock_fds)  # fmt: skip
             servers.append((proc, f"http://127.0.0.1:{port}"))
         learner_env = {
