@@ -266,6 +266,39 @@ def test_a_server_refusing_its_update_ends_the_sync_at_once(
     assert [pg.ended for pg in pgs] == [["abort"], ["abort"]]
 
 
+def test_a_cancel_reaches_the_receivers_through_the_groups_store() -> None:
+    """Real gloo and a real TCPStore, the learner (rank 0) and a server's worker (rank 1) in
+    two threads: the worker waits on a broadcast the learner never sends (another server
+    refused its update); the learner's cancel ends the worker's wait within a poll, naming
+    why, instead of after the group's 30 s timeout. Both abort their groups after."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gspo_api.ports import free_port
+
+    port = free_port()
+    master = ws.connect_store("127.0.0.1", port, is_master=True, timeout_s=30)
+    joined = ws.connect_store("127.0.0.1", port, is_master=False, timeout_s=30)
+    with ThreadPoolExecutor(2) as pool:
+        groups = list(
+            pool.map(
+                lambda rank: ws.open_group((master, joined)[rank], "cancel", rank, 2, timeout_s=30),
+                (0, 1),
+            )
+        )
+        learner, worker = groups
+        try:
+            receiving = pool.submit(lambda: list(ws.receive_weights(worker)[1]))
+            time.sleep(0.3)  # the worker is waiting on the header now
+            started = time.monotonic()
+            learner.cancel("http://a failed its part of the update: HTTP 500")
+            with pytest.raises(ws.SyncCancelled, match="http://a failed its part"):
+                receiving.result(timeout=20)
+            assert time.monotonic() - started < 5.0  # a poll is 0.1 s; the timeout 30 s
+        finally:
+            for group in groups:
+                group.close(abort=True)
+
+
 def test_the_torch_calls_nccl_needs_exist_and_end_a_real_group() -> None:
     """What the CPU build can show: the c10d ProcessGroup API NCCL implements has abort and
     shutdown, a Work answers is_completed without blocking, backend options carry the

@@ -581,7 +581,12 @@ class RolloutClient:
             # A server that answers with an error before the broadcast finished never joins
             # it: end the send now, not after weightSync.timeoutSeconds (600 s by default).
             call.add_done_callback(functools.partial(_cancel_on_refusal, self._group.group, s.url))
-        outcomes = await asyncio.gather(send, *calls, return_exceptions=True)
+        try:
+            outcomes = await asyncio.gather(send, *calls, return_exceptions=True)
+        except asyncio.CancelledError:  # the learner stops: nobody waits on this broadcast
+            self._group.group.cancel("the learner cancelled the update")
+            self._drop_group(abort=True)
+            raise
         bcast_s = time.perf_counter() - t0
         errors = [o for o in outcomes if isinstance(o, BaseException)]
         for s, o in zip(servers, outcomes[1:], strict=True):

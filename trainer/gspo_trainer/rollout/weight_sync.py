@@ -343,6 +343,8 @@ class SyncCancelled(RuntimeError):
 
 
 POLL_FIRST_S, POLL_MAX_S = 5e-5, 1e-3
+PEER_CANCEL_POLL_S = 0.1
+CANCEL_KEY = "cancelled"  # in the group's own (prefixed) store: why a rank cancelled it
 
 
 def _never() -> str | None:
@@ -395,6 +397,7 @@ class SyncGroup:
         self.closed = False
         self.clock, self.sleep = time.monotonic, time.sleep  # what bounds the waits
         self.cancelled: str | None = None  # why the collective being waited on cannot finish
+        self._peer_checked = float("-inf")  # when the store was last asked for a peer's cancel
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         self.wait(self.broadcast_async(tensor))
@@ -414,13 +417,37 @@ class SyncGroup:
             self.timeout_s,
             clock=self.clock,
             sleep=self.sleep,
-            cancelled=lambda: self.cancelled,
+            cancelled=lambda: self.cancelled or self._peer_cancel(),
         )
 
     def cancel(self, why: str) -> None:
         """From any thread: the wait in progress, and every later one, ends with
-        SyncCancelled(`why`); the caller then aborts the group."""
+        SyncCancelled(`why`), here and, through the group's store, on every other rank
+        within PEER_CANCEL_POLL_S: the receivers of a broadcast the learner stopped sending
+        would otherwise each wait out the timeout (aborting the learner's side does not
+        free them, under gloo or NCCL). The callers then abort the group."""
         self.cancelled = why
+        if self.store is not None:
+            try:
+                self.store.set(CANCEL_KEY, why)
+            except Exception as exc:  # the peers time out instead
+                log.warning("Could not tell the weight-sync group's peers it is cancelled: %s", exc)
+
+    def _peer_cancel(self) -> str | None:
+        """A cancel another rank wrote to the group's store, asked at most every
+        PEER_CANCEL_POLL_S (None without a store, or while the store cannot answer: the
+        wait's own deadline still bounds it)."""
+        now = self.clock()
+        if self.store is None or now - self._peer_checked < PEER_CANCEL_POLL_S:
+            return None
+        self._peer_checked = now
+        try:
+            if not self.store.check([CANCEL_KEY]):
+                return None
+            self.cancelled = bytes(self.store.get(CANCEL_KEY)).decode(errors="replace")
+        except Exception:
+            return None
+        return self.cancelled
 
     def close(self, *, abort: bool) -> None:
         """End the group (once): `abort` after a failed or timed-out collective, or when the
@@ -484,7 +511,7 @@ def open_group(
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         raise ValueError(f"weight-sync backend {backend!r} is not one of 'gloo', 'nccl'")
-    group = SyncGroup(pg, store, rank, world_size, device, timeout_s)
+    group = SyncGroup(pg, prefixed, rank, world_size, device, timeout_s)
     # One tiny collective so that a rank missing from the group fails here, not mid-update.
     try:
         group.broadcast(torch.zeros(1, dtype=torch.uint8, device=device))
