@@ -151,13 +151,15 @@ def test_a_receiver_whose_learner_died_aborts_its_group() -> None:
     assert pg.ended == ["abort"] and worker._gspo_group is None
 
 
-def test_the_learner_aborts_a_failed_group_and_shuts_the_old_one_down_on_regroup(
+def fake_fleet(
     monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Attempt 1: the broadcast never completes; its group is aborted, a new one formed and
-    the weights sent again. Then a server joins: the healthy group is shut down, not left."""
-    clock = FakeClock()
-    pgs = [PG(good=1, clock=clock), PG(), PG()]  # the first breaks after its join broadcast
+    pgs: list[PG],
+    clock: FakeClock | None = None,
+    post: Any = None,
+) -> list[ws.SyncGroup]:
+    """The client's sync against stand-ins: each group it forms is on the next of `pgs`
+    (after its join broadcast), the store is a placeholder, and every server call answers
+    `post` (by default, policy version 1). Returns the groups formed, in order."""
     formed: list[ws.SyncGroup] = []
 
     def open_group(store: Any, name: str, rank: int, world: int, **kw: Any) -> ws.SyncGroup:
@@ -166,12 +168,23 @@ def test_the_learner_aborts_a_failed_group_and_shuts_the_old_one_down_on_regroup
         formed.append(group)
         return group
 
-    async def post(self: Any, url: str, path: str, body: Any, timeout_s: float) -> Any:
+    async def answer(self: Any, url: str, path: str, body: Any, timeout_s: float) -> Any:
         return {"policy_version": 1}
 
     monkeypatch.setattr(ws, "open_group", open_group)
     monkeypatch.setattr(ws, "connect_store", lambda *a, **k: object())
-    monkeypatch.setattr(client_mod.RolloutClient, "_post", post)
+    monkeypatch.setattr(client_mod.RolloutClient, "_post", post or answer)
+    return formed
+
+
+def test_the_learner_aborts_a_failed_group_and_shuts_the_old_one_down_on_regroup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Attempt 1: the broadcast never completes; its group is aborted, a new one formed and
+    the weights sent again. Then a server joins: the healthy group is shut down, not left."""
+    clock = FakeClock()
+    pgs = [PG(good=1, clock=clock), PG(), PG()]  # the first breaks after its join broadcast
+    formed = fake_fleet(monkeypatch, pgs, clock)
 
     async def scenario() -> None:
         opts = SyncOptions("127.0.0.1", 1, bucket_mb=1024 / 2**20, timeout_s=30)
@@ -196,20 +209,7 @@ def test_the_learner_aborts_a_failed_group_and_shuts_the_old_one_down_on_regroup
 def test_a_sync_that_fails_twice_aborts_both_groups(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = FakeClock()
     pgs = [PG(good=1, clock=clock), PG(good=1, clock=clock)]
-    formed: list[Any] = []
-
-    def open_group(*a: Any, **kw: Any) -> ws.SyncGroup:
-        group = group_on(pgs[len(formed)], clock)
-        group.broadcast(torch.zeros(1, dtype=torch.uint8))
-        formed.append(group)
-        return group
-
-    async def post(self: Any, url: str, path: str, body: Any, timeout_s: float) -> Any:
-        return {"policy_version": 1}
-
-    monkeypatch.setattr(ws, "open_group", open_group)
-    monkeypatch.setattr(ws, "connect_store", lambda *a, **k: object())
-    monkeypatch.setattr(client_mod.RolloutClient, "_post", post)
+    fake_fleet(monkeypatch, pgs, clock)
 
     async def scenario() -> None:
         client = RolloutClient(["http://a"], sync=SyncOptions("127.0.0.1", 1, timeout_s=30))
@@ -233,22 +233,13 @@ def test_a_server_refusing_its_update_ends_the_sync_at_once(
     groups are aborted, and the sync fails naming the server, long before the group's
     timeout (600 s by default; 60 s here, on the real clock)."""
     pgs = [PG(good=1), PG(good=1)]  # each attempt's join, then broadcasts that never finish
-    formed: list[Any] = []
-
-    def open_group(*a: Any, **kw: Any) -> ws.SyncGroup:
-        group = group_on(pgs[len(formed)], timeout_s=kw["timeout_s"])
-        group.broadcast(torch.zeros(1, dtype=torch.uint8))
-        formed.append(group)
-        return group
 
     async def post(self: Any, url: str, path: str, body: Any, timeout_s: float) -> Any:
         if path == "/control/sync/update":
             raise RolloutError(f"{url}{path}: HTTP 500: EngineCore encountered an issue")
         return {"policy_version": 0}
 
-    monkeypatch.setattr(ws, "open_group", open_group)
-    monkeypatch.setattr(ws, "connect_store", lambda *a, **k: object())
-    monkeypatch.setattr(client_mod.RolloutClient, "_post", post)
+    fake_fleet(monkeypatch, pgs, post=post)
 
     async def scenario() -> None:
         client = RolloutClient(["http://a"], sync=SyncOptions("127.0.0.1", 1, timeout_s=60))
