@@ -636,10 +636,10 @@ def server_env(
     worker in its engine-core process: vLLM's CPU platform spawns the worker a process of its
     own only to bind its OpenMP threads there (vllm/platforms/cpu.py, which keeps the
     uniproc executor once VLLM_ENABLE_V1_MULTIPROCESSING is 0), and on one core the
-    confinement is that binding. One import fewer in the start (about 6 s here), and no
-    worker spinning on its message queue beside the scheduler on the same core: the embedded
-    default starts 6 s sooner and steps 6% faster, with the same history to the last bit
-    (BENCHMARKS.md). Floating, or on several cores, the threads would be unbound: vLLM's
+    confinement is that binding. One import fewer in the start, and no worker spinning on
+    its message queue beside the scheduler on the same core: the embedded default reaches
+    its first step 4-5 s sooner and steps 7-11% faster here, with the same history to the
+    last bit (BENCHMARKS.md). Floating, or on several cores, the threads would be unbound: vLLM's
     own layout is kept. The user's setting wins."""
     if isinstance(placement, GpuPlacement):
         return {**env, "CUDA_VISIBLE_DEVICES": placement.servers[index]}
