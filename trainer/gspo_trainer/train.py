@@ -192,7 +192,10 @@ class Proc:
                 self.popen.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait(timeout=30)
+                try:  # a process in uninterruptible sleep outlives even SIGKILL for a while
+                    self.popen.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    return -signal.SIGKILL  # the others are still stopped, the run cleaned up
         return int(self.popen.returncode)
 
     def tail(self, chars: int = 3000) -> str:

@@ -11,6 +11,7 @@ torch's real API as far as the CPU build has it.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from datetime import timedelta
 from types import SimpleNamespace
@@ -288,6 +289,11 @@ def test_a_cancel_reaches_the_receivers_through_the_groups_store() -> None:
         finally:
             for group in groups:
                 group.close(abort=True)
+            # The learner's group goes first: its sockets closing fail the worker's pending
+            # receive. Freed the other way round (by the garbage collector, the exception's
+            # frames hold the worker's), gloo's destructor joins its threads holding the GIL
+            # until that receive times out: 30 s of a stalled test process.
+            learner.pg = None
 
 
 def test_the_torch_calls_nccl_needs_exist_and_end_a_real_group() -> None:
@@ -305,3 +311,120 @@ def test_the_torch_calls_nccl_needs_exist_and_end_a_real_group() -> None:
         group.close(abort=abort)
         group.close(abort=abort)  # once
         assert group.closed
+
+
+class FrozenStore:
+    """A TCPStore whose master stopped answering without closing its socket: torch's client
+    blocks in check() past any timeout (measured on torch 2.13 with a SIGSTOPped master)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.checks = 0
+
+    def check(self, keys: list[str]) -> bool:
+        self.checks += 1
+        self.release.wait()
+        return False
+
+    def set(self, key: str, value: str) -> None:
+        pass
+
+
+def test_a_store_that_stops_answering_does_not_hold_the_wait_past_its_deadline() -> None:
+    store = FrozenStore()
+    group = ws.SyncGroup(PG(), store, 1, 2, "cpu", timeout_s=0.5)
+    threading.Timer(5.0, store.release.set).start()  # a wait that blocks in check() fails late
+    try:
+        started = time.monotonic()
+        with pytest.raises(ws.SyncTimeout):
+            group.wait(Work(None))
+        assert time.monotonic() - started < 3.0  # the deadline, not the blocked check
+        assert store.checks == 1
+    finally:
+        store.release.set()
+        group.close(abort=True)
+
+
+class DeadStore:
+    def __init__(self) -> None:
+        self.checks = 0
+
+    def check(self, keys: list[str]) -> bool:
+        self.checks += 1
+        raise RuntimeError("Connection reset by peer")
+
+    def set(self, key: str, value: str) -> None:
+        raise RuntimeError("Connection reset by peer")
+
+
+def test_a_store_whose_master_died_is_asked_once() -> None:
+    """Each failed call prints a C++ stack trace: asked again every poll, a dead master would
+    flood the server's log until the collective fails."""
+    store = DeadStore()
+    group = ws.SyncGroup(PG(), store, 1, 2, "cpu", timeout_s=0.6)
+    try:
+        with pytest.raises(ws.SyncTimeout):
+            group.wait(Work(None))  # 0.6 s: six polls were it to keep asking
+        with pytest.raises(ws.SyncTimeout):
+            group.wait(Work(None))  # nor at the next wait
+    finally:
+        group.close(abort=True)
+    assert store.checks == 1
+    assert group._watch is not None and group._watch.failed == "Connection reset by peer"
+
+
+def test_the_first_reason_for_a_cancel_stays() -> None:
+    store = dist.HashStore()
+    group = ws.SyncGroup(PG(), store, 0, 2, "cpu", timeout_s=5)
+    group.cancel("http://a failed its part of the update: HTTP 500")
+    group.cancel("http://b failed its part of the update: cancelled by a peer")
+    assert group.cancelled is not None and group.cancelled.startswith("http://a")
+    assert bytes(store.get(ws.CANCEL_KEY)).decode().startswith("http://a")
+    with pytest.raises(ws.SyncCancelled, match="http://a"):
+        group.wait(Work(None))
+    group.close(abort=True)
+
+
+def test_a_cancelled_sync_returns_only_once_its_sender_thread_has_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The learner stops mid-broadcast (its task is cancelled): the group is cancelled and
+    aborted, and the cancellation completes only after the sender's thread has left its
+    collectives, so no other collective of the learner's ranks starts beside them."""
+    pgs = [PG(good=1)]  # the join, then a broadcast that never finishes
+
+    async def post(self: Any, url: str, path: str, body: Any, timeout_s: float) -> Any:
+        if path == "/control/sync/update":
+            await asyncio.sleep(3600)  # the server waits on the broadcast
+        return {"policy_version": 0}
+
+    fake_fleet(monkeypatch, pgs, post=post)
+    ended = threading.Event()
+    send = ws.WeightSender.send
+
+    def slow_to_notice(self: ws.WeightSender, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return send(self, *args, **kwargs)
+        finally:
+            time.sleep(0.5)  # still in the sender's thread when the cancel lands
+            ended.set()
+
+    monkeypatch.setattr(ws.WeightSender, "send", slow_to_notice)
+
+    async def scenario() -> bool:
+        client = RolloutClient(["http://a"], sync=SyncOptions("127.0.0.1", 1, timeout_s=60))
+
+        async def refresh(only_down: bool = False) -> None:
+            client.servers["http://a"].alive = True
+
+        client.refresh = refresh  # type: ignore[method-assign]
+        task = asyncio.create_task(client.sync_weights(WEIGHTS, 1))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return ended.is_set()
+
+    started = time.monotonic()
+    assert asyncio.run(scenario())
+    assert time.monotonic() - started < 20.0 and pgs[0].ended == ["abort"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -570,7 +571,15 @@ class RolloutClient:
         timeout_s = self.sync_options.timeout_s
         sender = self._group.sender
         t0 = time.perf_counter()
-        send = device.to_thread(sender.send, tensors, version)  # gathers on the rank's GPU
+        send_ended = threading.Event()
+
+        def send_all() -> Any:
+            try:
+                return sender.send(tensors, version)
+            finally:
+                send_ended.set()
+
+        send = device.to_thread(send_all)  # gathers on the rank's GPU
         calls = [
             asyncio.ensure_future(
                 self._post(s.url, "/control/sync/update", {"timeout_s": timeout_s}, timeout_s + 10)
@@ -586,6 +595,10 @@ class RolloutClient:
         except asyncio.CancelledError:  # the learner stops: nobody waits on this broadcast
             self._group.group.cancel("the learner cancelled the update")
             self._drop_group(abort=True)
+            # The sender's thread ends at its next poll; until it has, the learner's ranks
+            # could run collectives from two threads (its ZeRO-3 gathers, the caller's
+            # ParamStream.finish) and deadlock the other ranks.
+            await asyncio.to_thread(send_ended.wait, timeout_s)
             raise
         bcast_s = time.perf_counter() - t0
         errors = [o for o in outcomes if isinstance(o, BaseException)]

@@ -18,7 +18,11 @@ def rpc_timeout(op_timeout_s: float) -> float:
     (the store connect and group join, each collective of a broadcast): long enough that a
     worker always answers first. vLLM's executor reads replies in call order, without ids: a
     call it gives up on leaves its reply queued, and the next call (the learner re-forming
-    the group after a server died mid-broadcast) would read that stale error as its own."""
+    the group after a server died mid-broadcast) would read that stale error as its own.
+    vLLM's uniproc executor (a one-core server's, `train.server_env`) ignores the timeout and
+    runs the call in the engine's own thread: there the operations' own bounds are all there
+    is (weight_sync.wait_bounded, and PeerCancelWatch, which keeps store calls off that
+    thread)."""
     return 2 * op_timeout_s + RPC_GRACE_S
 
 

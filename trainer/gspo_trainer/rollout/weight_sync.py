@@ -19,6 +19,7 @@ import gc
 import json
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -383,6 +384,60 @@ def wait_bounded(
     work.wait()
 
 
+class PeerCancelWatch:
+    """Asks a group's store whether another rank cancelled it (CANCEL_KEY), every
+    PEER_CANCEL_POLL_S while one of this rank's waits is in progress, on a thread of its own:
+    torch's TCPStore client (2.13) bounds neither `check` nor `get` by its timeout, and a
+    master that stops answering without closing its socket (a frozen learner) blocks them
+    for as long as TCP keeps the connection, so the wait reads only what this thread found
+    and keeps its own deadline. After the store's first error (its master is gone) it stops
+    asking, logged once: each failed call prints a C++ stack trace, ten a second otherwise."""
+
+    def __init__(self, store: Any) -> None:
+        # No reference back to the group: a cycle would leave its process group to the
+        # garbage collector, and gloo's destructor joins its threads holding the GIL (30 s
+        # with a broadcast left pending, measured: every thread of the process stalls).
+        self.store = store
+        self.reason: str | None = None  # the cancel another rank wrote
+        self.waiting = threading.Event()
+        self.stopped = False
+        self.failed: str | None = None  # why the store could not be asked (it is not again)
+        self.thread: threading.Thread | None = None
+
+    def begin(self) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name="gspo-sync-cancel", daemon=True)
+            self.thread.start()
+        self.waiting.set()
+
+    def end(self) -> None:
+        self.waiting.clear()
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.waiting.set()  # wakes the thread to return
+
+    def _run(self) -> None:
+        while True:
+            self.waiting.wait()
+            if self.stopped:
+                return
+            try:
+                if self.store.check([CANCEL_KEY]):
+                    self.reason = bytes(self.store.get(CANCEL_KEY)).decode(errors="replace")
+                    return
+            except Exception as exc:
+                self.failed = str(exc)
+                # No arguments: LogRecord asks whether a lone argument is a Mapping, an ABC
+                # walk that, with the caches invalidated, held the GIL for 28 s in a test.
+                log.warning(
+                    "The weight-sync group's store stopped answering (" + self.failed + "); "
+                    "its waits end at their own deadline"
+                )
+                return
+            time.sleep(PEER_CANCEL_POLL_S)
+
+
 class SyncGroup:
     """A standalone process group of learner rank 0 (root) and the rollout workers. Every
     wait on it is bounded by `timeout_s` (wait_bounded); `close` ends it: shut down when it
@@ -397,7 +452,7 @@ class SyncGroup:
         self.closed = False
         self.clock, self.sleep = time.monotonic, time.sleep  # what bounds the waits
         self.cancelled: str | None = None  # why the collective being waited on cannot finish
-        self._peer_checked = float("-inf")  # when the store was last asked for a peer's cancel
+        self._watch = PeerCancelWatch(store) if store is not None else None
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         self.wait(self.broadcast_async(tensor))
@@ -411,42 +466,41 @@ class SyncGroup:
 
     def wait(self, work: Any) -> None:
         """Until `work` completes, at most the group's timeout (SyncTimeout otherwise), or
-        until `cancel` (SyncCancelled)."""
-        wait_bounded(
-            work,
-            self.timeout_s,
-            clock=self.clock,
-            sleep=self.sleep,
-            cancelled=lambda: self.cancelled or self._peer_cancel(),
-        )
+        until `cancel` here or on another rank (SyncCancelled)."""
+        if self._watch is not None:
+            self._watch.begin()
+        try:
+            wait_bounded(
+                work,
+                self.timeout_s,
+                clock=self.clock,
+                sleep=self.sleep,
+                cancelled=self._cancel_reason,
+            )
+        finally:
+            if self._watch is not None:
+                self._watch.end()
 
     def cancel(self, why: str) -> None:
         """From any thread: the wait in progress, and every later one, ends with
         SyncCancelled(`why`), here and, through the group's store, on every other rank
         within PEER_CANCEL_POLL_S: the receivers of a broadcast the learner stopped sending
         would otherwise each wait out the timeout (aborting the learner's side does not
-        free them, under gloo or NCCL). The callers then abort the group."""
+        free them, under gloo or NCCL). The callers then abort the group. The first reason
+        stays: the others follow from it (the servers it freed answer with errors too)."""
+        if self.cancelled is not None:
+            return
         self.cancelled = why
         if self.store is not None:
-            try:
+            try:  # a TCPStore set only sends: it returns at once even to a master that hangs
                 self.store.set(CANCEL_KEY, why)
             except Exception as exc:  # the peers time out instead
                 log.warning("Could not tell the weight-sync group's peers it is cancelled: %s", exc)
 
-    def _peer_cancel(self) -> str | None:
-        """A cancel another rank wrote to the group's store, asked at most every
-        PEER_CANCEL_POLL_S (None without a store, or while the store cannot answer: the
-        wait's own deadline still bounds it)."""
-        now = self.clock()
-        if self.store is None or now - self._peer_checked < PEER_CANCEL_POLL_S:
-            return None
-        self._peer_checked = now
-        try:
-            if not self.store.check([CANCEL_KEY]):
-                return None
-            self.cancelled = bytes(self.store.get(CANCEL_KEY)).decode(errors="replace")
-        except Exception:
-            return None
+    def _cancel_reason(self) -> str | None:
+        """Why the wait in progress cannot finish: this rank's cancel, else a peer's."""
+        if self.cancelled is None and self._watch is not None:
+            self.cancelled = self._watch.reason
         return self.cancelled
 
     def close(self, *, abort: bool) -> None:
@@ -455,6 +509,8 @@ class SyncGroup:
         if self.closed:
             return
         self.closed = True
+        if self._watch is not None:
+            self._watch.stop()
         if not abort:
             shutdown = getattr(self.pg, "shutdown", None) or getattr(self.pg, "_shutdown", None)
             try:
