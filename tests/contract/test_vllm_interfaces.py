@@ -104,6 +104,7 @@ def test_the_generate_route_takes_the_clients_request_and_answers_what_it_reads(
     assert request.token_ids == [3, 4] and request.output_mode == "tokens"
     assert (sampling.n, sampling.max_tokens, sampling.seed, sampling.logprobs) == (2, 3, 11, 0)
     assert sampling.temperature == 0.7 and sampling.stop_token_ids == [1]
+    assert sampling.detokenize is False  # vLLM builds no text nor token strings for it
     assert GENERATE_ROUTE in {route.path for route in api_router.router.routes}
 
     def choice(k: int) -> protocol.GenerateTokensChoice:

@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from gspo_api import ports
 from gspo_api.validation import parse_spec
 from gspo_operator.render import render_job
 from gspo_trainer.jobs import tiny_manifest
 from gspo_trainer.train import (
+    ENGINE_NICE,
     place_on_cpus,
     process_env,
     scratch_dir,
@@ -98,9 +100,12 @@ def test_servers_and_learner_get_disjoint_cores(
     assert overlapped is not None and overlapped.servers == placement.servers
     shares = [server_cpus(overlapped, i) for i in range(servers)]
     assert [",".join(map(str, share or [])) for share in shares] == bind
-    # Confined to one core, the server's model worker needs no process of its own.
-    inproc = server_env({"A": "1"}, overlapped, servers - 1).get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    assert inproc == ("0" if bind[-1].isdigit() else None)
+    # Confined to one core, the server's model worker needs no process of its own, and its
+    # engine yields that core to its front end.
+    one_core = len(overlapped.servers[-1]) == 1
+    pinned = server_env({"A": "1"}, overlapped, servers - 1)
+    assert pinned.get("VLLM_ENABLE_V1_MULTIPROCESSING") == ("0" if one_core else None)
+    assert pinned.get(ports.ENV_ENGINE_NICE) == (str(ENGINE_NICE) if one_core else None)
     assert not set(overlapped.learner) & {c for share in shares for c in share or []}
 
 
@@ -378,7 +383,9 @@ def test_the_servers_directory_leaves_room_for_vllms_socket_paths(
         shutil.rmtree(short)
 
 
-def test_the_users_choice_of_vllms_worker_process_wins() -> None:
+def test_the_users_choice_of_vllms_worker_process_and_engine_priority_wins() -> None:
     overlapped = place_on_cpus([0, 1], 1, 1, overlapped=True)
-    env = server_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, overlapped, 0)
-    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    env = server_env(
+        {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", ports.ENV_ENGINE_NICE: "0"}, overlapped, 0
+    )
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1" and env[ports.ENV_ENGINE_NICE] == "0"

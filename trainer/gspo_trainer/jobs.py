@@ -57,7 +57,7 @@ def tiny_manifest() -> dict[str, Any]:
             "replicas": 1,
             "gpusPerReplica": 0,
             "tensorParallelSize": 1,
-            "maxNumSeqs": 128,
+            "maxNumSeqs": 256,
         },
         "weightSync": {"bucketSizeMb": 16},
         "checkpoint": {"everySteps": 50, "keep": 2},

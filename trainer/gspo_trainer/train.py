@@ -643,7 +643,10 @@ def server_env(
     its message queue beside the scheduler on the same core: the embedded default reaches
     its first step 4-5 s sooner and steps 7-11% faster here, with the same history to the
     last bit (BENCHMARKS.md). Floating, or on several cores, the threads would be unbound: vLLM's
-    own layout is kept. The user's setting wins."""
+    own layout is kept. The user's setting wins.
+
+    On that one core the engine's process also runs ENGINE_NICE below the front end
+    (rollout/core_share.py), so a step's requests reach it as one batch."""
     if isinstance(placement, GpuPlacement):
         return {**env, "CUDA_VISIBLE_DEVICES": placement.servers[index]}
     if placement is None:
@@ -652,8 +655,11 @@ def server_env(
     out = {**env, "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, share))}
     if placement.pin_servers and len(share) == 1:
         out.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        out.setdefault(ports.ENV_ENGINE_NICE, str(ENGINE_NICE))
     return out
 
+
+ENGINE_NICE = 10  # a one-core server's engine below its front end (rollout/core_share.py)
 
 # A Unix socket's path holds at most 107 bytes (sockaddr_un.sun_path): vLLM's ZeroMQ sockets
 # are the directory plus "/" and a 36-character uuid (vllm/utils/network_utils.py).

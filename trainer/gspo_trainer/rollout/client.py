@@ -635,7 +635,7 @@ GENERATE_ROUTE = "/inference/v1/generate"  # vLLM's, with --enable-scale-out (se
 
 def generate_body(model: str, prompt: list[int], params: SamplingParams) -> dict[str, Any]:
     """One prompt's request to vLLM's generate route: token ids in, `n` samples of token ids
-    and each sampled token's log-prob out (logprobs 0: the sampled token only)."""
+    and each sampled token's log-prob out (logprobs 0: the sampled token only), no text."""
     sampling = {
         "n": params.n,
         "max_tokens": params.max_tokens,
@@ -645,6 +645,9 @@ def generate_body(model: str, prompt: list[int], params: SamplingParams) -> dict
         "seed": params.seed,
         "stop_token_ids": list(params.stop_token_ids),
         "logprobs": 0,
+        # The learner decodes what it scores itself: vLLM's incremental detokenizer and the
+        # log-probs' token strings would be front-end work on the server's core for nothing.
+        "detokenize": False,
     }
     return {
         "model": model,

@@ -108,6 +108,7 @@ class GSPOEndpoints:
         app.include_router(self._router())
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
+        from gspo_trainer.rollout.core_share import engine_yields
         from gspo_trainer.rollout.engine import warm_up
 
         if engine_client is None:
@@ -118,6 +119,7 @@ class GSPOEndpoints:
         self.workers = int(engine_client.vllm_config.parallel_config.world_size)
         if self.token is None:
             log.warning("$%s is not set: control routes are disabled", ports.ENV_JOB_TOKEN)
+        engine_yields(os.environ)  # its engine runs by now: a child of this process
         await warm_up(engine_client)
 
     def _router(self) -> Any:
