@@ -65,7 +65,7 @@ ENV_JOB_TOKEN_EARLIER = "GSPO_SYNC_TOKEN"
 # plugin cannot add flags to vLLM's command line.
 ENV_WEIGHTS_DIR = "GSPO_WEIGHTS_DIR"  # weightSync.method filesystem: the learner's directory
 ENV_INITIAL_VERSION = "GSPO_INITIAL_POLICY_VERSION"  # serve the loaded weights as this version
-ENV_ENGINE_NICE = "GSPO_ENGINE_NICE"  # the engine's processes this much below the front end
+ENV_ENGINE_NICE = "GSPO_ENGINE_NICE"  # the front end's children (its engine) this much below it
 # The policy version that produced a generation, on each reply of a plugin server.
 VERSION_HEADER = "x-gspo-policy-version"
 ENV_ROLLOUT_URLS = "GSPO_ROLLOUT_URLS"  # comma-separated rollout base URLs

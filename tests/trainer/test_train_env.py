@@ -389,3 +389,6 @@ def test_the_users_choice_of_vllms_worker_process_and_engine_priority_wins() -> 
         {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", ports.ENV_ENGINE_NICE: "0"}, overlapped, 0
     )
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1" and env[ports.ENV_ENGINE_NICE] == "0"
+    # A worker process of its own would be the engine's child, left above its scheduler.
+    env = server_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, overlapped, 0)
+    assert ports.ENV_ENGINE_NICE not in env

@@ -630,6 +630,9 @@ def write_token_file(path: Path, token: str) -> None:
         f.write(token + "\n")
 
 
+ENGINE_NICE = 10  # a one-core server's engine below its front end (rollout/core_share.py)
+
+
 def server_env(
     env: dict[str, str], placement: CpuPlacement | GpuPlacement | None, index: int
 ) -> dict[str, str]:
@@ -645,8 +648,11 @@ def server_env(
     last bit (BENCHMARKS.md). Floating, or on several cores, the threads would be unbound: vLLM's
     own layout is kept. The user's setting wins.
 
-    On that one core the engine's process also runs ENGINE_NICE below the front end
-    (rollout/core_share.py), so a step's requests reach it as one batch."""
+    On that one core, with the worker in the engine's process (the front end's only child
+    then, besides multiprocessing's resource tracker), the engine also runs ENGINE_NICE below
+    the front end (rollout/core_share.py), so a step's requests reach it in one batch far more
+    often. With the user's VLLM_ENABLE_V1_MULTIPROCESSING=1 the worker would be a grandchild
+    left at the front end's priority, spinning above its own scheduler: not set there."""
     if isinstance(placement, GpuPlacement):
         return {**env, "CUDA_VISIBLE_DEVICES": placement.servers[index]}
     if placement is None:
@@ -655,11 +661,10 @@ def server_env(
     out = {**env, "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, share))}
     if placement.pin_servers and len(share) == 1:
         out.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        out.setdefault(ports.ENV_ENGINE_NICE, str(ENGINE_NICE))
+        if out["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":  # the engine is the front end's child
+            out.setdefault(ports.ENV_ENGINE_NICE, str(ENGINE_NICE))
     return out
 
-
-ENGINE_NICE = 10  # a one-core server's engine below its front end (rollout/core_share.py)
 
 # A Unix socket's path holds at most 107 bytes (sockaddr_un.sun_path): vLLM's ZeroMQ sockets
 # are the directory plus "/" and a 36-character uuid (vllm/utils/network_utils.py).

@@ -75,7 +75,7 @@ def test_every_thread_of_the_engine_runs_below_its_front_end(front_end: Any) -> 
     assert niceness(pid) == [mine] * len(niceness(pid))  # the front end keeps its own
 
 
-@pytest.mark.parametrize("setting", [None, "ten"])
+@pytest.mark.parametrize("setting", [None, "ten", "-5"])
 def test_without_a_valid_setting_the_engine_keeps_its_priority(
     front_end: Any, setting: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -85,10 +85,17 @@ def test_without_a_valid_setting_the_engine_keeps_its_priority(
     assert lowered == [] and niceness(engine) == [mine] * 2
 
 
-def test_a_setting_that_is_not_a_number_is_named(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_bad_setting_or_nothing_to_lower_is_said(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with caplog.at_level(logging.WARNING, logger="gspo.rollout"):
         assert core_share.engine_yields({ports.ENV_ENGINE_NICE: "ten"}) == []
-    assert ports.ENV_ENGINE_NICE in caplog.text and "'ten'" in caplog.text
+        assert ports.ENV_ENGINE_NICE in caplog.text and "'ten'" in caplog.text
+        caplog.clear()
+        # A kernel without /proc/<pid>/task/<tid>/children: nothing found, and it says so.
+        monkeypatch.setattr(core_share, "lower_children", lambda increment: [])
+        assert core_share.engine_yields({ports.ENV_ENGINE_NICE: "10"}) == []
+        assert "No child of the front end could be lowered" in caplog.text
 
 
 def test_a_process_without_children_or_gone_lowers_nothing(tmp_path: Path) -> None:

@@ -106,19 +106,29 @@ class ShutdownNoise(logging.Filter):
 
 
 def engine_yields(environ: Mapping[str, str]) -> list[int]:
-    """In the server's front end once its engine runs: the engine's processes lowered by
-    $GSPO_ENGINE_NICE (set by `gspo train` for a server on one core); [] when it is unset."""
+    """In the server's front end once its engine runs: its child processes (the engine core,
+    with the uniproc executor the worker too; multiprocessing's resource tracker, idle)
+    lowered by $GSPO_ENGINE_NICE, set by `gspo train` only for that layout on one core; []
+    when it is unset, invalid, or nothing could be lowered (said in the log)."""
     raw = environ.get(ports.ENV_ENGINE_NICE, "").strip()
     if not raw or not PROC.is_dir():
         return []
     try:
         increment = int(raw)
     except ValueError:
+        increment = -1
+    if increment < 0:  # as root a negative one would raise the engine above its front end
         log.warning(
-            "$%s=%r is not an integer: the engine keeps its priority", ports.ENV_ENGINE_NICE, raw
+            "$%s=%r is not a whole number of 0 or more: the engine keeps its priority",
+            ports.ENV_ENGINE_NICE,
+            raw,
         )
         return []
     lowered = lower_children(increment)
+    if not lowered:  # no /proc/<pid>/task/<tid>/children (CONFIG_PROC_CHILDREN), or refused
+        log.warning("No child of the front end could be lowered: the engine keeps its priority")
+        return []
     ShutdownNoise().install()
-    log.info("The engine's processes %s run at nice +%d beside the front end", lowered, increment)
+    nice = os.getpriority(os.PRIO_PROCESS, lowered[0])
+    log.info("The front end's child processes %s run at nice %d beside it", lowered, nice)
     return lowered
