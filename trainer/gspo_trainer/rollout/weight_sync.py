@@ -428,11 +428,10 @@ class PeerCancelWatch:
                     return
             except Exception as exc:
                 self.failed = str(exc)
-                # No arguments: LogRecord asks whether a lone argument is a Mapping, an ABC
-                # walk that, with the caches invalidated, held the GIL for 28 s in a test.
                 log.warning(
-                    "The weight-sync group's store stopped answering (" + self.failed + "); "
-                    "its waits end at their own deadline"
+                    "The weight-sync group's store stopped answering (%s); its waits end at "
+                    "their own deadline",
+                    self.failed,
                 )
                 return
             time.sleep(PEER_CANCEL_POLL_S)
