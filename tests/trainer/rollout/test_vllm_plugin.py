@@ -90,6 +90,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
         **os.environ,
         ports.ENV_JOB_TOKEN: TOKEN,
         "PYTHONPATH": f"{REPO / 'operator'}:{REPO / 'trainer'}",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the worker in the engine (conftest.py says why)
     }
     argv, env = command(args, environ)
     assert "--chat-template" in argv and env["VLLM_API_KEY"] == TOKEN
