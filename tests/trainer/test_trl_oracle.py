@@ -13,6 +13,8 @@ trainer object is built without `__init__` and given the few attributes the loss
 from __future__ import annotations
 
 from collections import defaultdict
+from importlib import import_module
+from importlib.util import find_spec
 from types import SimpleNamespace
 
 import pytest
@@ -20,13 +22,17 @@ import torch
 
 from gspo_trainer.loss import policy_loss
 
-trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
-
-pytestmark = pytest.mark.oracle
+# TRL is imported by the first test that runs, not at collection: it brings vLLM, pandas and
+# datasets (4 s), which every pytest-xdist worker would import only to collect this file.
+pytestmark = [
+    pytest.mark.oracle,
+    pytest.mark.skipif(find_spec("trl") is None, reason="TRL is not installed"),
+]
 
 
 def trl_loss(logp, old, adv, mask, *, level, clip_low, clip_high, ref=None, beta=0.0):
     """TRL's loss on given log-probs; returns (loss, its metrics)."""
+    trl_grpo = import_module("trl.trainer.grpo_trainer")
     trainer = trl_grpo.GRPOTrainer.__new__(trl_grpo.GRPOTrainer)
     B, T = logp.shape
     trainer.__dict__.update(
