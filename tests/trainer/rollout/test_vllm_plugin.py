@@ -113,7 +113,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
         else:
             raise TimeoutError(log.read_text()[-3000:])
         yield url, root
-    finally:  # the group: vLLM's engine core and worker outlive a server that died alone
+    finally:  # the group: vLLM's engine core outlives a server that died alone
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
         try:

