@@ -80,16 +80,14 @@ def test_two_ranks_running_collection_ahead_match_one_rank(tmp_path: Path) -> No
 def test_one_rank_failing_its_checkpoint_write_stops_both_and_keeps_the_last_good_one(
     tmp_path: Path, stage: int
 ) -> None:
-    """Rank 1's disk fills after step 1's checkpoint, part-way into DeepSpeed's own writes
-    (whose collectives must still line up across ranks): both ranks agree that steps 2 and 3
-    failed, both stop, and step 1's checkpoint stays the verified one to resume from."""
+    """Rank 1's disk fills once step 1's checkpoint is written, part-way into DeepSpeed's own
+    writes of the next (whose collectives must still line up across ranks): both ranks agree
+    that steps 2 and 3 failed, both stop, and step 1's checkpoint stays the verified one to
+    resume from."""
     ckpt, models = tmp_path / "ckpt", tmp_path / "models"
-    first = launch(2, tmp_path / "a.pt", models, stage, 16384, ckpt, 1, 0)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    assert [step for step, _ in list_steps(ckpt)] == [1]
-
-    failed = launch(2, tmp_path / "b.pt", models, stage, 16384, ckpt, 3, 4096)
+    failed = launch(2, tmp_path / "b.pt", models, stage, 16384, ckpt, 3, 4096, 1)
     logs = failed.stdout + failed.stderr
+    assert "[rank0] Checkpoint at step 1 FAILED" not in logs, logs[-5000:]
     assert failed.returncode != 0, logs[-3000:]
     for step in (2, 3):
         assert f"[rank1] Checkpoint at step {step}: this rank could not write" in logs, logs[-5000:]

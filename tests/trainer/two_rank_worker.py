@@ -1,10 +1,11 @@
 """Run under torchrun: a real Learner on every rank, rollouts in process on rank 0 only.
 
 Writes rank 0's final parameters to argv[1], so a test compares 1-rank and 2-rank runs;
-argv[3] and argv[4] set the ZeRO stage and learner.microBatchTokens. With argv[5:8]
-(checkpoint directory, maxSteps, a file-size limit in bytes) the run checkpoints every step,
-resuming from what is there, and rank 1 alone cannot write a file past that limit once its
-learner is built (0: no limit): one rank's disk fills while the other's does not.
+argv[3] and argv[4] set the ZeRO stage and learner.microBatchTokens. With argv[5:9]
+(checkpoint directory, maxSteps, a file-size limit in bytes, a step) the run checkpoints every
+step, resuming from what is there, and rank 1 alone cannot write a file past that limit once
+the checkpoint of that step is written (0: once its learner is built; a limit of 0: none): one
+rank's disk fills while the other's does not.
 MAX_STALENESS in the environment sets algorithm.maxStaleness (default 0).
 """
 
@@ -39,6 +40,7 @@ def main(
     ckpt: str | None = None,
     max_steps: int = 2,
     fsize_limit: int = 0,
+    limit_after: int = 0,
 ) -> None:
     logging.basicConfig(level=logging.INFO, format=f"[rank{os.environ['RANK']}] %(message)s")
     world = int(os.environ["WORLD_SIZE"])
@@ -69,8 +71,21 @@ def main(
     if fsize_limit and learner.rank == 1:
         import resource
 
-        _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_limit, hard))
+        def fill_disk() -> None:
+            _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_limit, hard))
+
+        if limit_after == 0:
+            fill_disk()
+        else:  # the disk fills once that step's checkpoint is on it
+            checkpoint = learner.checkpointer.checkpoint
+
+            def then_fill(*, final: bool = False) -> None:
+                checkpoint(final=final)
+                if learner.state.step >= limit_after:
+                    fill_disk()
+
+            learner.checkpointer.checkpoint = then_fill
     assert asyncio.run(learner.run()) == 0
     stream = ParamStream.of(learner.engine, learner.ranks)  # gathers ZeRO-3 shards, layer by layer
     if learner.rank == 0:
@@ -83,15 +98,14 @@ def main(
 
 
 if __name__ == "__main__":
-    extra = sys.argv[5:8]
+    extra = sys.argv[5:9]
     if extra:
         main(
             *sys.argv[1:3],
             int(sys.argv[3]),
             int(sys.argv[4]),
             extra[0],
-            int(extra[1]),
-            int(extra[2]),
+            *map(int, extra[1:]),
         )
     else:
         main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
