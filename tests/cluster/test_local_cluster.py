@@ -372,8 +372,13 @@ async def test_the_flagship_example_is_pending_for_gpus_only(tmp_path) -> None:
                 "apiVersion": "v1",
                 "kind": "PersistentVolumeClaim",
                 "metadata": {"name": claim},
+                # The class the example's own ReadWriteMany claim names: with no class the
+                # claim takes the newest default, GKE's ReadWriteOnce standard-rwo wherever
+                # it was added a second after the cluster's own (a creationTimestamp has
+                # whole seconds), and is never provisioned.
                 "spec": {
                     "accessModes": ["ReadWriteMany"],
+                    "storageClassName": "standard-rwx",
                     "resources": {"requests": {"storage": "1Gi"}},
                 },
             }

@@ -558,15 +558,20 @@ def test_with_isolation_none_what_a_program_leaves_dies_with_it(mode) -> None:
         pytest.skip("the learner's own sandbox: one mode is enough")
     program = (
         "import os, signal, sys, time\n"
+        "r, w = os.pipe()\n"
         "for _ in range(3):\n"
         "    if os.fork() == 0:\n"
         "        os.setsid()\n"
         "        if os.fork() == 0:\n"
         "            signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
         "            print(os.getpid(), flush=True)\n"
+        "            os.write(w, b'x')\n"
         "            time.sleep(60)\n"
         "        os._exit(0)\n"
-        "time.sleep(0.2)\n"
+        # every grandchild has printed (a fixed pause lost that race on a busy machine)
+        "got = 0\n"
+        "while got < 3:\n"
+        "    got += len(os.read(r, 3 - got))\n"
         "print('done', flush=True)\n"
         "time.sleep(float(sys.argv[1]))\n"
     )
