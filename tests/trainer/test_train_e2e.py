@@ -20,7 +20,7 @@ from gspo_trainer import checkpoint as ckpt
 from gspo_trainer.plot import read_history
 
 pytestmark = pytest.mark.e2e
-# The reward rises from the first steps: over steps 71-120 it is 2.9-6.6x its mean over steps
+# The reward rises from the first steps: over steps 71-120 it is 2.9-6.7x its mean over steps
 # 1-50 on five seeds (0.091-0.204 against 0.028-0.042; `bench/bench_peer.py`'s histories,
 # BENCHMARKS.md), the two windows compared here.
 STEPS = 120
