@@ -38,7 +38,7 @@ def test_the_cpu_platform_is_read_from_the_installed_vllm(
             raise metadata.PackageNotFoundError(name)
         return installed[name]
 
-    monkeypatch.setattr(launch.metadata, "version", version)
+    monkeypatch.setattr(metadata, "version", version)
     assert launch.vllm_runs_on_cpu(environ, platform) is cpu
 
 

