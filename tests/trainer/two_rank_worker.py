@@ -4,8 +4,8 @@ Writes rank 0's final parameters to argv[1], so a test compares 1-rank and 2-ran
 argv[3] and argv[4] set the ZeRO stage and learner.microBatchTokens. With argv[5:9]
 (checkpoint directory, maxSteps, a file-size limit in bytes, a step) the run checkpoints every
 step, resuming from what is there, and rank 1 alone cannot write a file past that limit once
-the checkpoint of that step is written (0: once its learner is built; a limit of 0: none): one
-rank's disk fills while the other's does not.
+the checkpoint of that step is written (a limit of 0: none): one rank's disk fills while the
+other's does not.
 MAX_STALENESS in the environment sets algorithm.maxStaleness (default 0).
 """
 
@@ -71,21 +71,16 @@ def main(
     if fsize_limit and learner.rank == 1:
         import resource
 
-        def fill_disk() -> None:
-            _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_limit, hard))
+        checkpoint = learner.checkpointer.checkpoint
 
-        if limit_after == 0:
-            fill_disk()
-        else:  # the disk fills once that step's checkpoint is on it
-            checkpoint = learner.checkpointer.checkpoint
+        def then_fill(*, final: bool = False) -> None:
+            """The disk fills once that step's checkpoint is on it."""
+            checkpoint(final=final)
+            if learner.state.step >= limit_after:
+                _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+                resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_limit, hard))
 
-            def then_fill(*, final: bool = False) -> None:
-                checkpoint(final=final)
-                if learner.state.step >= limit_after:
-                    fill_disk()
-
-            learner.checkpointer.checkpoint = then_fill
+        learner.checkpointer.checkpoint = then_fill
     assert asyncio.run(learner.run()) == 0
     stream = ParamStream.of(learner.engine, learner.ranks)  # gathers ZeRO-3 shards, layer by layer
     if learner.rank == 0:
