@@ -37,10 +37,12 @@ def init_distributed(timeout_s: float | None = None) -> None:
     group's (ranks.data_timeout_s; None: DeepSpeed's 10 minutes)."""
     from datetime import timedelta
 
-    import deepspeed
     import torch.distributed as dist
 
+    from gspo_trainer.deepspeed_import import import_deepspeed
     from gspo_trainer.device import select_device
+
+    deepspeed = import_deepspeed()  # the learner's first import of it
 
     select_device()
     if dist.is_available() and dist.is_initialized():

@@ -9,12 +9,14 @@ that loads a real model from a path.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 from pathlib import Path
 from typing import Any
 
 from gspo_api.model_shape import TINY_KINDS, tiny_config_fields
+from gspo_trainer.deepspeed_import import import_deepspeed
 
 # The built-in arithmetic task needs only these characters; a small vocabulary keeps the
 # random policy's chance of a well-formed answer high enough for the reward to move.
@@ -115,6 +117,8 @@ def materialize(
     tmp = root_path / f".{target.name}.{os.getpid()}.tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     model, tokenizer = build_tiny_model(name, seed=seed, alphabet=alphabet)
+    if importlib.util.find_spec("deepspeed"):  # where installed, save_pretrained imports it
+        import_deepspeed()  # (accelerate's unwrapping): first here, without mlflow
     # transformers writes a model only on torch.distributed rank 0 once a group exists; every
     # learner pod builds its own copy on its own disk (a cluster's pods share no home), so
     # every rank must write one.
