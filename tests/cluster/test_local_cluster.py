@@ -329,9 +329,6 @@ async def test_a_job_trains_through_faults_suspend_and_resume_to_succeeded(tmp_p
         model = AutoModelForCausalLM.from_pretrained(export)
         AutoTokenizer.from_pretrained(export)
         assert model.config.model_type == "qwen3_moe"
-        # torch's compiled headers (vLLM's sampler compiles against them) are in the build
-        # cache, built by the first server that needed them rather than by every one.
-        assert list((BUILD_CACHE / "inductor" / "precompiled_headers").glob("*.gch"))
         print("phases (s):", ", ".join(f"{w}: {s:.0f}" for w, s in cluster.phases))
 
 

@@ -14,7 +14,6 @@ from gspo_api import ports
 from gspo_api.validation import parse_spec
 from gspo_operator.render import render_job
 from gspo_trainer.jobs import tiny_manifest
-from gspo_trainer.rollout.launch import torch_cache_dir
 from gspo_trainer.train import (
     ENGINE_NICE,
     place_on_cpus,
@@ -23,6 +22,7 @@ from gspo_trainer.train import (
     server_cpus,
     server_env,
     spawn,
+    torch_cache_dir,
 )
 
 

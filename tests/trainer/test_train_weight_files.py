@@ -13,7 +13,7 @@ from checkout import run_gspo
 from gspo_api import ports
 from gspo_trainer.jobs import tiny_manifest
 from gspo_trainer.plot import read_history
-from gspo_trainer.rollout.launch import torch_cache_dir
+from gspo_trainer.train import torch_cache_dir
 
 pytestmark = pytest.mark.e2e
 STEPS = 3

@@ -117,8 +117,10 @@ def materialize(
     tmp = root_path / f".{target.name}.{os.getpid()}.tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     model, tokenizer = build_tiny_model(name, seed=seed, alphabet=alphabet)
-    if importlib.util.find_spec("deepspeed"):  # where installed, save_pretrained imports it
-        import_deepspeed()  # (accelerate's unwrapping): first here, without mlflow
+    # save_pretrained imports DeepSpeed through accelerate's unwrapping where both are
+    # installed (a rollout image has neither): first here, without mlflow.
+    if importlib.util.find_spec("deepspeed") and importlib.util.find_spec("accelerate"):
+        import_deepspeed()
     # transformers writes a model only on torch.distributed rank 0 once a group exists; every
     # learner pod builds its own copy on its own disk (a cluster's pods share no home), so
     # every rank must write one.

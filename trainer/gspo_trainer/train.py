@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import copy
 import errno
+import getpass
 import json
 import os
 import re
@@ -35,7 +36,6 @@ from gspo_api import ports
 from gspo_api.ports import free_port
 from gspo_trainer import output_dir
 from gspo_trainer.jobs import tiny_manifest
-from gspo_trainer.rollout.launch import torch_cache_dir
 
 if TYPE_CHECKING:
     from gspo_api.spec import GSPOJobSpec
@@ -693,6 +693,18 @@ def scratch_dir() -> Path:
     except OSError:  # torch builds them in the scratch directory: slower, not wrong
         pass
     return scratch
+
+
+def torch_cache_dir() -> str:
+    """torch's default compile cache directory (torch 2.13's `default_cache_dir`), read
+    without importing torch."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(
+        tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user)
+    )
 
 
 def server_cpus(placement: CpuPlacement | GpuPlacement | None, index: int) -> list[int] | None:

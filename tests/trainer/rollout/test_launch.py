@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 import sys
 from importlib import metadata
-from pathlib import Path
 
 import pytest
 from checkout import checkout_env
@@ -61,40 +60,3 @@ def test_the_launcher_builds_the_command_without_importing_torch(tmp_path) -> No
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "[]"
-
-
-def test_torchs_compiled_headers_are_kept_in_its_cache_directory(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A pod's temporary directory starts empty: with TORCHINDUCTOR_CACHE_DIR set (a cache
-    claim), torch's header directory links into it, so the next pod finds them built."""
-    from torch._inductor import codecache
-
-    tmp, cache = tmp_path / "tmp", tmp_path / "claim" / "inductor"
-    tmp.mkdir()
-    monkeypatch.setattr("tempfile.tempdir", str(tmp))
-    assert launch.keep_compiled_headers({}) is None  # no cache directory: torch's own place
-    assert list(tmp.iterdir()) == []
-    environ = {"TORCHINDUCTOR_CACHE_DIR": str(cache)}
-    link = launch.keep_compiled_headers(environ)
-    # Where torch puts them (its _HEADER_DIR, for this temporary directory) is in the cache.
-    headers = Path(launch.torch_cache_dir()) / launch.HEADERS
-    assert link == headers and Path(codecache._HEADER_DIR).name == headers.name
-    assert Path(codecache._HEADER_DIR).parent.name == headers.parent.name
-    (headers / "built.h.gch").write_text("x")
-    assert (cache / launch.HEADERS / "built.h.gch").read_text() == "x"
-    assert launch.keep_compiled_headers(environ) is None  # the next server: already linked
-    assert headers.resolve() == (cache / launch.HEADERS).resolve()
-
-
-def test_headers_torch_has_already_built_are_left_where_they_are(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
-    headers = Path(launch.torch_cache_dir()) / launch.HEADERS
-    headers.mkdir(parents=True)
-    (headers / "built.h.gch").write_text("x")
-    cache = tmp_path / "claim"
-    assert launch.keep_compiled_headers({"TORCHINDUCTOR_CACHE_DIR": str(cache)}) is None
-    assert not headers.is_symlink() and (headers / "built.h.gch").exists()
-    assert not cache.exists()

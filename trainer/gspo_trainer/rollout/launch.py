@@ -11,13 +11,10 @@ operator and `gspo train` pass; the job's token comes from $GSPO_JOB_TOKEN.
 from __future__ import annotations
 
 import argparse
-import getpass
 import json
 import logging
 import os
-import re
 import sys
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -189,55 +186,9 @@ def has_chat_template(model: str) -> bool:
     return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
 
 
-def torch_cache_dir() -> str:
-    """torch's default compile cache directory (torch 2.13's `default_cache_dir`), read
-    without importing torch."""
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):
-        user = f"uid_{os.getuid()}"
-    return os.path.join(
-        tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user)
-    )
-
-
-HEADERS = "precompiled_headers"  # torch's directory of them, in its cache directory
-
-
-def keep_compiled_headers(environ: Mapping[str, str]) -> Path | None:
-    """Keep torch's compiled C++ headers in $TORCHINDUCTOR_CACHE_DIR, beside its kernels.
-
-    torch builds the headers its CPU kernels compile against under `<temporary
-    directory>/torchinductor_<user>/precompiled_headers` whatever TORCHINDUCTOR_CACHE_DIR says
-    (torch 2.13, torch/_inductor/codecache.py `_HEADER_DIR`), and vLLM's sampler compiles
-    against them at a CPU server's warm-up. A pod's temporary directory starts empty, so
-    every rollout pod built them again (4.4 s of CPU and 150 MB a start on this machine)
-    though its cache claim kept the kernels. Where TORCHINDUCTOR_CACHE_DIR is set and torch's
-    header directory does not exist yet, it becomes a link to the one in the cache directory,
-    where torch's own lock (in it) lets one server build them while the others wait. One
-    that exists is left alone: headers built, or a link `gspo train`'s scratch directory
-    holds. Returns the link made, or None."""
-    cache = environ.get("TORCHINDUCTOR_CACHE_DIR")
-    headers = Path(torch_cache_dir()) / HEADERS
-    if not cache or os.path.lexists(headers):
-        return None
-    kept = Path(cache) / HEADERS
-    try:
-        kept.mkdir(parents=True, exist_ok=True)
-        headers.parent.mkdir(parents=True, exist_ok=True)
-        headers.symlink_to(kept, target_is_directory=True)
-    except FileExistsError:  # another server of this pod's was first: its link serves
-        return None
-    except OSError as exc:  # torch builds them where it always did: slower, not wrong
-        log.warning("torch's compiled headers stay in %s (%s)", headers.parent, exc)
-        return None
-    return headers
-
-
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     argv_, env = command(parse_args(argv), dict(os.environ))
-    keep_compiled_headers(env)
     log.info("Starting vLLM's server: %s", " ".join(argv_))
     sys.stdout.flush()
     sys.stderr.flush()
