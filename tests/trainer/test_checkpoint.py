@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from pathlib import Path
@@ -9,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from learner_helpers import make_learner, params, run, tiny_spec
+from learner_helpers import WrappedFleet, make_learner, params, run, tiny_spec
 
 from gspo_trainer import checkpoint as ckpt
 
@@ -69,6 +70,58 @@ def test_a_stop_before_the_first_step_writes_no_checkpoint(cache: Path, tmp_path
     assert run(resumed) == 0
     assert resumed.state.step == 2 and resumed.state.phase == "Suspending"
     assert [s for s, _ in ckpt.list_complete(tmp_path)] == [2]
+
+
+class StoppingMidGeneration(WrappedFleet):
+    """A fleet stopped (SIGTERM) during its `at`-th generation, which then never answers when
+    `hang` (vLLM ends its engine at once and keeps the request open until its pod is killed),
+    or answers. Records the versions it is synced to."""
+
+    def __init__(self, inner: Any, state: Any, at: int, hang: bool = True) -> None:
+        self.inner, self.state, self.at, self.hang = inner, state, at, hang
+        self.calls, self.synced = 0, []
+
+    async def generate(self, prompts: Any, params: Any) -> Any:
+        self.calls += 1
+        if self.calls == self.at:
+            self.state.stop_requested = True  # as the signal handler sets it
+            if self.hang:
+                await asyncio.Event().wait()
+        return await self.inner.generate(prompts, params)
+
+    async def sync_weights(self, named: Any, version: int) -> Any:
+        self.synced.append(version)
+        return await self.inner.sync_weights(named, version)
+
+
+def test_a_stop_while_a_generation_hangs_checkpoints_without_waiting(
+    cache: Path, tmp_path: Path
+) -> None:
+    """Stopped while rank 0 waits on step 4's generation: the learner leaves the request and
+    writes its final checkpoint of step 3 (none was due) at once, not when the server's pod
+    is killed; step 4 is collected again after the resume."""
+    learner = make_learner(cache, tmp_path, manifest_for(6, 10))
+    learner.rollout = StoppingMidGeneration(learner.rollout, learner.state, at=4)
+    # A bound only for the failure: without the fix the generation is awaited forever.
+    assert asyncio.run(asyncio.wait_for(learner.run(), 120)) == 0
+    assert learner.rollout.calls == 4  # type: ignore[attr-defined]
+    assert learner.state.step == 3 and learner.state.phase == "Suspending"
+    assert [s for s, _ in ckpt.list_complete(tmp_path)] == [3]
+
+
+def test_a_stop_during_a_step_trains_it_and_skips_its_weight_sync(
+    cache: Path, tmp_path: Path
+) -> None:
+    """Stopped after step 3's generation answered: the step trains and is checkpointed, but
+    its weights go to no server (they are stopping too, and one vLLM is stopping holds a
+    control call open until its pod is killed); the next start syncs again."""
+    learner = make_learner(cache, tmp_path, manifest_for(6, 10))
+    fleet = StoppingMidGeneration(learner.rollout, learner.state, at=3, hang=False)
+    learner.rollout = fleet
+    assert asyncio.run(asyncio.wait_for(learner.run(), 120)) == 0
+    assert fleet.synced[-2:] == [1, 2]  # after steps 1 and 2; none of step 3
+    assert learner.state.step == 3 and learner.state.policy_version == 3
+    assert [s for s, _ in ckpt.list_complete(tmp_path)] == [3]
 
 
 def test_manifest_lists_every_file_with_its_checksum(cache: Path, tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gspo.learner")
 T = TypeVar("T")
+STOP_POLL_S = 0.1  # how soon rank 0 sees a stop while it waits on a generation
 
 
 class _Stopping(Exception):
@@ -381,11 +382,27 @@ class Learner:
             await self._await_fleet()
             got = None
             if self.rank == 0:
-                got = await self.run_ahead.take(step, self.draws.batch(step))
+                got = await self._unless_stopped(self.run_ahead.take(step, self.draws.batch(step)))
             rollouts = self.ranks.broadcast(got)
             if rollouts is not None:
                 self.draws.collected(step)
                 return rollouts
+
+    async def _unless_stopped(self, work: Awaitable[T]) -> T | None:
+        """`work`, or None (cancelled) as soon as a stop is asked for, which every rank then
+        sees at the fleet check. Suspended, the servers stop with the learner, and vLLM ends
+        its engine at once on SIGTERM but keeps a request in flight open until its pod is
+        killed, a grace period later (vllm/entrypoints/launchers/launcher.py, mode abort):
+        waiting for that generation would hold the final checkpoint as long. The step is
+        collected again after the resume."""
+        task = asyncio.ensure_future(work)
+        while not task.done():
+            if self.state.stop_requested:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                return None
+            await asyncio.wait({task}, timeout=STOP_POLL_S)
+        return task.result()
 
     def _start_run_ahead(self, step: int) -> None:
         """Rank 0 starts collecting the next maxStaleness steps (every rank draws their

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from rollout_standin import REPO, TOKEN, free_port
+from server_env import SERVER_ENV
 
 
 @dataclass
@@ -45,12 +46,7 @@ def launch_rollout(model: Path, log_dir: Path, *extra: str) -> RolloutProcess:
         "PYTHONPATH": f"{REPO / 'operator'}:{REPO / 'trainer'}",
         "HF_HUB_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
-        # The model worker in the engine-core process, where vLLM keeps it on one GPU
-        # (tensorParallelSize 1) and `gspo train` on one core: the CPU platform's own layout
-        # spawns it a process of its own (one more import of vLLM and torch at each start),
-        # which spins on its message queue for a second after every request it reads
-        # (shm_broadcast.SpinCondition), a core the other workers' tests wait for.
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        **SERVER_ENV,
         "GSPO_JOB_TOKEN": TOKEN,
     }
     log_path = log_dir / f"rollout-{port}.log"

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 from rollout_standin import REPO, TOKEN, free_port
+from server_env import SERVER_ENV
 from test_vllm_e2e import (
     LOGPROB_ATOL,
     PROMPTS,
@@ -90,7 +91,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
         **os.environ,
         ports.ENV_JOB_TOKEN: TOKEN,
         "PYTHONPATH": f"{REPO / 'operator'}:{REPO / 'trainer'}",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the worker in the engine (conftest.py says why)
+        **SERVER_ENV,
     }
     argv, env = command(args, environ)
     assert "--chat-template" in argv and env["VLLM_API_KEY"] == TOKEN

@@ -41,6 +41,15 @@ class WeightSync:
 
         start = time.perf_counter()
         sent, waited_s = 0, 0.0
+        if self.ranks.any(self.state.stop_requested):
+            # Asked to stop (every rank agrees, so none follows a stream rank 0 never sends):
+            # the servers stop with the learner, and one that vLLM is stopping keeps a
+            # control call open until its pod is killed, a grace period later, holding the
+            # final checkpoint as long. The next start syncs again.
+            log.info("Weight sync to version %d skipped: stopping", version)
+            self.state.policy_version = version
+            self.metrics.policy_version.set(version)
+            return 0.0
         stream = ParamStream.of(self.engine, self.ranks)
         if self.ranks.rank != 0:
             stream.follow()
