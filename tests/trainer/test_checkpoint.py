@@ -73,9 +73,11 @@ def test_a_stop_before_the_first_step_writes_no_checkpoint(cache: Path, tmp_path
 
 
 class StoppingMidGeneration(WrappedFleet):
-    """A fleet stopped (SIGTERM) during its `at`-th generation, which then never answers when
-    `hang` (vLLM ends its engine at once and keeps the request open until its pod is killed),
-    or answers. Records the versions it is synced to."""
+    """A fleet asked to stop (SIGTERM) during its `at`-th generation: with `hang` that
+    generation never answers (vLLM ends its engine at once and keeps the request open until
+    its pod is killed) and the stop comes half a second in, else it answers and the stop
+    comes right after. Records the
+    versions it is synced to."""
 
     def __init__(self, inner: Any, state: Any, at: int, hang: bool = True) -> None:
         self.inner, self.state, self.at, self.hang = inner, state, at, hang
@@ -83,44 +85,73 @@ class StoppingMidGeneration(WrappedFleet):
 
     async def generate(self, prompts: Any, params: Any) -> Any:
         self.calls += 1
+        if self.calls == self.at and self.hang:
+            # The stop comes while the learner waits (on this generation, or run ahead, on
+            # the fleet this generation holds), as the signal handler sets it.
+            asyncio.get_running_loop().call_later(0.5, setattr, self.state, "stop_requested", True)
+            await asyncio.Event().wait()
+        out = await self.inner.generate(prompts, params)
         if self.calls == self.at:
-            self.state.stop_requested = True  # as the signal handler sets it
-            if self.hang:
-                await asyncio.Event().wait()
-        return await self.inner.generate(prompts, params)
+            self.state.stop_requested = True
+        return out
 
     async def sync_weights(self, named: Any, version: int) -> Any:
         self.synced.append(version)
         return await self.inner.sync_weights(named, version)
 
 
+@pytest.mark.parametrize("staleness", [0, 1])
 def test_a_stop_while_a_generation_hangs_checkpoints_without_waiting(
-    cache: Path, tmp_path: Path
+    cache: Path, tmp_path: Path, staleness: int
 ) -> None:
-    """Stopped while rank 0 waits on step 4's generation: the learner leaves the request and
-    writes its final checkpoint of step 3 (none was due) at once, not when the server's pod
-    is killed; step 4 is collected again after the resume."""
-    learner = make_learner(cache, tmp_path, manifest_for(6, 10))
-    learner.rollout = StoppingMidGeneration(learner.rollout, learner.state, at=4)
+    """Stopped while step 4's generation hangs: the learner leaves the request and writes its
+    final checkpoint of step 3 (none was due) at once, not when the server's pod is killed.
+    Collected one step ahead (maxStaleness 1), step 4's generation runs during step 3's
+    update and holds the fleet, so step 3's weight sync is what waits, and is skipped.
+    Synchronous, the resumed run collects step 4 again and ends where a straight one does."""
+
+    def manifest(steps: int) -> dict:
+        spec = tiny_spec(maxSteps=steps, maxStaleness=staleness)
+        spec["spec"]["checkpoint"] = {"everySteps": 10, "keep": 5}
+        return spec
+
+    learner = make_learner(cache, tmp_path / "b", manifest(6))
+    fleet = StoppingMidGeneration(learner.rollout, learner.state, at=4)
+    learner.rollout = fleet
     # A bound only for the failure: without the fix the generation is awaited forever.
     assert asyncio.run(asyncio.wait_for(learner.run(), 120)) == 0
-    assert learner.rollout.calls == 4  # type: ignore[attr-defined]
+    assert fleet.calls == 4
     assert learner.state.step == 3 and learner.state.phase == "Suspending"
-    assert [s for s, _ in ckpt.list_complete(tmp_path)] == [3]
+    assert [s for s, _ in ckpt.list_complete(tmp_path / "b")] == [3]
+    assert fleet.synced[-1] == (3 if staleness == 0 else 2)
+    if staleness:
+        return  # a resumed run collects step 4 with newer weights than a straight one did
+    straight = make_learner(cache, tmp_path / "a", manifest(6))
+    assert run(straight) == 0
+    resumed = make_learner(cache, tmp_path / "b", manifest(6))
+    assert run(resumed) == 0 and resumed.state.step == 6
+    expected, got = params(straight), params(resumed)
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
 
 
-def test_a_stop_during_a_step_trains_it_and_skips_its_weight_sync(
+def test_a_stop_during_a_step_trains_it_and_skips_its_sync_and_evaluation(
     cache: Path, tmp_path: Path
 ) -> None:
-    """Stopped after step 3's generation answered: the step trains and is checkpointed, but
-    its weights go to no server (they are stopping too, and one vLLM is stopping holds a
-    control call open until its pod is killed); the next start syncs again."""
-    learner = make_learner(cache, tmp_path, manifest_for(6, 10))
+    """Stopped right after step 3's generation answered: the step trains and is
+    checkpointed, but its weights go to no server (they are stopping too, and one vLLM is
+    stopping holds a control call open until its pod is killed), so the evaluation due at
+    step 3 is not run on the older weights; the status keeps the version the servers hold."""
+    manifest = tiny_spec(maxSteps=6, evalEverySteps=3)
+    manifest["spec"]["checkpoint"] = {"everySteps": 10, "keep": 5}
+    learner = make_learner(cache, tmp_path, manifest)
     fleet = StoppingMidGeneration(learner.rollout, learner.state, at=3, hang=False)
     learner.rollout = fleet
     assert asyncio.run(asyncio.wait_for(learner.run(), 120)) == 0
-    assert fleet.synced[-2:] == [1, 2]  # after steps 1 and 2; none of step 3
-    assert learner.state.step == 3 and learner.state.policy_version == 3
+    assert fleet.synced[-2:] == [1, 2] and fleet.calls == 3  # no sync, no eval for step 3
+    assert learner.state.step == 3 and learner.state.policy_version == 2
+    assert [int(r["step"]) for r in learner.state.history] == [1, 2, 3]
+    assert not any("eval_accuracy" in r for r in learner.state.history)
     assert [s for s, _ in ckpt.list_complete(tmp_path)] == [3]
 
 

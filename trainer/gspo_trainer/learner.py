@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -28,6 +28,7 @@ from gspo_api.spec import GSPOJobSpec
 from gspo_trainer import device
 from gspo_trainer.assemble import LearnerParts, assemble
 from gspo_trainer.engine import apply_optimizer_settings, resumed_updates
+from gspo_trainer.learner_state import unless_stopped
 from gspo_trainer.metrics import LearnerMetrics
 from gspo_trainer.samples import pick_samples
 from gspo_trainer.step.batch import Packed, pack
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gspo.learner")
 T = TypeVar("T")
-STOP_POLL_S = 0.1  # how soon rank 0 sees a stop while it waits on a generation
 
 
 class _Stopping(Exception):
@@ -275,7 +275,9 @@ class Learner:
             "weight_sync": time.perf_counter() - t_sync,
         }
         evaluation = {}
-        if evaluating and self.rank == 0 and self.eval_examples is not None:
+        # Only on the step's weights: not when stopping skipped the sync (learner_state.py).
+        synced = self.weights.pushed == step
+        if evaluating and self.rank == 0 and self.eval_examples is not None and synced:
             evaluation = await self.collector.evaluate(step, self.eval_examples)
         # --- stats: averaged over ranks, recorded by rank 0 -----------------------------
         # The step's own time: an evaluation is reported apart (eval_seconds).
@@ -382,27 +384,12 @@ class Learner:
             await self._await_fleet()
             got = None
             if self.rank == 0:
-                got = await self._unless_stopped(self.run_ahead.take(step, self.draws.batch(step)))
+                batch = self.draws.batch(step)  # cancelled: collected again on resume
+                got = await unless_stopped(self.state, self.run_ahead.take(step, batch))
             rollouts = self.ranks.broadcast(got)
             if rollouts is not None:
                 self.draws.collected(step)
                 return rollouts
-
-    async def _unless_stopped(self, work: Awaitable[T]) -> T | None:
-        """`work`, or None (cancelled) as soon as a stop is asked for, which every rank then
-        sees at the fleet check. Suspended, the servers stop with the learner, and vLLM ends
-        its engine at once on SIGTERM but keeps a request in flight open until its pod is
-        killed, a grace period later (vllm/entrypoints/launchers/launcher.py, mode abort):
-        waiting for that generation would hold the final checkpoint as long. The step is
-        collected again after the resume."""
-        task = asyncio.ensure_future(work)
-        while not task.done():
-            if self.state.stop_requested:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                return None
-            await asyncio.wait({task}, timeout=STOP_POLL_S)
-        return task.result()
 
     def _start_run_ahead(self, step: int) -> None:
         """Rank 0 starts collecting the next maxStaleness steps (every rank draws their

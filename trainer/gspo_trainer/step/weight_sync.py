@@ -13,7 +13,7 @@ import logging
 import time
 from typing import Any
 
-from gspo_trainer.learner_state import LearnerState
+from gspo_trainer.learner_state import LearnerState, unless_stopped
 from gspo_trainer.metrics import LearnerMetrics
 from gspo_trainer.ranks import Ranks
 from gspo_trainer.rollout.client import RolloutError
@@ -34,6 +34,7 @@ class WeightSync:
     ) -> None:
         self.engine, self.rollout, self.fleet_lock = engine, rollout, fleet_lock
         self.ranks, self.metrics, self.state = ranks, metrics, state
+        self.pushed: int | None = None  # the version last sent (rank 0: and loaded)
 
     async def push(self, version: int) -> float:
         """The policy as `version`, on every server that can take it; bytes sent (rank 0)."""
@@ -43,22 +44,28 @@ class WeightSync:
         sent, waited_s = 0, 0.0
         if self.ranks.any(self.state.stop_requested):
             # Asked to stop (every rank agrees, so none follows a stream rank 0 never sends):
-            # the servers stop with the learner, and one that vLLM is stopping keeps a
-            # control call open until its pod is killed, a grace period later, holding the
-            # final checkpoint as long. The next start syncs again.
+            # the servers stop with the learner, and one that vLLM is stopping holds a
+            # control call open until its pod is killed (learner_state.unless_stopped). The
+            # update is done, the final checkpoint goes ahead; the next start syncs again.
             log.info("Weight sync to version %d skipped: stopping", version)
-            self.state.policy_version = version
-            self.metrics.policy_version.set(version)
             return 0.0
         stream = ParamStream.of(self.engine, self.ranks)
         if self.ranks.rank != 0:
             stream.follow()
+            self.pushed = version
         else:
             try:
-                async with self.fleet_lock:  # a generation in flight finishes first
+                # A generation in flight (run ahead) finishes first, unless a stop comes.
+                if await unless_stopped(self.state, self.fleet_lock.acquire()) is None:
+                    log.info("Weight sync to version %d skipped: stopping", version)
+                    return 0.0  # no pass started: finish() releases the other ranks
+                try:
                     waited_s = time.perf_counter() - start
                     report = await self.rollout.sync_weights(stream, version)
+                finally:
+                    self.fleet_lock.release()
                 sent = int(getattr(report, "bytes_total", 0))
+                self.pushed = version
             except RolloutError as exc:
                 # Suspended or deleted, the servers stop with the learner: the update is
                 # done, so the final checkpoint goes ahead; the next start syncs again.
@@ -67,8 +74,9 @@ class WeightSync:
                 log.warning("Weight sync to version %d skipped while stopping: %s", version, exc)
             finally:
                 stream.finish()
-        self.state.policy_version = version
-        self.metrics.policy_version.set(version)
+        if self.pushed == version:  # the status names the version the servers hold
+            self.state.policy_version = version
+            self.metrics.policy_version.set(version)
         # The sync's own time: waiting for a generation in flight is the step's, not its.
         self.metrics.observe_seconds("weight_sync", time.perf_counter() - start - waited_s)
         return float(sent)
