@@ -276,7 +276,7 @@ class Learner:
         }
         evaluation = {}
         # Only on the step's weights: not when stopping skipped the sync (learner_state.py).
-        synced = self.weights.pushed == step
+        synced = self.state.policy_version == step
         if evaluating and self.rank == 0 and self.eval_examples is not None and synced:
             evaluation = await self.collector.evaluate(step, self.eval_examples)
         # --- stats: averaged over ranks, recorded by rank 0 -----------------------------

@@ -1,4 +1,5 @@
-"""What the learner reports about itself (progress, history), shared by the learner's parts."""
+"""What the learner reports about itself (progress, history), shared by the learner's parts,
+and the wait on the rollout fleet that a stop asked for ends (`unless_stopped`)."""
 
 from __future__ import annotations
 

@@ -34,14 +34,13 @@ class WeightSync:
     ) -> None:
         self.engine, self.rollout, self.fleet_lock = engine, rollout, fleet_lock
         self.ranks, self.metrics, self.state = ranks, metrics, state
-        self.pushed: int | None = None  # the version last sent (rank 0: and loaded)
 
     async def push(self, version: int) -> float:
         """The policy as `version`, on every server that can take it; bytes sent (rank 0)."""
         from gspo_trainer.param_stream import ParamStream
 
         start = time.perf_counter()
-        sent, waited_s = 0, 0.0
+        sent, waited_s, pushed = 0, 0.0, False
         if self.ranks.any(self.state.stop_requested):
             # Asked to stop (every rank agrees, so none follows a stream rank 0 never sends):
             # the servers stop with the learner, and one that vLLM is stopping holds a
@@ -52,7 +51,7 @@ class WeightSync:
         stream = ParamStream.of(self.engine, self.ranks)
         if self.ranks.rank != 0:
             stream.follow()
-            self.pushed = version
+            pushed = True
         else:
             try:
                 # A generation in flight (run ahead) finishes first, unless a stop comes.
@@ -65,7 +64,7 @@ class WeightSync:
                 finally:
                     self.fleet_lock.release()
                 sent = int(getattr(report, "bytes_total", 0))
-                self.pushed = version
+                pushed = True
             except RolloutError as exc:
                 # Suspended or deleted, the servers stop with the learner: the update is
                 # done, so the final checkpoint goes ahead; the next start syncs again.
@@ -74,7 +73,7 @@ class WeightSync:
                 log.warning("Weight sync to version %d skipped while stopping: %s", version, exc)
             finally:
                 stream.finish()
-        if self.pushed == version:  # the status names the version the servers hold
+        if pushed:  # state.policy_version names the version the servers hold
             self.state.policy_version = version
             self.metrics.policy_version.set(version)
         # The sync's own time: waiting for a generation in flight is the step's, not its.
