@@ -20,8 +20,8 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("models")
 
 
-def manifest_for(steps: int, every: int, keep: int = 5) -> dict:
-    manifest = tiny_spec(maxSteps=steps)
+def manifest_for(steps: int, every: int, keep: int = 5, **algorithm: Any) -> dict:
+    manifest = tiny_spec(maxSteps=steps, **algorithm)
     manifest["spec"]["checkpoint"] = {"everySteps": every, "keep": keep}
     return manifest
 
@@ -110,12 +110,8 @@ def test_a_stop_while_a_generation_hangs_checkpoints_without_waiting(
     update and holds the fleet, so step 3's weight sync is what waits, and is skipped.
     Synchronous, the resumed run collects step 4 again and ends where a straight one does."""
 
-    def manifest(steps: int) -> dict:
-        spec = tiny_spec(maxSteps=steps, maxStaleness=staleness)
-        spec["spec"]["checkpoint"] = {"everySteps": 10, "keep": 5}
-        return spec
-
-    learner = make_learner(cache, tmp_path / "b", manifest(6))
+    manifest = manifest_for(6, 10, maxStaleness=staleness)
+    learner = make_learner(cache, tmp_path / "b", manifest)
     fleet = StoppingMidGeneration(learner.rollout, learner.state, at=4)
     learner.rollout = fleet
     # A bound only for the failure: without the fix the generation is awaited forever.
@@ -126,9 +122,9 @@ def test_a_stop_while_a_generation_hangs_checkpoints_without_waiting(
     assert fleet.synced[-1] == (3 if staleness == 0 else 2)
     if staleness:
         return  # a resumed run collects step 4 with newer weights than a straight one did
-    straight = make_learner(cache, tmp_path / "a", manifest(6))
+    straight = make_learner(cache, tmp_path / "a", manifest)
     assert run(straight) == 0
-    resumed = make_learner(cache, tmp_path / "b", manifest(6))
+    resumed = make_learner(cache, tmp_path / "b", manifest)
     assert run(resumed) == 0 and resumed.state.step == 6
     expected, got = params(straight), params(resumed)
     for name, value in expected.items():
@@ -142,9 +138,7 @@ def test_a_stop_during_a_step_trains_it_and_skips_its_sync_and_evaluation(
     checkpointed, but its weights go to no server (they are stopping too, and one vLLM is
     stopping holds a control call open until its pod is killed), so the evaluation due at
     step 3 is not run on the older weights; the status keeps the version the servers hold."""
-    manifest = tiny_spec(maxSteps=6, evalEverySteps=3)
-    manifest["spec"]["checkpoint"] = {"everySteps": 10, "keep": 5}
-    learner = make_learner(cache, tmp_path, manifest)
+    learner = make_learner(cache, tmp_path, manifest_for(6, 10, evalEverySteps=3))
     fleet = StoppingMidGeneration(learner.rollout, learner.state, at=3, hang=False)
     learner.rollout = fleet
     assert asyncio.run(asyncio.wait_for(learner.run(), 120)) == 0
