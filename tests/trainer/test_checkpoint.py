@@ -149,6 +149,24 @@ def test_a_stop_during_a_step_trains_it_and_skips_its_sync_and_evaluation(
     assert [s for s, _ in ckpt.list_complete(tmp_path)] == [3]
 
 
+def test_a_stop_during_the_last_step_still_syncs_and_evaluates_it(
+    cache: Path, tmp_path: Path
+) -> None:
+    """Stopped right after the last step's generation answered, with servers that still
+    answer (a learner pod drained alone): the run has no later step to make up its final
+    accuracy, so that step's weights still go to the servers and are evaluated, and the run
+    ends finished at maxSteps."""
+    learner = make_learner(cache, tmp_path, manifest_for(3, 10, evalEverySteps=10))
+    fleet = StoppingMidGeneration(learner.rollout, learner.state, at=3, hang=False)
+    learner.rollout = fleet
+    assert asyncio.run(asyncio.wait_for(learner.run(), 120)) == 0
+    assert fleet.synced[-1] == 3 and learner.state.policy_version == 3
+    assert [int(r["step"]) for r in learner.state.history] == [1, 2, 3]
+    assert [i for i, r in enumerate(learner.state.history) if "eval_accuracy" in r] == [2]
+    assert learner.state.phase == "Succeeded"
+    assert [s for s, _ in ckpt.list_complete(tmp_path)][-1] == 3
+
+
 def test_manifest_lists_every_file_with_its_checksum(cache: Path, tmp_path: Path) -> None:
     learner = make_learner(cache, tmp_path, manifest_for(3, 1, keep=2))
     assert run(learner) == 0

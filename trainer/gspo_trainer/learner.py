@@ -229,9 +229,9 @@ class Learner:
             added = bool(await self.rollout.discover())
         return self.ranks.any(added)
 
-    async def sync(self, version: int) -> float:
+    async def sync(self, version: int, *, final: bool = False) -> float:
         """Push the policy to the rollout servers as `version` (see step/weight_sync.py)."""
-        return await self.weights.push(version)
+        return await self.weights.push(version, final=final)
 
     def eval_due(self, step: int) -> bool:
         """Evaluate at every evalEverySteps-th step and after the last (so a run always ends
@@ -268,7 +268,7 @@ class Learner:
         t_sync, sent = time.perf_counter(), None
         evaluating = self.eval_due(step)
         if step % self.spec.weight_sync.every_steps == 0 or evaluating:
-            sent = await self.sync(step)
+            sent = await self.sync(step, final=step == alg.max_steps)
         seconds = {
             **rollouts.seconds,
             **learned.seconds,

@@ -35,13 +35,20 @@ class WeightSync:
         self.engine, self.rollout, self.fleet_lock = engine, rollout, fleet_lock
         self.ranks, self.metrics, self.state = ranks, metrics, state
 
-    async def push(self, version: int) -> float:
-        """The policy as `version`, on every server that can take it; bytes sent (rank 0)."""
+    async def push(self, version: int, *, final: bool = False) -> float:
+        """The policy as `version`, on every server that can take it; bytes sent (rank 0).
+
+        `final` (the last step's sync, which its evaluation reads) is tried even when asked
+        to stop: a run that ends at this step ends with its final accuracy if its servers
+        still answer (a learner pod drained alone), and no resume would make it up. When
+        they stop too (a suspend), vLLM holds the call open until its pods are killed, so
+        the final checkpoint comes that grace period later, once, at the run's last step.
+        """
         from gspo_trainer.param_stream import ParamStream
 
         start = time.perf_counter()
         sent, waited_s, pushed = 0, 0.0, False
-        if self.ranks.any(self.state.stop_requested):
+        if not final and self.ranks.any(self.state.stop_requested):
             # Asked to stop (every rank agrees, so none follows a stream rank 0 never sends):
             # the servers stop with the learner, and one that vLLM is stopping holds a
             # control call open until its pod is killed (learner_state.unless_stopped). The
@@ -55,7 +62,8 @@ class WeightSync:
         else:
             try:
                 # A generation in flight (run ahead) finishes first, unless a stop comes.
-                if await unless_stopped(self.state, self.fleet_lock.acquire()) is None:
+                acquire = self.fleet_lock.acquire()  # nothing runs ahead of the last step
+                if await (acquire if final else unless_stopped(self.state, acquire)) is None:
                     log.info("Weight sync to version %d skipped: stopping", version)
                     return 0.0  # no pass started: finish() releases the other ranks
                 try:
