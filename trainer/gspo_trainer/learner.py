@@ -268,7 +268,7 @@ class Learner:
         t_sync, sent = time.perf_counter(), None
         evaluating = self.eval_due(step)
         if step % self.spec.weight_sync.every_steps == 0 or evaluating:
-            sent = await self.sync(step, final=step == alg.max_steps)
+            sent = await self.sync(step, final=evaluating and step == alg.max_steps)
         seconds = {
             **rollouts.seconds,
             **learned.seconds,
