@@ -42,7 +42,8 @@ class WeightSync:
         to stop: a run that ends at this step ends with its final accuracy if its servers
         still answer (a learner pod drained alone), and no resume would make it up. When
         they stop too (a suspend), vLLM holds the call open until its pods are killed, so
-        the final checkpoint comes that grace period later, once, at the run's last step.
+        the final checkpoint comes that grace period later (at most the sync's own
+        weightSync.timeoutSeconds), once, at the run's last step.
         """
         from gspo_trainer.param_stream import ParamStream
 
@@ -62,7 +63,7 @@ class WeightSync:
         else:
             try:
                 # A generation in flight (run ahead) finishes first, unless a stop comes.
-                acquire = self.fleet_lock.acquire()  # nothing runs ahead of the last step
+                acquire = self.fleet_lock.acquire()  # final: nothing runs ahead to wait on
                 if await (acquire if final else unless_stopped(self.state, acquire)) is None:
                     log.info("Weight sync to version %d skipped: stopping", version)
                     return 0.0  # no pass started: finish() releases the other ranks
